@@ -1,0 +1,106 @@
+"""`depthserve` command line: generate, models (and serve, once the server lands)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import fields
+
+from depthserve.config import EngineArgs
+from depthserve.loading.registry import BUILTIN_MODELS, DEFAULT_MODEL
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="built-in name, .gguf file or checkpoint dir")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--kv-cache-memory-gib", type=float, default=None)
+    parser.add_argument("--block-size", type=int, default=EngineArgs.block_size)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=EngineArgs.max_num_batched_tokens)
+    parser.add_argument("--max-num-seqs", type=int, default=EngineArgs.max_num_seqs)
+    parser.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    parser.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
+    parser.add_argument("--num-threads", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
+    return EngineArgs(**{f.name: getattr(ns, f.name) for f in fields(EngineArgs) if hasattr(ns, f.name)})
+
+
+def cmd_models(_: argparse.Namespace) -> int:
+    for name, model in BUILTIN_MODELS.items():
+        default = " (default)" if name == DEFAULT_MODEL else ""
+        print(f"{name}{default}\t{model.description}")
+    return 0
+
+
+def cmd_generate(ns: argparse.Namespace) -> int:
+    from depthserve.api import LLM
+    from depthserve.depth import DepthParams
+    from depthserve.errors import DepthServeError
+    from depthserve.sampling_params import SamplingParams
+
+    try:
+        llm = LLM(**vars(engine_args_from(ns)))
+        params = SamplingParams(
+            temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k, max_tokens=ns.max_tokens,
+            seed=ns.sampling_seed, stop=ns.stop or None,
+        )
+        depth = DepthParams.from_dict(json.loads(ns.depth)) if ns.depth else None
+        if ns.chat:
+            prompt = llm.apply_chat_template([{"role": "user", "content": ns.prompt}])
+        else:
+            prompt = ns.prompt
+        _stream_one(llm, prompt, params, depth)
+    except DepthServeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _stream_one(llm, prompt, params, depth) -> None:
+    """Print the text as the engine produces it, one step at a time."""
+    engine = llm.engine
+    engine.add_request("cli-0", prompt, params, depth)
+    shown = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            text = out.outputs[0].text
+            sys.stdout.write(text[shown:])
+            sys.stdout.flush()
+            shown = len(text)
+    sys.stdout.write("\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="depthserve", description="Serve adaptive-depth transformers.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p_models = sub.add_parser("models", help="list the built-in model names")
+    p_models.set_defaults(func=cmd_models)
+
+    p_gen = sub.add_parser("generate", help="generate from a prompt, streaming to the terminal")
+    add_engine_args(p_gen)
+    p_gen.add_argument("prompt")
+    p_gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p_gen.add_argument("--max-tokens", type=int, default=128)
+    p_gen.add_argument("--temperature", type=float, default=0.0)
+    p_gen.add_argument("--top-p", type=float, default=1.0)
+    p_gen.add_argument("--top-k", type=int, default=0)
+    p_gen.add_argument("--sampling-seed", type=int, default=None)
+    p_gen.add_argument("--stop", action="append")
+    p_gen.add_argument("--depth", default=None, help='depth settings as JSON, e.g. \'{"loops": 2}\'')
+    p_gen.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    return ns.func(ns)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,34 @@
+"""Engine arguments: one object, defaults that fit a small CPU machine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from depthserve.loading.registry import DEFAULT_MODEL
+
+
+@dataclass
+class EngineArgs:
+    model: str = DEFAULT_MODEL
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"  # auto: cuda when available, else cpu
+    max_model_len: int | None = None  # default: the model's context length
+    kv_cache_memory_gib: float | None = None  # default: 1 GiB on CPU, 60% of free GPU memory on CUDA
+    block_size: int = 16
+    max_num_batched_tokens: int = 512  # per-step token budget (prefill chunks + decodes)
+    max_num_seqs: int = 64
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    num_threads: int | None = None  # torch intra-op threads on CPU; default: torch's choice
+    seed: int = 0  # for unseeded sampling
+    load_progress: bool = True
+
+    def validate(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
+            raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
+        if self.kv_cache_memory_gib is not None and self.kv_cache_memory_gib <= 0:
+            raise ValueError("kv_cache_memory_gib must be positive")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")

@@ -1,0 +1,1 @@
+"""Engine core: sequences, block manager, scheduler (torch-free) and the engine step."""

@@ -1,0 +1,209 @@
+"""Paged KV-cache bookkeeping: pages, reference counts, page tables, prefix caching.
+
+No torch here: the block manager counts pages and hands out page ids; the model runner
+turns page tables into tensors. One page = `block_size` tokens of one KV head of one slot.
+A sequence's token-covering slots share one page table (`CacheLayout`): row i lists the
+pages of token block i for every slot.
+
+Prefix caching: a full token block, once computed, is registered under a hash of
+(previous block's hash, its tokens, the layout, the depth settings). A later sequence with
+the same prefix and settings reuses the row (reference count + 1). Rows nobody uses stay
+cached until their pages are needed (least recently freed first).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from depthserve.engine.cache_spec import CacheLayout, SlotKind
+from depthserve.engine.sequence import Sequence
+
+
+@dataclass
+class _SeqPages:
+    layout: CacheLayout
+    rows: np.ndarray  # [capacity, row_width] int32; first `num_rows` are valid
+    num_rows: int = 0
+    block_hashes: list[int] = field(default_factory=list)  # of the leading full, computed rows
+
+    def table(self) -> np.ndarray:
+        return self.rows[: self.num_rows]
+
+    def append(self, row: np.ndarray) -> None:
+        if self.num_rows == len(self.rows):
+            grown = np.empty((max(4, 2 * len(self.rows)), self.rows.shape[1]), dtype=np.int32)
+            grown[: self.num_rows] = self.rows[: self.num_rows]
+            self.rows = grown
+        self.rows[self.num_rows] = row
+        self.num_rows += 1
+
+
+class BlockManager:
+    def __init__(self, num_pages: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_pages < 1 or block_size < 1:
+            raise ValueError("num_pages and block_size must be positive")
+        self.num_pages = num_pages
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._free: list[int] = list(range(num_pages - 1, -1, -1))  # pop() gives low ids first
+        self._refs = np.zeros(num_pages, dtype=np.int32)
+        self._seqs: dict[int, _SeqPages] = {}
+        self._cached: dict[int, np.ndarray] = {}  # block hash -> row of pages
+        self._row_hash: dict[int, int] = {}  # first page of a cached row -> its hash
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # hashes of unreferenced cached rows
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+
+    # ---- capacity -------------------------------------------------------------------
+    @property
+    def num_free_pages(self) -> int:
+        """Pages available to new allocations (free plus evictable cached rows)."""
+        return len(self._free) + sum(len(self._cached[h]) for h in self._evictable)
+
+    @property
+    def num_used_pages(self) -> int:
+        return int(np.count_nonzero(self._refs))
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def pages_for(self, layout: CacheLayout, num_tokens: int) -> int:
+        return self.blocks_for(num_tokens) * layout.row_width
+
+    def fits_ever(self, layout: CacheLayout, num_tokens: int) -> bool:
+        return self.pages_for(layout, num_tokens) <= self.num_pages
+
+    # ---- queries ----------------------------------------------------------------------
+    def has(self, seq: Sequence) -> bool:
+        return seq.seq_id in self._seqs
+
+    def page_table(self, seq: Sequence) -> np.ndarray:
+        """[num_blocks, row_width] page ids of the sequence's token-covering slots."""
+        return self._seqs[seq.seq_id].table()
+
+    def pages_held(self, seq: Sequence) -> int:
+        entry = self._seqs.get(seq.seq_id)
+        return 0 if entry is None else entry.num_rows * entry.layout.row_width
+
+    def used_pages_by_kind(self) -> dict[SlotKind, int]:
+        """Pages referenced by live sequences, by slot kind (shared rows counted once)."""
+        seen: set[int] = set()
+        counts: dict[SlotKind, int] = {}
+        for entry in self._seqs.values():
+            for row in entry.table():
+                key = int(row[0])
+                if key in seen:
+                    continue
+                seen.add(key)
+                for kind, n in entry.layout.pages_by_kind().items():
+                    counts[kind] = counts.get(kind, 0) + n
+        return counts
+
+    # ---- allocation -------------------------------------------------------------------
+    def can_grow(self, seq: Sequence, num_tokens: int, reserve_pages: int = 0) -> bool:
+        """Whether the sequence's table can cover `num_tokens` tokens."""
+        entry = self._seqs.get(seq.seq_id)
+        have = 0 if entry is None else entry.num_rows
+        need = (self.blocks_for(num_tokens) - have) * seq.layout.row_width
+        return need <= self.num_free_pages - reserve_pages
+
+    def grow(self, seq: Sequence, num_tokens: int) -> None:
+        """Extend the sequence's page table to cover `num_tokens` tokens."""
+        entry = self._entry(seq)
+        while entry.num_rows < self.blocks_for(num_tokens):
+            entry.append(self._take_pages(entry.layout.row_width))
+
+    def allocate_cached_prefix(self, seq: Sequence, depth_key: tuple) -> int:
+        """Attach cached rows for the sequence's leading full blocks; returns tokens covered.
+
+        At least one token is always left to compute, so the step that follows produces the
+        logits of the last prompt token.
+        """
+        entry = self._entry(seq)
+        if not self.enable_prefix_caching or entry.num_rows:
+            return 0
+        tokens = seq.all_token_ids
+        max_blocks = (len(tokens) - 1) // self.block_size
+        parent = hash((entry.layout, depth_key))
+        for i in range(max_blocks):
+            block = tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
+            block_hash = hash((parent, block))
+            self.prefix_queries += 1
+            row = self._cached.get(block_hash)
+            if row is None:
+                break
+            self.prefix_hits += 1
+            self._evictable.pop(block_hash, None)
+            self._refs[row] += 1
+            entry.append(row)
+            entry.block_hashes.append(block_hash)
+            parent = block_hash
+        return entry.num_rows * self.block_size
+
+    def commit_computed(self, seq: Sequence, depth_key: tuple) -> None:
+        """Register the sequence's newly completed full blocks in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        entry = self._seqs.get(seq.seq_id)
+        if entry is None:
+            return
+        full = min(seq.num_computed_tokens // self.block_size, entry.num_rows)
+        if len(entry.block_hashes) >= full:
+            return
+        tokens = seq.all_token_ids
+        parent = entry.block_hashes[-1] if entry.block_hashes else hash((entry.layout, depth_key))
+        for i in range(len(entry.block_hashes), full):
+            block = tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
+            block_hash = hash((parent, block))
+            row = entry.rows[i]
+            if block_hash not in self._cached:
+                self._cached[block_hash] = row.copy()
+                self._row_hash[int(row[0])] = block_hash
+            entry.block_hashes.append(block_hash)
+            parent = block_hash
+
+    def free(self, seq: Sequence) -> None:
+        """Release every page the sequence holds (idempotent)."""
+        entry = self._seqs.pop(seq.seq_id, None)
+        if entry is None:
+            return
+        for row in entry.table()[::-1]:
+            self._refs[row] -= 1
+            if self._refs[row[0]] > 0:
+                continue
+            block_hash = self._row_hash.get(int(row[0]))
+            if block_hash is not None and np.array_equal(self._cached.get(block_hash, ()), row):
+                self._evictable[block_hash] = None
+            else:
+                self._free.extend(int(p) for p in row[::-1])
+
+    def reset_prefix_cache(self) -> None:
+        for block_hash in list(self._evictable):
+            self._evict(block_hash)
+
+    # ---- internals --------------------------------------------------------------------
+    def _entry(self, seq: Sequence) -> _SeqPages:
+        entry = self._seqs.get(seq.seq_id)
+        if entry is None:
+            width = seq.layout.row_width
+            entry = _SeqPages(layout=seq.layout, rows=np.empty((4, width), dtype=np.int32))
+            self._seqs[seq.seq_id] = entry
+        return entry
+
+    def _take_pages(self, count: int) -> np.ndarray:
+        while len(self._free) < count and self._evictable:
+            self._evict(next(iter(self._evictable)))
+        if len(self._free) < count:
+            raise RuntimeError("out of KV-cache pages (the scheduler should have checked)")
+        pages = np.array([self._free.pop() for _ in range(count)], dtype=np.int32)
+        self._refs[pages] = 1
+        return pages
+
+    def _evict(self, block_hash: int) -> None:
+        self._evictable.pop(block_hash)
+        row = self._cached.pop(block_hash)
+        self._row_hash.pop(int(row[0]), None)
+        self._free.extend(int(p) for p in row[::-1])

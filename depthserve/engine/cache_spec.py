@@ -1,0 +1,57 @@
+"""The cache vocabulary of depth-semantics.md as plain types (no torch).
+
+A model declares, for one request's depth settings, the KV slots it needs. Every KV slot is
+stored in the same page pool: one page holds `block_size` tokens of ONE KV head (keys and
+values). A slot covering a token block takes `num_heads` pages, so a head-subset slot costs
+exactly (heads stored)/(heads of the layer) of a dense one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+
+class SlotKind(str, Enum):
+    DENSE = "dense"  # every layer, Dreamer/PUT depths
+    HEAD_SUBSET = "head_subset"  # SGT loop iterations
+    ROUTED = "routed"  # ITT steps: only the tokens selected at that step
+    PER_KEY_BIAS = "per_key_bias"  # SAOBP
+    SEQ_STATE = "seq_state"  # PUT conv state
+    TOKEN_DEPTH = "token_depth"  # Dreamer per-token depth cache
+
+
+@dataclass(frozen=True)
+class SlotSpec:
+    name: str
+    kind: SlotKind
+    num_heads: int  # KV heads stored: pages per token block
+
+    def __post_init__(self) -> None:
+        if self.num_heads < 1:
+            raise ValueError(f"slot {self.name!r} must store at least one head")
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """The slots of one request that cover every token (dense and head-subset kinds).
+
+    They share one page table: row i holds, for token block i, the pages of every slot in
+    order (`num_heads` each), so `columns(name)` picks a slot's pages out of the table.
+    """
+
+    slots: tuple[SlotSpec, ...]
+
+    @property
+    def row_width(self) -> int:
+        return sum(slot.num_heads for slot in self.slots)
+
+    def columns(self, index: int) -> slice:
+        start = sum(slot.num_heads for slot in self.slots[:index])
+        return slice(start, start + self.slots[index].num_heads)
+
+    def pages_by_kind(self) -> dict[SlotKind, int]:
+        counts: dict[SlotKind, int] = {}
+        for slot in self.slots:
+            counts[slot.kind] = counts.get(slot.kind, 0) + slot.num_heads
+        return counts

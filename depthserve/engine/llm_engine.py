@@ -1,0 +1,286 @@
+"""The engine: requests in, one `step()` at a time (schedule -> run -> postprocess), outputs out."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from depthserve.config import EngineArgs
+from depthserve.depth import DepthParams
+from depthserve.detokenizer import IncrementalDetokenizer
+from depthserve.engine.block_manager import BlockManager
+from depthserve.engine.model_runner import ModelRunner, SeqStepOutput
+from depthserve.engine.scheduler import Scheduler, SchedulerConfig
+from depthserve.engine.sequence import Sequence
+from depthserve.errors import (
+    CacheCapacityError,
+    EmptyPromptError,
+    InvalidRequestError,
+    PromptTooLongError,
+)
+from depthserve.loading.model_loader import load_model
+from depthserve.loading.registry import resolve_model
+from depthserve.loading.tokenizer import load_tokenizer
+from depthserve.outputs import CompletionOutput, Logprob, RequestOutput
+from depthserve.sampler import Sampler
+from depthserve.sampling_params import SamplingParams
+
+logger = logging.getLogger("depthserve.engine")
+
+_GIB = 1 << 30
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    seqs: list[Sequence] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.seqs)
+
+
+def _resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def _resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs):
+        args.validate()
+        self.args = args
+        if args.num_threads:
+            torch.set_num_threads(args.num_threads)
+        torch.manual_seed(args.seed)
+        self.device = _resolve_device(args.device)
+        self.dtype = _resolve_dtype(args.dtype, self.device)
+        source = resolve_model(args.model)
+        self.model_name = source.name
+        self.tokenizer = load_tokenizer(source)
+        loaded = load_model(source, self.dtype, self.device, args.max_model_len, args.load_progress)
+        self.model = loaded.model
+        self.hf_config = loaded.hf_config
+        self.max_model_len = loaded.max_model_len
+        self.vocab_size = self.model.config.vocab_size
+        self.eos_token_ids = self._eos_ids()
+
+        page_bytes = ModelRunner.page_bytes(args.block_size, self.model.head_dim, self.dtype)
+        num_pages = int(self._kv_cache_bytes() // page_bytes)
+        self.block_manager = BlockManager(num_pages, args.block_size, args.enable_prefix_caching)
+        base_layout = self.model.cache_layout(DepthParams())
+        if not self.block_manager.fits_ever(base_layout, self.max_model_len):
+            raise CacheCapacityError(
+                f"the KV cache ({num_pages} pages) cannot hold one sequence of max_model_len="
+                f"{self.max_model_len}; raise kv_cache_memory_gib or lower max_model_len"
+            )
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                max_num_seqs=args.max_num_seqs,
+                enable_chunked_prefill=args.enable_chunked_prefill,
+            ),
+            self.block_manager,
+        )
+        if not args.enable_chunked_prefill and args.max_num_batched_tokens < self.max_model_len:
+            raise ValueError("without chunked prefill, max_num_batched_tokens must be >= max_model_len")
+        sampler = Sampler(self.eos_token_ids, self.vocab_size)
+        self.runner = ModelRunner(self.model, self.block_manager, sampler, self.dtype, self.device)
+        self._requests: dict[str, _Request] = {}
+        logger.info(
+            "engine ready: %s on %s/%s, %d KV pages (%.2f GiB), max_model_len=%d",
+            self.model_name, self.device, self.dtype, num_pages, num_pages * page_bytes / _GIB,
+            self.max_model_len,
+        )
+
+    def _kv_cache_bytes(self) -> float:
+        if self.args.kv_cache_memory_gib is not None:
+            return self.args.kv_cache_memory_gib * _GIB
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return 0.6 * free
+        return 1.0 * _GIB
+
+    def _eos_ids(self) -> set[int]:
+        ids = set()
+        for value in (self.hf_config.get("eos_token_id"), self.tokenizer.eos_token_id):
+            if isinstance(value, int):
+                ids.add(value)
+            elif isinstance(value, list):
+                ids.update(value)
+        return ids
+
+    # ---- requests ----------------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        sampling: SamplingParams,
+        depth: DepthParams | None = None,
+    ) -> None:
+        if request_id in self._requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        depth = depth or DepthParams()
+        depth.validate(self.model.depth_knobs(), self.model_name)
+        sampling.validate()
+        sampling.check_vocab(self.vocab_size)
+        prompt_text, token_ids = self._tokenize(prompt)
+        if len(token_ids) > self.max_model_len or (len(token_ids) == self.max_model_len and sampling.max_tokens):
+            raise PromptTooLongError(
+                f"the prompt has {len(token_ids)} tokens; this model's context is {self.max_model_len} tokens"
+            )
+        room = self.max_model_len - len(token_ids)
+        max_tokens = room if sampling.max_tokens is None else min(sampling.max_tokens, room)
+        layout = self.model.cache_layout(depth)
+        if not self.block_manager.fits_ever(layout, len(token_ids) + max_tokens):
+            raise CacheCapacityError("the KV cache can never hold this request; lower max_tokens")
+        request = _Request(request_id, prompt_text, token_ids, sampling)
+        for index in range(sampling.n):
+            seq = Sequence(request_id, index, list(token_ids), sampling, depth, layout, max_tokens)
+            seq.state["generator"] = _generator(sampling.seed, index)
+            seq.state["detokenizer"] = IncrementalDetokenizer(
+                self.tokenizer, token_ids,
+                skip_special_tokens=sampling.skip_special_tokens,
+                stop=sampling.stop,
+                include_stop_str_in_output=sampling.include_stop_str_in_output,
+            )
+            seq.state["logprobs"] = [] if sampling.logprobs is not None else None
+            seq.state["cumulative_logprob"] = 0.0
+            request.seqs.append(seq)
+        self._requests[request_id] = request
+        for seq in request.seqs:
+            self.scheduler.add(seq)
+
+    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise EmptyPromptError("the prompt is empty")
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=False)
+        if not isinstance(prompt, (list, tuple)) or not prompt:
+            raise EmptyPromptError("the prompt must be a non-empty string or a non-empty list of token ids")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size for t in prompt):
+            raise InvalidRequestError(f"prompt token ids must be integers in [0, {self.vocab_size})")
+        return None, list(prompt)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return None
+        for seq in request.seqs:
+            self.scheduler.finish(seq, "abort")
+        return self._output(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._requests)
+
+    # ---- the step ----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """schedule -> run -> postprocess. Returns the outputs of requests that changed."""
+        plan = self.scheduler.schedule()
+        if plan.empty:
+            return []
+        results = self.runner.execute(plan.scheduled)
+        return self._postprocess(results)
+
+    def _postprocess(self, results: list[SeqStepOutput]) -> list[RequestOutput]:
+        touched: dict[str, _Request] = {}
+        for result in results:
+            seq = result.scheduled.seq
+            seq.num_computed_tokens = result.scheduled.end
+            self.block_manager.commit_computed(seq, seq.depth.cache_key())
+            self._record_prompt_logprobs(seq, result)
+            if result.sampled is not None:
+                self._append_token(seq, result.sampled)
+            elif result.scheduled.samples and len(seq.output_token_ids) >= seq.max_tokens:
+                self.scheduler.finish(seq, "length")  # max_tokens == 0: prompt scoring only
+            request = self._requests.get(seq.request_id)
+            if request is not None:
+                touched[seq.request_id] = request
+        outputs = []
+        for request_id, request in touched.items():
+            outputs.append(self._output(request))
+            if request.finished:
+                del self._requests[request_id]
+        return outputs
+
+    def _append_token(self, seq: Sequence, sampled) -> None:
+        token = sampled.token_id
+        seq.output_token_ids.append(token)
+        seq.state["cumulative_logprob"] += sampled.logprob
+        if seq.state["logprobs"] is not None:
+            entry = {token: Logprob(sampled.logprob, sampled.rank, self._decode_one(token))}
+            for rank, (alt, lp) in enumerate(sampled.top_logprobs, start=1):
+                entry.setdefault(alt, Logprob(lp, rank, self._decode_one(alt)))
+            seq.state["logprobs"].append(entry)
+        stop_string = seq.state["detokenizer"].add_token(token)
+        sampling = seq.sampling
+        num_out = len(seq.output_token_ids)
+        if stop_string is not None:
+            self.scheduler.finish(seq, "stop", stop_string)
+        elif not sampling.ignore_eos and token in self.eos_token_ids and num_out >= sampling.min_tokens:
+            self.scheduler.finish(seq, "stop")
+        elif token in sampling.stop_token_ids and num_out >= sampling.min_tokens:
+            self.scheduler.finish(seq, "stop", token)
+        elif num_out >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
+            self.scheduler.finish(seq, "length")
+
+    def _record_prompt_logprobs(self, seq: Sequence, result: SeqStepOutput) -> None:
+        collected = seq.state.get("prompt_logprobs")
+        for item in result.prompt_logprobs:
+            if item.position != len(collected):
+                continue  # already scored before a preemption
+            token = seq.prompt_token_ids[item.position]
+            entry = {token: Logprob(item.logprob, item.rank, self._decode_one(token))}
+            for rank, (alt, lp) in enumerate(item.top, start=1):
+                entry.setdefault(alt, Logprob(lp, rank, self._decode_one(alt)))
+            collected.append(entry)
+
+    def _decode_one(self, token: int) -> str:
+        return self.tokenizer.decode([token])
+
+    def _output(self, request: _Request) -> RequestOutput:
+        completions = []
+        for seq in request.seqs:
+            finished = seq.finish_reason is not None
+            completions.append(
+                CompletionOutput(
+                    index=seq.index,
+                    text=seq.state["detokenizer"].text(finished),
+                    token_ids=list(seq.output_token_ids),
+                    cumulative_logprob=seq.state["cumulative_logprob"],
+                    logprobs=seq.state["logprobs"],
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                )
+            )
+        first = request.seqs[0]
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            prompt_logprobs=first.state.get("prompt_logprobs"),
+            outputs=completions,
+            finished=request.finished,
+            num_cached_tokens=first.num_cached_tokens,
+        )
+
+
+def _generator(seed: int | None, index: int) -> torch.Generator | None:
+    if seed is None:
+        return None
+    return torch.Generator().manual_seed((seed * 0x9E3779B1 + index) % (1 << 63))

@@ -1,0 +1,146 @@
+"""Turns a scheduled batch into tensors and metadata, runs the model, samples."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from depthserve.engine.block_manager import BlockManager
+from depthserve.engine.scheduler import ScheduledSeq
+from depthserve.layers.attention import AttentionMetadata, KVPool, PrefillSeqMeta
+from depthserve.sampler import Sampler, SampledToken, SamplingRow, prompt_logprobs
+
+
+@dataclass
+class PromptLogprob:
+    position: int  # index of the prompt token this scores (>= 1)
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class SeqStepOutput:
+    scheduled: ScheduledSeq
+    sampled: SampledToken | None
+    prompt_logprobs: list[PromptLogprob]
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, block_manager: BlockManager, sampler: Sampler,
+                 dtype: torch.dtype, device: torch.device):
+        self.model = model
+        self.block_manager = block_manager
+        self.block_size = block_manager.block_size
+        self.sampler = sampler
+        self.device = device
+        shape = (block_manager.num_pages, self.block_size, model.head_dim)
+        self.pool = KVPool(
+            k_pages=torch.zeros(shape, dtype=dtype, device=device),
+            v_pages=torch.zeros(shape, dtype=dtype, device=device),
+        )
+
+    @staticmethod
+    def page_bytes(block_size: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * block_size * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    # ---- one step ----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, scheduled: list[ScheduledSeq]) -> list[SeqStepOutput]:
+        # Multi-token chunks first, then single-token (decode-shaped) rows batched together.
+        batch = sorted(scheduled, key=lambda s: s.num_tokens == 1)
+        input_ids, positions, meta = self._prepare(batch)
+        hidden = self.model(input_ids, positions, self.pool, meta)
+        return self._postprocess_logits(batch, hidden)
+
+    def _prepare(self, batch: list[ScheduledSeq]):
+        bs = self.block_size
+        ids: list[int] = []
+        pos_chunks: list[np.ndarray] = []
+        slot_chunks: list[np.ndarray] = []
+        prefills: list[PrefillSeqMeta] = []
+        decode_tables: list[np.ndarray] = []
+        decode_lens: list[int] = []
+        row = 0
+        num_prefill_tokens = 0
+        for item in batch:
+            table = self.block_manager.page_table(item.seq)
+            positions = np.arange(item.start, item.end)
+            ids.extend(item.seq.token_ids(item.start, item.end))
+            pos_chunks.append(positions)
+            slot_chunks.append(table[positions // bs] * bs + (positions % bs)[:, None])
+            if item.num_tokens > 1:
+                prefills.append(PrefillSeqMeta(row, item.num_tokens, item.end, self._tensor(table)))
+                num_prefill_tokens += item.num_tokens
+            else:
+                decode_tables.append(table[: -(-item.end // bs)])
+                decode_lens.append(item.end)
+            row += item.num_tokens
+        decode_table = decode_len = None
+        if decode_tables:
+            max_blocks = max(len(t) for t in decode_tables)
+            padded = np.zeros((len(decode_tables), max_blocks, decode_tables[0].shape[1]), dtype=np.int64)
+            for i, t in enumerate(decode_tables):
+                padded[i, : len(t)] = t
+            decode_table = self._tensor(padded)
+            decode_len = self._tensor(np.asarray(decode_lens))
+        meta = AttentionMetadata(
+            num_tokens=row,
+            block_size=bs,
+            slot_index=self._tensor(np.concatenate(slot_chunks)),
+            prefills=prefills,
+            num_prefill_tokens=num_prefill_tokens,
+            decode_page_table=decode_table,
+            decode_context_lens=decode_len,
+        )
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        positions = self._tensor(np.concatenate(pos_chunks))
+        return input_ids, positions, meta
+
+    def _tensor(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64)).to(self.device)
+
+    def _postprocess_logits(self, batch: list[ScheduledSeq], hidden: torch.Tensor) -> list[SeqStepOutput]:
+        sample_rows: list[int] = []
+        sample_items: list[ScheduledSeq] = []
+        outputs: dict[int, SeqStepOutput] = {}
+        row = 0
+        prompt_jobs: list[tuple[ScheduledSeq, int, np.ndarray]] = []
+        for item in batch:
+            seq = item.seq
+            outputs[seq.seq_id] = SeqStepOutput(item, None, [])
+            if item.samples and len(seq.output_token_ids) < seq.max_tokens:
+                sample_rows.append(row + item.num_tokens - 1)
+                sample_items.append(item)
+            if seq.sampling.prompt_logprobs is not None:
+                done = len(seq.state.setdefault("prompt_logprobs", [None]))
+                # Position p predicts prompt token p + 1; score each prompt token once.
+                wanted = np.arange(max(item.start, done - 1), min(item.end, seq.num_prompt_tokens - 1))
+                if len(wanted):
+                    prompt_jobs.append((item, row, wanted))
+            row += item.num_tokens
+        if sample_rows:
+            logits = self.model.compute_logits(hidden[sample_rows])
+            rows = [self._sampling_row(item) for item in sample_items]
+            for item, token in zip(sample_items, self.sampler(logits, rows)):
+                outputs[item.seq.seq_id].sampled = token
+        for item, row_start, wanted in prompt_jobs:
+            seq = item.seq
+            rows = row_start + (wanted - item.start)
+            logits = self.model.compute_logits(hidden[torch.from_numpy(rows)])
+            targets = torch.tensor([seq.prompt_token_ids[p + 1] for p in wanted], device=logits.device)
+            for p, (lp, rank, top) in zip(wanted, prompt_logprobs(logits, targets, seq.sampling.prompt_logprobs)):
+                outputs[seq.seq_id].prompt_logprobs.append(PromptLogprob(int(p) + 1, lp, rank, top))
+        return [outputs[item.seq.seq_id] for item in batch]
+
+    @staticmethod
+    def _sampling_row(item: ScheduledSeq) -> SamplingRow:
+        seq = item.seq
+        return SamplingRow(
+            params=seq.sampling,
+            generator=seq.state.get("generator"),
+            prompt_token_ids=seq.prompt_token_ids,
+            output_token_ids=seq.output_token_ids,
+        )

@@ -1,0 +1,155 @@
+"""Continuous batching: which sequences run this step and on how many tokens (no torch).
+
+Each step has a token budget. Running sequences go first (oldest first): a decoding
+sequence takes one token, a sequence still in its prompt takes the next chunk. Then waiting
+sequences are admitted first-come-first-served while the budget, `max_num_seqs` and free
+pages allow; the head of the queue is never overtaken, so a large request is not starved.
+When pages run out, the newest running sequence is preempted: its pages are freed and it
+goes back to the front of the queue, to be recomputed from its tokens (nothing is lost).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from depthserve.engine.block_manager import BlockManager
+from depthserve.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+    enable_chunked_prefill: bool = True
+    # Admission keeps this fraction of the pages free for running sequences to grow into.
+    watermark: float = 0.01
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    seq: Sequence
+    start: int  # first position computed this step
+    num_tokens: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+    @property
+    def samples(self) -> bool:
+        """After this step the sequence has computed every known token: sample the next."""
+        return self.end == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self._watermark_pages = int(config.watermark * block_manager.num_pages)
+
+    # ---- queue management ------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
+        """End a sequence (done, stopped or aborted) and free its pages at once."""
+        if seq.status is SequenceStatus.FINISHED:
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            try:
+                self.waiting.remove(seq)
+            except ValueError:
+                pass
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
+        self.block_manager.free(seq)
+
+    # ---- the step -----------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        budget = self._schedule_running(out, budget)
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        index = 0
+        while index < len(self.running) and budget > 0:
+            seq = self.running[index]
+            num = min(seq.num_uncomputed_tokens, budget)
+            target = seq.num_computed_tokens + num
+            while not self.block_manager.can_grow(seq, target):
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                break
+            self.block_manager.grow(seq, target)
+            out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, num))
+            budget -= num
+            index += 1
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        bm = self.block_manager
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if not bm.has(seq) and seq.sampling.prompt_logprobs is None:
+                # Prompt logprobs need every prompt position computed: no prefix-cache hits.
+                cached = bm.allocate_cached_prefix(seq, seq.depth.cache_key())
+                seq.num_computed_tokens = cached
+                if seq.num_preemptions == 0:
+                    seq.num_cached_tokens = cached
+            remaining = seq.num_uncomputed_tokens
+            num = min(remaining, budget)
+            if num < remaining and not self.config.enable_chunked_prefill:
+                break
+            # Admit only if the whole prompt fits now (with headroom for running sequences).
+            if not bm.can_grow(seq, seq.num_tokens, reserve_pages=self._watermark_pages):
+                if not self.running and bm.can_grow(seq, seq.num_tokens):
+                    pass  # alone, the watermark must not block progress
+                else:
+                    break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            bm.grow(seq, seq.num_computed_tokens + num)
+            out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, num))
+            budget -= num
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1

@@ -1,0 +1,71 @@
+"""One generated sequence: its tokens, progress and settings (no torch)."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from depthserve.depth import DepthParams
+from depthserve.engine.cache_spec import CacheLayout
+from depthserve.sampling_params import SamplingParams
+
+
+class SequenceStatus(str, Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    index: int  # choice index within the request (n > 1)
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    depth: DepthParams
+    layout: CacheLayout
+    max_tokens: int  # resolved: never past the context
+    arrival_time: float = field(default_factory=time.monotonic)
+    seq_id: int = field(default_factory=lambda: next(_ids))
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prefix-cache hits at first admission
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_preemptions: int = 0
+    # Engine-side state that the scheduler never reads (sampler generator, detokenizer, logprobs).
+    state: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    def token_ids(self, start: int, stop: int) -> list[int]:
+        prompt = self.prompt_token_ids
+        if stop <= len(prompt):
+            return prompt[start:stop]
+        out_start = max(start - len(prompt), 0)
+        return prompt[start:] + self.output_token_ids[out_start : stop - len(prompt)]
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED

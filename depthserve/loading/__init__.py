@@ -1,0 +1,1 @@
+"""Checkpoint discovery and loading: built-in names, GGUF files, Hugging Face directories."""

@@ -1,0 +1,1 @@
+"""Model definitions, one module per mechanism, plain PyTorch."""

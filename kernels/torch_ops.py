@@ -1,0 +1,91 @@
+"""Torch reference implementations of the paged-cache ops (the CPU path).
+
+Cache layout: `k_pages`, `v_pages` are [num_pages, block_size, head_dim]; a page holds one
+KV head of one slot for `block_size` consecutive tokens. A page table row lists, per token
+block, the pages of the slot's heads.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def store_kv(
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    v: torch.Tensor,
+    k_pages: torch.Tensor,  # [num_pages, block_size, head_dim]
+    v_pages: torch.Tensor,
+    slot_index: torch.Tensor,  # [num_tokens, num_kv_heads] flat index page * block_size + offset
+) -> None:
+    """Write each token's keys/values at its (page, offset). Rows with index -1 are padding."""
+    head_dim = k.shape[-1]
+    index = slot_index.reshape(-1)
+    keys = k.reshape(-1, head_dim)
+    values = v.reshape(-1, head_dim)
+    if bool((index < 0).any()):
+        keep = index >= 0
+        index, keys, values = index[keep], keys[keep], values[keep]
+    k_pages.view(-1, head_dim).index_copy_(0, index, keys.to(k_pages.dtype))
+    v_pages.view(-1, head_dim).index_copy_(0, index, values.to(v_pages.dtype))
+
+
+def gather_kv(
+    pages: torch.Tensor,  # [num_pages, block_size, head_dim]
+    page_table: torch.Tensor,  # [batch, num_kv_heads, num_blocks]
+) -> torch.Tensor:
+    """[batch, num_kv_heads, num_blocks * block_size, head_dim], in token order."""
+    batch, heads, blocks = page_table.shape
+    _, block_size, head_dim = pages.shape
+    gathered = pages.index_select(0, page_table.reshape(-1))
+    return gathered.view(batch, heads, blocks * block_size, head_dim)
+
+
+def paged_decode_attention(
+    q: torch.Tensor,  # [batch, num_q_heads, head_dim], one query per sequence
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    page_table: torch.Tensor,  # [batch, num_kv_heads, num_blocks]; padding blocks may hold any page
+    context_lens: torch.Tensor,  # [batch] keys visible to each query (its own included)
+    scale: float,
+) -> torch.Tensor:
+    """Single-query attention over each sequence's paged keys. Returns [batch, num_q_heads, head_dim]."""
+    keys = gather_kv(k_pages, page_table)
+    values = gather_kv(v_pages, page_table)
+    max_len = keys.shape[2]
+    positions = torch.arange(max_len, device=q.device)
+    mask = positions[None, :] < context_lens[:, None]  # [batch, max_len]
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(2).to(keys.dtype),
+        keys,
+        values,
+        attn_mask=mask[:, None, None, :],
+        scale=scale,
+        enable_gqa=q.shape[1] != keys.shape[1],
+    )
+    return out.squeeze(2)
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,  # [num_queries, num_q_heads, head_dim], positions start..start+n-1 of one sequence
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    page_table: torch.Tensor,  # [num_kv_heads, num_blocks] of this sequence
+    context_len: int,  # keys visible to the last query (start + num_queries)
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of a prompt chunk over its sequence's cache (earlier chunks and prefix hits included)."""
+    num_queries = q.shape[0]
+    keys = gather_kv(k_pages, page_table[None])[0, :, :context_len]
+    values = gather_kv(v_pages, page_table[None])[0, :, :context_len]
+    start = context_len - num_queries
+    query = q.transpose(0, 1).to(keys.dtype)  # [heads, n, d]
+    gqa = q.shape[1] != keys.shape[0]
+    if start == 0:
+        out = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale, enable_gqa=gqa)
+    else:
+        key_pos = torch.arange(context_len, device=q.device)
+        query_pos = torch.arange(start, context_len, device=q.device)
+        mask = key_pos[None, :] <= query_pos[:, None]
+        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    return out.transpose(0, 1)
