@@ -131,12 +131,14 @@ class Scheduler:
             remaining = seq.num_uncomputed_tokens
             num = min(remaining, budget)
             if num < remaining and not self.config.enable_chunked_prefill:
+                self._release_waiting(seq)
                 break
             # Admit only if the whole prompt fits now (with headroom for running sequences).
             if not bm.can_grow(seq, seq.num_tokens, reserve_pages=self._watermark_pages):
                 if not self.running and bm.can_grow(seq, seq.num_tokens):
                     pass  # alone, the watermark must not block progress
                 else:
+                    self._release_waiting(seq)
                     break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
@@ -144,6 +146,12 @@ class Scheduler:
             bm.grow(seq, seq.num_computed_tokens + num)
             out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, num))
             budget -= num
+
+    def _release_waiting(self, seq: Sequence) -> None:
+        # A sequence left waiting holds no pages: prefix-cache rows attached for an admission
+        # that failed go back (evictable), else they could starve the sequences ahead of it.
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from depthserve.layers.linear import optimize_linears_for_cpu
 from depthserve.loading.gguf_loader import load_gguf
 from depthserve.loading.hf_loader import load_hf_dir
 from depthserve.loading.registry import ModelSource
@@ -21,7 +22,7 @@ class LoadedModel:
 
 
 def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device, max_model_len: int | None,
-               progress: bool = True) -> LoadedModel:
+               progress: bool = True, cpu_linear: bool = True) -> LoadedModel:
     if source.format == "gguf":
         hf_config, weights = load_gguf(source.path, progress)
     else:
@@ -40,6 +41,8 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device, ma
     model = model.to(device=device, dtype=dtype).eval()
     # The rotary tables stay fp32 whatever the model dtype.
     model.rope_cos, model.rope_sin = (t.to(device=device, dtype=torch.float32) for t in _rope(cfg, max_len))
+    if device.type == "cpu" and dtype == torch.float32 and cpu_linear:
+        optimize_linears_for_cpu(model)
     return LoadedModel(model=model, hf_config=hf_config, max_model_len=max_len)
 
 

@@ -1,0 +1,305 @@
+"""Sampler: processing order, truncation, seeded determinism, distribution, logprobs."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+import torch
+
+from depthserve.sampler import (
+    Sampler,
+    SamplingRow,
+    apply_min_p,
+    apply_top_k,
+    apply_top_p,
+    make_generator,
+    prompt_logprobs,
+)
+from depthserve.sampling_params import SamplingParams
+
+EOS = 2
+
+
+def row(params: SamplingParams, prompt=(5,), output=(), generator=None) -> SamplingRow:
+    if generator is None and params.seed is not None:
+        generator = make_generator(params.seed)
+    return SamplingRow(params=params, generator=generator, prompt_token_ids=list(prompt),
+                       output_token_ids=list(output))
+
+
+def tokens(sampler: Sampler, logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
+    return [s.token_id for s in sampler(logits, rows)]
+
+
+def random_logits(batch: int, vocab: int, seed: int, scale: float = 3.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, vocab, generator=g) * scale
+
+
+# ---- greedy, bias, penalties, min_tokens -----------------------------------------------------------
+def test_greedy_is_argmax_first_max_on_ties():
+    logits = random_logits(6, 300, seed=1)
+    logits[3, 17] = logits[3, 200] = 100.0  # tie: the first index wins
+    sampler = Sampler({EOS}, 300)
+    got = tokens(sampler, logits, [row(SamplingParams(temperature=0.0)) for _ in range(6)])
+    assert got == logits.argmax(dim=-1).tolist()
+    assert got[3] == 17
+
+
+def test_logit_bias_forces_and_forbids_tokens():
+    vocab = 50
+    logits = random_logits(2, vocab, seed=2)
+    low = int(logits[0].argmin())
+    top = int(logits[1].argmax())
+    sampler = Sampler({EOS}, vocab)
+    forced = row(SamplingParams(temperature=0.0, logit_bias={low: 100.0}))
+    assert tokens(sampler, logits[:1], [forced]) == [low]
+    # A -100 bias on the most likely token (and temperature sampling) makes it practically impossible.
+    torch.manual_seed(0)
+    many = logits[1:].repeat(500, 1)
+    banned = [row(SamplingParams(temperature=1.0, logit_bias={top: -100.0})) for _ in range(500)]
+    assert top not in tokens(sampler, many, banned)
+    # Without the bias it is the most common choice.
+    free = Counter(tokens(sampler, many, [row(SamplingParams(temperature=1.0)) for _ in range(500)]))
+    assert free.most_common(1)[0][0] == top
+
+
+def test_repetition_penalty_matches_hand_computation():
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0, 1.0]])
+    sampler = Sampler({EOS}, 6)
+    r = row(SamplingParams(repetition_penalty=2.0), prompt=[0, 1, 1], output=[4])
+    got = sampler.processed_logits(logits, [r])
+    # Seen tokens 0, 1, 4 (once each, however often they occur): positive / 2, negative * 2.
+    expected = torch.tensor([[1.0, -2.0, 0.5, 3.0, -4.0, 1.0]])
+    torch.testing.assert_close(got, expected)
+    assert torch.equal(logits, torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0, 1.0]]))  # input untouched
+
+
+def test_repetition_penalty_changes_the_greedy_choice():
+    logits = torch.tensor([[3.0, 2.0, 0.0, 0.0]])
+    sampler = Sampler({EOS}, 4)
+    assert tokens(sampler, logits, [row(SamplingParams(temperature=0.0), prompt=[0])]) == [0]
+    penalized = row(SamplingParams(temperature=0.0, repetition_penalty=2.0), prompt=[0])
+    assert tokens(sampler, logits, [penalized]) == [1]  # 3 / 2 = 1.5 < 2
+
+
+def test_presence_and_frequency_penalties_count_output_tokens_only():
+    logits = torch.tensor([[1.0, 1.0, 1.0, 1.0, 1.0]])
+    sampler = Sampler({EOS}, 5)
+    params = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)
+    # Token 0 only in the prompt: no penalty. Token 1 once, token 3 three times in the output.
+    r = row(params, prompt=[0, 0, 0], output=[3, 1, 3, 3])
+    got = sampler.processed_logits(logits, [r])
+    expected = torch.tensor([[1.0, 1.0 - 0.5 - 0.25, 1.0, 1.0 - 0.5 - 0.75, 1.0]])
+    torch.testing.assert_close(got, expected)
+
+
+def test_penalties_compose_in_order():
+    logits = torch.tensor([[2.0, -1.0, 4.0]])
+    sampler = Sampler({EOS}, 3)
+    params = SamplingParams(logit_bias={1: 3.0}, repetition_penalty=2.0, presence_penalty=1.0,
+                            frequency_penalty=0.5)
+    r = row(params, prompt=[0], output=[1, 1])
+    # token 0: 2 / 2 = 1. token 1: (-1 + 3) / 2 - 1 - 0.5 * 2 = -1. token 2: untouched.
+    expected = torch.tensor([[1.0, -1.0, 4.0]])
+    torch.testing.assert_close(sampler.processed_logits(logits, [r]), expected)
+
+
+def test_min_tokens_bans_eos_and_stop_token_ids_until_reached():
+    vocab = 10
+    logits = torch.zeros(1, vocab)
+    logits[0, EOS] = 50.0
+    logits[0, 7] = 40.0
+    logits[0, 4] = 30.0
+    sampler = Sampler({EOS}, vocab)
+    params = SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[7])
+    assert tokens(sampler, logits, [row(params, output=[1, 1])]) == [4]
+    assert tokens(sampler, logits, [row(params, output=[1, 1, 1])]) == [EOS]
+    # With ignore_eos, eos does not stop the sequence, so only the stop token ids are banned.
+    free_eos = SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[7], ignore_eos=True)
+    assert tokens(sampler, logits, [row(free_eos, output=[1])]) == [EOS]
+    # The ban holds for sampled rows too.
+    torch.manual_seed(0)
+    sampled = [row(SamplingParams(temperature=1.0, min_tokens=2, stop_token_ids=[7])) for _ in range(300)]
+    got = set(tokens(sampler, logits.repeat(300, 1), sampled))
+    assert EOS not in got and 7 not in got
+
+
+# ---- truncation ---------------------------------------------------------------------------------
+def test_top_k_one_and_tiny_top_p_and_full_min_p_equal_greedy():
+    vocab = 1000
+    logits = random_logits(32, vocab, seed=3, scale=1.0)
+    sampler = Sampler({EOS}, vocab)
+    greedy = logits.argmax(dim=-1).tolist()
+    torch.manual_seed(0)
+    for params in (SamplingParams(top_k=1), SamplingParams(top_p=1e-6), SamplingParams(min_p=1.0),
+                   SamplingParams(top_k=1, temperature=5.0, seed=4)):
+        assert tokens(sampler, logits, [row(params) for _ in range(32)]) == greedy, params
+
+
+def test_top_k_keeps_exactly_the_k_most_likely():
+    vocab = 20
+    logits = torch.arange(vocab, dtype=torch.float32).flip(0).unsqueeze(0) * 0.1  # token 0 best
+    sampler = Sampler({EOS}, vocab)
+    torch.manual_seed(0)
+    params = SamplingParams(top_k=3)
+    got = Counter(tokens(sampler, logits.repeat(2000, 1), [row(params) for _ in range(2000)]))
+    assert set(got) == {0, 1, 2}
+
+
+def test_top_p_keeps_the_smallest_nucleus():
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    logits = probs.log()
+    sampler = Sampler({EOS}, 4)
+    torch.manual_seed(0)
+    for top_p, allowed in ((0.45, {0}), (0.55, {0, 1}), (0.75, {0, 1}), (0.85, {0, 1, 2}), (0.97, {0, 1, 2, 3})):
+        params = SamplingParams(top_p=top_p)
+        rows = [row(params) for _ in range(3000)]
+        assert set(tokens(sampler, logits.repeat(3000, 1), rows)) == allowed, top_p
+
+
+def test_min_p_drops_tokens_below_the_scaled_max():
+    probs = torch.tensor([[0.5, 0.26, 0.14, 0.1]])
+    sampler = Sampler({EOS}, 4)
+    torch.manual_seed(0)
+    # min_p 0.25: threshold 0.125 keeps 0, 1, 2; min_p 0.5: threshold 0.25 keeps 0, 1.
+    for min_p, allowed in ((0.25, {0, 1, 2}), (0.5, {0, 1})):
+        params = SamplingParams(min_p=min_p)
+        rows = [row(params) for _ in range(3000)]
+        assert set(tokens(sampler, probs.log().repeat(3000, 1), rows)) == allowed, min_p
+
+
+def test_truncation_building_blocks_exactly():
+    probs = torch.tensor([[0.1, 0.4, 0.2, 0.3], [0.25, 0.25, 0.25, 0.25], [0.7, 0.1, 0.1, 0.1]])
+    p = probs.clone()
+    apply_top_k(p, [2, 0, 1])
+    assert torch.equal(p, torch.tensor([[0.0, 0.4, 0.0, 0.3], [0.25, 0.25, 0.25, 0.25], [0.7, 0, 0, 0]]))
+    p = probs.clone() * 3  # unnormalized rows work the same
+    apply_top_p(p, [0.65, 0.3, 1.0])
+    assert (p > 0).tolist() == [[False, True, False, True], [True, True, True, True], [True] * 4]
+    p = probs.clone()
+    apply_min_p(p, [0.6, 0.0, 0.15])  # thresholds 0.24, 0, 0.105
+    assert (p > 0).tolist() == [[False, True, False, True], [True] * 4, [True, False, False, False]]
+
+
+# ---- randomness -----------------------------------------------------------------------------------
+def _step_logits(step: int, vocab: int) -> torch.Tensor:
+    return random_logits(1, vocab, seed=1000 + step, scale=2.0)[0]
+
+
+def _run_seeded(position: int, others: list[SamplingParams], params: SamplingParams, steps: int,
+                vocab: int) -> list[int]:
+    """Decode `steps` tokens for one seeded sequence placed at `position` among other rows."""
+    sampler = Sampler({EOS}, vocab)
+    generator = make_generator(params.seed)
+    out: list[int] = []
+    other_rows = [row(p) for p in others]
+    for step in range(steps):
+        batch_rows = list(other_rows)
+        batch_rows.insert(position, row(params, prompt=[1, 2, 3], output=out, generator=generator))
+        logits = random_logits(len(batch_rows), vocab, seed=step)  # others: arbitrary
+        logits[position] = _step_logits(step, vocab)
+        out.append(sampler(logits, batch_rows)[position].token_id)
+    return out
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(seed=123),
+    SamplingParams(seed=7, temperature=0.7, top_p=0.9, top_k=40, min_p=0.02, repetition_penalty=1.2,
+                   presence_penalty=0.3, frequency_penalty=0.2, logprobs=3),
+])
+def test_seeded_rows_are_reproducible_whatever_the_batch(params):
+    vocab, steps = 512, 12
+    alone = _run_seeded(0, [], params, steps, vocab)
+    mixed = [SamplingParams(), SamplingParams(temperature=0.0), SamplingParams(seed=99, top_p=0.5),
+             SamplingParams(top_k=5, temperature=2.0), SamplingParams(min_p=0.3, seed=5)]
+    torch.manual_seed(1)
+    assert _run_seeded(3, mixed, params, steps, vocab) == alone
+    torch.manual_seed(2)
+    assert _run_seeded(1, mixed[:2], params, steps, vocab) == alone
+    assert _run_seeded(0, [SamplingParams(seed=params.seed)] * 4, params, steps, vocab) == alone
+    assert len(set(alone)) > 3  # it really samples
+    other_seed = SamplingParams(**{**params.__dict__, "seed": params.seed + 1})
+    assert _run_seeded(0, [], other_seed, steps, vocab) != alone
+
+
+def test_unseeded_sampling_matches_softmax():
+    vocab, draws = 8, 20000
+    logits = torch.tensor([[1.0, 0.5, 0.0, -0.5, -1.0, 2.0, 0.2, -3.0]])
+    for temperature in (1.0, 0.5):
+        expected = torch.softmax(logits[0] / temperature, dim=-1) * draws
+        torch.manual_seed(1234)
+        sampler = Sampler({EOS}, vocab)
+        params = SamplingParams(temperature=temperature)
+        got = Counter(tokens(sampler, logits.repeat(draws, 1), [row(params) for _ in range(draws)]))
+        observed = torch.tensor([got.get(t, 0) for t in range(vocab)], dtype=torch.float32)
+        chi2 = float(((observed - expected) ** 2 / expected).sum())
+        assert chi2 < 30.0, (temperature, chi2, observed, expected)  # df = 7: p < 1e-4 to fail
+
+
+def test_seeded_sampling_matches_softmax_too():
+    # One seeded generator drawn over many steps behaves like the distribution.
+    vocab, draws = 4, 2000
+    logits = torch.tensor([[0.0, 1.0, 2.0, -1.0]])
+    sampler = Sampler({EOS}, vocab)
+    r = row(SamplingParams(seed=42))
+    got = Counter(sampler(logits, [r])[0].token_id for _ in range(draws))
+    expected = torch.softmax(logits[0], dim=-1) * draws
+    observed = torch.tensor([got.get(t, 0) for t in range(vocab)], dtype=torch.float32)
+    assert float(((observed - expected) ** 2 / expected).sum()) < 25.0
+
+
+def test_padded_vocabulary_columns_are_never_sampled():
+    logits = torch.zeros(64, 12)
+    logits[:, 10:] = 30.0  # padding beyond the real vocabulary
+    sampler = Sampler({EOS}, 10)
+    got = tokens(sampler, logits, [row(SamplingParams(temperature=t)) for t in [0.0, 1.0] * 32])
+    assert max(got) < 10
+
+
+# ---- logprobs -------------------------------------------------------------------------------------
+def test_logprobs_rank_and_top_describe_the_raw_distribution():
+    vocab = 300
+    logits = random_logits(5, vocab, seed=9)
+    raw = torch.log_softmax(logits, dim=-1)
+    sampler = Sampler({EOS}, vocab)
+    rows = [
+        row(SamplingParams(temperature=0.0, logprobs=5)),
+        row(SamplingParams(temperature=0.3, repetition_penalty=1.5, logit_bias={11: 8.0}, logprobs=2),
+            prompt=list(range(50))),
+        row(SamplingParams(seed=1, logprobs=0)),
+        row(SamplingParams(logprobs=None)),
+        row(SamplingParams(temperature=0.0, logit_bias={int(logits[4].argmin()): 100.0}, logprobs=20)),
+    ]
+    out = sampler(logits, rows)
+    for i, (s, r) in enumerate(zip(out, rows)):
+        assert math.isclose(s.logprob, float(raw[i, s.token_id]), abs_tol=1e-5)
+        if r.params.logprobs is None:
+            assert s.rank == 0 and s.top_logprobs == []
+            continue
+        assert s.rank == int((raw[i] > raw[i, s.token_id]).sum()) + 1
+        k = r.params.logprobs
+        values, ids = raw[i].topk(k)
+        assert [t for t, _ in s.top_logprobs] == ids.tolist()
+        assert [lp for _, lp in s.top_logprobs] == pytest.approx(values.tolist(), abs=1e-5)
+    assert out[0].rank == 1 and out[0].top_logprobs[0][0] == out[0].token_id
+    assert out[4].token_id == int(logits[4].argmin()) and out[4].rank == vocab  # forced by bias
+
+
+def test_prompt_logprobs():
+    logits = random_logits(6, 100, seed=10)
+    targets = torch.tensor([3, 50, 99, 0, int(logits[4].argmax()), 7])
+    raw = torch.log_softmax(logits, dim=-1)
+    got = prompt_logprobs(logits, targets, 4)
+    assert len(got) == 6
+    for i, (lp, rank, top) in enumerate(got):
+        t = int(targets[i])
+        assert lp == pytest.approx(float(raw[i, t]), abs=1e-6)
+        assert rank == int((raw[i] > raw[i, t]).sum()) + 1
+        values, ids = raw[i].topk(4)
+        assert [a for a, _ in top] == ids.tolist()
+        assert [b for _, b in top] == pytest.approx(values.tolist(), abs=1e-6)
+    assert got[4][1] == 1
+    assert all(top == [] for _, _, top in prompt_logprobs(logits, targets, 0))
