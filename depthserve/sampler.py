@@ -4,13 +4,18 @@ Per row, in this order:
   logit_bias -> repetition penalty (prompt + output) -> presence/frequency penalties (output)
   -> min_tokens ban of stop tokens -> greedy argmax, or: temperature -> min_p -> top_k -> top_p -> sample.
 
-Sampling inverts the row's cumulative distribution (float64 cumsum, so tail tokens keep their
-mass) at one uniform number per row. A seeded row draws that number only from its own generator,
-exactly one per step, so its tokens depend on nothing but its seed, its logits and its history,
-never on the batch around it. Unseeded rows use the global torch RNG.
+Sampling inverts the row's cumulative distribution at one uniform number per row (two levels:
+float64 sums of 256-token chunks, then a float64 cumsum inside the chosen chunk, so tail tokens
+keep their mass). A seeded row draws that number only from its own generator, exactly one per
+step, so its tokens depend on nothing but its seed, its logits and its history, never on the batch
+around it. Unseeded rows use the global torch RNG.
 
 Logprobs (`SampledToken.logprob`, `rank`, `top_logprobs`) always describe the raw model
 distribution log_softmax(logits), before any penalty, bias or temperature.
+
+Large [B, V] temporaries are the main cost on CPU (each fresh one page-faults), so a Sampler keeps
+one float32 scratch buffer of the largest batch seen and works in place in it. A Sampler is
+therefore not safe to call from two threads at once.
 """
 
 from __future__ import annotations
@@ -19,8 +24,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from depthserve.sampling_params import SamplingParams
+
 
 @dataclass
 class SamplingRow:
@@ -34,7 +41,7 @@ class SamplingRow:
 class SampledToken:
     token_id: int
     logprob: float  # under the raw distribution log_softmax(logits)
-    rank: int  # 1 = most likely under the raw distribution; only computed when params.logprobs is set, else 0
+    rank: int  # 1 = most likely under the raw distribution; computed only when params.logprobs is set, else 0
     top_logprobs: list[tuple[int, float]]  # top params.logprobs (token, logprob), descending
 
 
@@ -51,14 +58,14 @@ class Sampler:
     def __init__(self, eos_token_ids: set[int], vocab_size: int):
         self.eos_token_ids = set(eos_token_ids)
         self.vocab_size = vocab_size
+        self._work = torch.empty(0)
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
+        """logits [B, V] (one row per SamplingRow). Columns past vocab_size are never sampled."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must be [len(rows), V], got {tuple(logits.shape)} for {len(rows)} rows")
-        if logits.dtype != torch.float32:
-            logits = logits.float()
-        if logits.shape[1] > self.vocab_size:  # padded vocabulary columns are never sampled
-            logits = logits[:, : self.vocab_size]
+        logits = logits.float()[:, : self.vocab_size]
+        log_z = self._log_normalizer(logits)  # before the scratch buffer is reused below
         token_ids = torch.empty(len(rows), dtype=torch.long, device=logits.device)
         greedy = [i for i, row in enumerate(rows) if row.params.greedy]
         random = [i for i, row in enumerate(rows) if not row.params.greedy]
@@ -66,12 +73,21 @@ class Sampler:
             token_ids[greedy] = self._greedy(logits, greedy, rows)
         if random:
             token_ids[random] = self._random(logits, random, rows)
-        return self._with_logprobs(logits, token_ids, rows)
+        return self._with_logprobs(logits, log_z, token_ids, rows)
 
     def processed_logits(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """A copy of logits [B, V] after each row's logit_bias, penalties and min_tokens ban: what
         a greedy row takes the argmax of and what temperature then scales."""
-        return self._processed(logits.float()[:, : self.vocab_size], list(range(len(rows))), rows)
+        logits = logits.float()[:, : self.vocab_size]
+        return self._processed(logits, list(range(len(rows))), rows).clone()
+
+    # ---- scratch buffers -----------------------------------------------------------------------
+    def _scratch(self, num_rows: int, like: torch.Tensor) -> torch.Tensor:
+        vocab = like.shape[1]
+        if (self._work.device != like.device or self._work.dim() != 2 or self._work.shape[1] != vocab
+                or self._work.shape[0] < num_rows):
+            self._work = torch.empty(num_rows, vocab, dtype=torch.float32, device=like.device)
+        return self._work[:num_rows]
 
     # ---- per-row logit processing ----------------------------------------------------------
     def _banned_ids(self, params: SamplingParams, num_output: int) -> list[int]:
@@ -90,7 +106,7 @@ class Sampler:
             or p.repetition_penalty != 1.0
             or p.presence_penalty != 0.0
             or p.frequency_penalty != 0.0
-            or self._banned_ids(p, len(row.output_token_ids))
+            or (p.min_tokens and len(row.output_token_ids) < p.min_tokens)
         )
 
     def _process_row(self, logits: torch.Tensor, row: SamplingRow) -> None:
@@ -112,8 +128,13 @@ class Sampler:
             logits[torch.tensor(banned, dtype=torch.long, device=device)] = float("-inf")
 
     def _processed(self, logits: torch.Tensor, indices: list[int], rows: list[SamplingRow]) -> torch.Tensor:
-        """A fresh copy of logits[indices] with each row's bias/penalties/bans applied."""
-        out = logits.clone() if len(indices) == logits.shape[0] else logits[indices]
+        """logits[indices] copied into the scratch buffer, each row's bias/penalties/bans applied."""
+        out = self._scratch(len(indices), logits)
+        if len(indices) == logits.shape[0]:
+            out.copy_(logits)
+        else:
+            index = torch.tensor(indices, dtype=torch.long, device=logits.device)
+            torch.index_select(logits, 0, index, out=out)
         for j, i in enumerate(indices):
             if self._needs_processing(rows[i]):
                 self._process_row(out[j], rows[i])
@@ -121,11 +142,9 @@ class Sampler:
 
     # ---- greedy ----------------------------------------------------------------------------
     def _greedy(self, logits: torch.Tensor, indices: list[int], rows: list[SamplingRow]) -> torch.Tensor:
-        if not any(self._needs_processing(rows[i]) for i in indices):
-            if len(indices) == logits.shape[0]:
-                return logits.argmax(dim=-1)
-            return logits[indices].argmax(dim=-1)
-        return self._processed(logits, indices, rows).argmax(dim=-1)  # argmax returns the first max
+        if len(indices) == logits.shape[0] and not any(self._needs_processing(row) for row in rows):
+            return logits.argmax(dim=-1)  # argmax returns the first max
+        return self._processed(logits, indices, rows).argmax(dim=-1)
 
     # ---- random ----------------------------------------------------------------------------
     def _random(self, logits: torch.Tensor, indices: list[int], rows: list[SamplingRow]) -> torch.Tensor:
@@ -142,19 +161,26 @@ class Sampler:
         return sample_inverse_cdf(probs, uniforms)
 
     # ---- logprobs ----------------------------------------------------------------------------
-    def _with_logprobs(self, logits: torch.Tensor, token_ids: torch.Tensor,
+    def _log_normalizer(self, logits: torch.Tensor) -> torch.Tensor:
+        """logsumexp over each row [B], through the scratch buffer instead of a fresh [B, V]."""
+        peak = logits.amax(dim=-1, keepdim=True)
+        shifted = self._scratch(logits.shape[0], logits)
+        torch.sub(logits, peak, out=shifted).exp_()
+        return shifted.sum(dim=-1).log_().add_(peak.squeeze(1))
+
+    def _with_logprobs(self, logits: torch.Tensor, log_z: torch.Tensor, token_ids: torch.Tensor,
                        rows: list[SamplingRow]) -> list[SampledToken]:
-        log_z = torch.logsumexp(logits, dim=-1)
         chosen = logits.gather(1, token_ids.unsqueeze(1)).squeeze(1)
         logprobs = (chosen - log_z).tolist()
         ranks = [0] * len(rows)
         tops: dict[int, list[tuple[int, float]]] = {}
         wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
         if wanted:
-            sub = _rows(logits, wanted)
-            sub_chosen = chosen[wanted].unsqueeze(1)
-            for i, r in zip(wanted, (torch.gt(sub, sub_chosen).sum(dim=-1, dtype=torch.int32) + 1).tolist()):
-                ranks[i] = r
+            sub = logits if len(wanted) == len(rows) else logits[wanted]
+            # Counted as float 0/1 in the scratch buffer: far cheaper than summing a bool tensor.
+            above = torch.gt(sub, chosen[wanted].unsqueeze(1), out=self._scratch(len(wanted), sub))
+            for i, r in zip(wanted, above.sum(dim=-1).tolist()):
+                ranks[i] = int(r) + 1
             k = max(rows[i].params.logprobs for i in wanted)
             if k > 0:
                 values, ids = sub.topk(min(k, sub.shape[1]), dim=-1)
@@ -186,9 +212,8 @@ def apply_min_p(probs: torch.Tensor, min_p: list[float]) -> None:
     """In place on probs [R, V]: zero tokens whose prob < min_p * (max prob of the row)."""
     if not any(m > 0 for m in min_p):
         return
-    scale = torch.tensor(min_p, dtype=probs.dtype, device=probs.device).unsqueeze(1)
-    threshold = probs.amax(dim=-1, keepdim=True) * scale
-    probs.masked_fill_(probs < threshold, 0.0)
+    scale = torch.tensor(min_p, dtype=probs.dtype, device=probs.device)
+    _zero_below(probs, probs.amax(dim=-1).mul_(scale))
 
 
 def apply_top_k(probs: torch.Tensor, top_k: list[int]) -> None:
@@ -197,52 +222,131 @@ def apply_top_k(probs: torch.Tensor, top_k: list[int]) -> None:
     picked = [j for j, k in enumerate(top_k) if 0 < k < vocab]
     if not picked:
         return
-    sub = _rows(probs, picked)
+    sub = probs if len(picked) == probs.shape[0] else probs[picked]
     ks = torch.tensor([top_k[j] for j in picked], dtype=torch.long, device=probs.device)
-    kth = sub.topk(int(ks.max()), dim=-1).values.gather(1, (ks - 1).unsqueeze(1))
-    sub.masked_fill_(sub < kth, 0.0)
-    _write_rows(probs, picked, sub)
+    kth = sub.topk(int(ks.max()), dim=-1).values.gather(1, (ks - 1).unsqueeze(1)).squeeze(1)
+    _zero_below(probs, _per_row(kth, picked, probs))
 
 
 def apply_top_p(probs: torch.Tensor, top_p: list[float]) -> None:
     """In place on probs [R, V] (not necessarily normalized): keep the smallest set of most likely
     tokens whose mass reaches top_p of the row's total (ties at the edge stay); the most likely
-    token always stays. Looks at a growing top-k window instead of sorting the whole vocabulary."""
+    token always stays. No full sort: the nucleus edge is found among the top few tokens, or else
+    from a histogram of the probabilities and an exact look at the one bin the edge falls in."""
     picked = [j for j, p in enumerate(top_p) if p < 1.0]
     if not picked:
         return
-    sub = _rows(probs, picked)
-    vocab = sub.shape[1]
+    sub = probs if len(picked) == probs.shape[0] else probs[picked]
     target = torch.tensor([top_p[j] for j in picked], dtype=sub.dtype, device=sub.device)
-    target.mul_(sub.sum(dim=-1))
-    cutoff = torch.zeros(len(picked), dtype=sub.dtype, device=sub.device)
-    pending = torch.arange(len(picked), device=sub.device)
-    k = min(64, vocab)
-    while len(pending):
-        values = sub[pending].topk(k, dim=-1).values  # descending
-        cumulative = values.cumsum(dim=-1)
-        # Token j stays while the mass of the tokens before it is still short of the target.
-        num_kept = ((cumulative - values) < target[pending].unsqueeze(1)).sum(dim=-1)
-        done = (num_kept < k) | (cumulative[:, -1] >= target[pending]) | (k == vocab)
-        last_kept = values.gather(1, (num_kept.clamp(min=1) - 1).unsqueeze(1)).squeeze(1)
-        cutoff[pending[done]] = last_kept[done]
-        pending = pending[~done]
-        k = min(k * 8, vocab)
-    sub.masked_fill_(sub < cutoff.unsqueeze(1), 0.0)
-    _write_rows(probs, picked, sub)
+    target.mul_(_chunk_sums(sub).sum(dim=-1).to(sub.dtype))
+    # Most rows of a language model: the nucleus lies within the top _TOP_P_FIRST_K tokens.
+    k = min(_TOP_P_FIRST_K, sub.shape[1])
+    values = sub.topk(k, dim=-1).values  # descending
+    num_kept, cutoff = _nucleus_edge(values, torch.zeros_like(target), target)
+    if k < sub.shape[1]:
+        pending = (num_kept >= k).nonzero().squeeze(1)  # the edge lies beyond the top k
+        if len(pending):
+            cutoff[pending] = _top_p_cutoff_by_histogram(sub, target, pending)
+    _zero_below(probs, _per_row(cutoff, picked, probs))
+
+
+_TOP_P_FIRST_K = 64
+# Histogram bins by float32 bit pattern: for p >= 0 the int32 view grows with p, so the top bits
+# of (bits(max) - bits(p)) measure log2(max / p): 2**(23 - _BIN_SHIFT) bins per halving of p.
+_BIN_SHIFT = 19  # 16 bins per factor of 2
+_NUM_BINS = 64 * 16  # tokens more than 2**64 times less likely than the max share the last bin
+
+
+def _nucleus_edge(values: torch.Tensor, mass_before_values: torch.Tensor,
+                  target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """values [R, k] descending, preceded by mass_before_values [R] of larger tokens. A token stays
+    while the mass before it is short of target. Returns (how many of values stay, the last one)."""
+    mass_before = values.cumsum(dim=-1) - values + mass_before_values.unsqueeze(1)
+    num_kept = (mass_before < target.unsqueeze(1)).sum(dim=-1)
+    last_kept = values.gather(1, (num_kept.clamp(min=1) - 1).unsqueeze(1)).squeeze(1)
+    return num_kept, last_kept
+
+
+def _top_p_cutoff_by_histogram(probs: torch.Tensor, target: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """The top-p cutoff of probs[rows] (>= 0 float32; targets target[rows]). Bins tokens by
+    log2(max / p) (1/16 octave wide, read off the float bits), finds the bin where the cumulative
+    mass reaches the target, and sorts only that bin's tokens. Works through _HISTOGRAM_ROWS rows
+    at a time to keep temporaries small."""
+    cutoffs = []
+    for start in range(0, len(rows), _HISTOGRAM_ROWS):
+        chunk = rows[start:start + _HISTOGRAM_ROWS]
+        cutoffs.append(_histogram_cutoff(probs.index_select(0, chunk), target[chunk]))
+    return torch.cat(cutoffs)
+
+
+_HISTOGRAM_ROWS = 32
+
+
+def _histogram_cutoff(probs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    bins = probs.view(torch.int32).to(torch.int64)
+    torch.sub(bins.amax(dim=-1, keepdim=True), bins, out=bins)  # >= 0, grows as p falls
+    bins.bitwise_right_shift_(_BIN_SHIFT).clamp_(max=_NUM_BINS - 1)
+    mass = torch.zeros(probs.shape[0], _NUM_BINS, dtype=probs.dtype, device=probs.device)
+    mass.scatter_add_(1, bins, probs)
+    cumulative = mass.cumsum(dim=-1)
+    edge_bin = (cumulative < target.unsqueeze(1)).sum(dim=-1).clamp_(max=_NUM_BINS - 1)
+    previous = cumulative.gather(1, (edge_bin - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
+    before_bin = torch.where(edge_bin > 0, previous, torch.zeros_like(target))
+    members = bins == edge_bin.unsqueeze(1)
+    del bins
+    size = int(members.sum(dim=-1, dtype=torch.int32).max())
+    values = torch.where(members, probs, 0.0).topk(size, dim=-1).values
+    _, last_kept = _nucleus_edge(values, before_bin, target)
+    return last_kept
+
+
+_CDF_CHUNK = 256
 
 
 def sample_inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """probs [R, V] (non-negative, not necessarily normalized), uniforms [R] float64 in [0, 1).
-    Returns per row the first token whose float64 cumulative mass exceeds u * total, so a token
-    of zero probability is never picked. Consumes probs."""
-    cdf = probs.to(torch.float64).cumsum_(dim=-1)
-    del probs
-    total = cdf[:, -1:]
-    picked = torch.searchsorted(cdf, uniforms.unsqueeze(1) * total, right=True)
-    # u * total can round up to total: then take the last token of non-zero probability.
-    last = torch.searchsorted(cdf, total.contiguous(), right=False)
-    return torch.where(picked < cdf.shape[1], picked, last).squeeze(1)
+    Returns per row the first token whose cumulative mass exceeds u * total, so a token of zero
+    probability is never picked. Two levels in float64: chunk sums pick a chunk, then a cumsum
+    inside that chunk picks the token; nothing of size [R, V] is allocated."""
+    vocab = probs.shape[1]
+    chunk = min(_CDF_CHUNK, vocab)
+    sums = _chunk_sums(probs)
+    value = uniforms.to(torch.float64).unsqueeze(1) * sums.sum(dim=-1, keepdim=True)
+    chunk_index, residual = _invert(sums, value)
+    offsets = torch.arange(chunk, device=probs.device)
+    columns = chunk_index.unsqueeze(1) * chunk + offsets
+    inside = probs.gather(1, columns.clamp(max=vocab - 1)).to(torch.float64)
+    inside.masked_fill_(columns >= vocab, 0.0)
+    # The same fraction of the chunk, measured against its float64 sum.
+    chunk_sum = sums.gather(1, chunk_index.unsqueeze(1))
+    position, _ = _invert(inside, residual / chunk_sum * inside.sum(dim=-1, keepdim=True))
+    return chunk_index * chunk + position
+
+
+def _chunk_sums(probs: torch.Tensor) -> torch.Tensor:
+    """[R, ceil(V / _CDF_CHUNK)] float64 sums of consecutive chunks of each row. Summed in float32
+    (a float64 sum would first copy the whole tensor) over many small chunks, so every row is
+    reduced the same way whatever the batch around it."""
+    num_rows, vocab = probs.shape
+    chunk = min(_CDF_CHUNK, vocab)
+    num_full = vocab // chunk
+    sums = probs[:, : num_full * chunk].reshape(num_rows, num_full, chunk).sum(dim=-1)
+    if num_full * chunk < vocab:
+        sums = torch.cat([sums, probs[:, num_full * chunk:].sum(dim=-1, keepdim=True)], dim=1)
+    return sums.to(torch.float64)
+
+
+def _invert(weights: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weights [R, n] >= 0 float64, value [R, 1]. Returns per row the first index whose cumulative
+    weight exceeds value (rounding past the end falls back to the last non-zero weight) and the
+    value left inside that index, both [R] and [R, 1]."""
+    cumulative = weights.cumsum(dim=-1)
+    total = cumulative[:, -1:].contiguous()
+    index = torch.searchsorted(cumulative, value.contiguous(), right=True)
+    last_non_zero = torch.searchsorted(cumulative, total, right=False)
+    index = torch.where(index < weights.shape[1], index, last_non_zero)
+    before = torch.where(index > 0, cumulative.gather(1, (index - 1).clamp(min=0)), 0.0)
+    return index.squeeze(1), value - before
 
 
 def prompt_logprobs(logits: torch.Tensor, target_ids: torch.Tensor,
@@ -268,10 +372,31 @@ def _unnormalized_softmax_(x: torch.Tensor) -> None:
     x.sub_(x.amax(dim=-1, keepdim=True)).exp_()
 
 
+def _zero_below(probs: torch.Tensor, threshold: torch.Tensor) -> None:
+    """probs[r, v] = 0 where probs[r, v] < threshold[r] (float32 probs, threshold [R]).
+    One fused in-place pass per row (F.threshold_ keeps x > t, so t is the float just below)."""
+    below = torch.nextafter(threshold.to(probs.dtype), torch.tensor(float("-inf"), dtype=probs.dtype))
+    for r, (t, edge) in enumerate(zip(threshold.tolist(), below.tolist())):
+        if t > 0:
+            F.threshold_(probs[r], edge, 0.0)
+
+
+def _per_row(values: torch.Tensor, picked: list[int], probs: torch.Tensor) -> torch.Tensor:
+    """A threshold per row of probs: values for the picked rows, 0 (drops nothing) elsewhere."""
+    if len(picked) == probs.shape[0]:
+        return values
+    out = torch.zeros(probs.shape[0], dtype=probs.dtype, device=probs.device)
+    out[picked] = values
+    return out
+
+
 def _uniforms(generators: list[torch.Generator | None], device: torch.device) -> torch.Tensor:
     """One uniform per row in [0, 1): a seeded row draws its own from its generator, the others
     from the global RNG."""
-    out = torch.rand(len(generators), dtype=torch.float64)
+    out = torch.empty(len(generators), dtype=torch.float64)
+    unseeded = [j for j, generator in enumerate(generators) if generator is None]
+    if unseeded:
+        out[unseeded] = torch.rand(len(unseeded), dtype=torch.float64)
     for j, generator in enumerate(generators):
         if generator is not None:
             out[j] = torch.rand(1, dtype=torch.float64, generator=generator)[0]
@@ -280,13 +405,3 @@ def _uniforms(generators: list[torch.Generator | None], device: torch.device) ->
 
 def _token_tensor(tokens: Sequence[int], device: torch.device) -> torch.Tensor:
     return torch.as_tensor(list(tokens), dtype=torch.long, device=device)
-
-
-def _rows(x: torch.Tensor, picked: list[int]) -> torch.Tensor:
-    """x itself when every row is picked, else a copy of the picked rows."""
-    return x if len(picked) == x.shape[0] else x[picked]
-
-
-def _write_rows(x: torch.Tensor, picked: list[int], sub: torch.Tensor) -> None:
-    if sub is not x:
-        x[picked] = sub

@@ -28,7 +28,7 @@ NEAR_TIE = 1e-4
 
 
 def _prompts(tokenizer) -> list[list[int]]:
-    ids = tokenizer.encode(TEXT, add_special_tokens=False)
+    ids = tokenizer.encode(TEXT + " " + TEXT, add_special_tokens=False)
     assert len(ids) >= max(LENGTHS) + 4
     # Different offsets so the prompts do not share prefixes (prefix caching is tested elsewhere).
     return [ids[i % 5 : i % 5 + n] for i, n in enumerate(LENGTHS)]
