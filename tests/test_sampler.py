@@ -74,7 +74,7 @@ def test_repetition_penalty_matches_hand_computation():
     got = sampler.processed_logits(logits, [r])
     # Seen tokens 0, 1, 4 (once each, however often they occur): positive / 2, negative * 2.
     expected = torch.tensor([[1.0, -2.0, 0.5, 3.0, -4.0, 1.0]])
-    assert got.tolist() == pytest.approx(expected.tolist())
+    assert got[0].tolist() == pytest.approx(expected[0].tolist())
     assert torch.equal(logits, torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0, 1.0]]))  # input untouched
 
 
@@ -94,7 +94,7 @@ def test_presence_and_frequency_penalties_count_output_tokens_only():
     r = row(params, prompt=[0, 0, 0], output=[3, 1, 3, 3])
     got = sampler.processed_logits(logits, [r])
     expected = torch.tensor([[1.0, 1.0 - 0.5 - 0.25, 1.0, 1.0 - 0.5 - 0.75, 1.0]])
-    assert got.tolist() == pytest.approx(expected.tolist())
+    assert got[0].tolist() == pytest.approx(expected[0].tolist())
 
 
 def test_penalties_compose_in_order():
@@ -105,7 +105,7 @@ def test_penalties_compose_in_order():
     r = row(params, prompt=[0], output=[1, 1])
     # token 0: 2 / 2 = 1. token 1: (-1 + 3) / 2 - 1 - 0.5 * 2 = -1. token 2: untouched.
     expected = torch.tensor([[1.0, -1.0, 4.0]])
-    assert sampler.processed_logits(logits, [r]).tolist() == pytest.approx(expected.tolist())
+    assert sampler.processed_logits(logits, [r])[0].tolist() == pytest.approx(expected[0].tolist())
 
 
 def test_min_tokens_bans_eos_and_stop_token_ids_until_reached():

@@ -122,6 +122,27 @@ class LLMEngine:
         return ids
 
     # ---- requests ----------------------------------------------------------------------------
+    def check_request(
+        self, prompt: str | list[int], sampling: SamplingParams, depth: DepthParams | None = None
+    ) -> tuple[str | None, list[int], int]:
+        """Validate a request without touching engine state. Returns (text, token ids, max_tokens).
+
+        Raises a typed `InvalidRequestError` subclass for anything wrong with it.
+        """
+        (depth or DepthParams()).validate(self.model.depth_knobs(), self.model_name)
+        sampling.validate()
+        sampling.check_vocab(self.vocab_size)
+        prompt_text, token_ids = self._tokenize(prompt)
+        if len(token_ids) > self.max_model_len or (len(token_ids) == self.max_model_len and sampling.max_tokens):
+            raise PromptTooLongError(
+                f"the prompt has {len(token_ids)} tokens; this model's context is {self.max_model_len} tokens"
+            )
+        room = self.max_model_len - len(token_ids)
+        max_tokens = room if sampling.max_tokens is None else min(sampling.max_tokens, room)
+        if not self.block_manager.fits_ever(self.model.cache_layout(depth or DepthParams()), len(token_ids) + max_tokens):
+            raise CacheCapacityError("the KV cache can never hold this request; lower max_tokens")
+        return prompt_text, token_ids, max_tokens
+
     def add_request(
         self,
         request_id: str,
@@ -132,19 +153,8 @@ class LLMEngine:
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         depth = depth or DepthParams()
-        depth.validate(self.model.depth_knobs(), self.model_name)
-        sampling.validate()
-        sampling.check_vocab(self.vocab_size)
-        prompt_text, token_ids = self._tokenize(prompt)
-        if len(token_ids) > self.max_model_len or (len(token_ids) == self.max_model_len and sampling.max_tokens):
-            raise PromptTooLongError(
-                f"the prompt has {len(token_ids)} tokens; this model's context is {self.max_model_len} tokens"
-            )
-        room = self.max_model_len - len(token_ids)
-        max_tokens = room if sampling.max_tokens is None else min(sampling.max_tokens, room)
+        prompt_text, token_ids, max_tokens = self.check_request(prompt, sampling, depth)
         layout = self.model.cache_layout(depth)
-        if not self.block_manager.fits_ever(layout, len(token_ids) + max_tokens):
-            raise CacheCapacityError("the KV cache can never hold this request; lower max_tokens")
         request = _Request(request_id, prompt_text, token_ids, sampling)
         for index in range(sampling.n):
             seq = Sequence(request_id, index, list(token_ids), sampling, depth, layout, max_tokens)
@@ -187,6 +197,21 @@ class LLMEngine:
     @property
     def num_unfinished_requests(self) -> int:
         return len(self._requests)
+
+    def stats(self) -> dict:
+        """Counters and gauges for metrics and health pages."""
+        bm = self.block_manager
+        page_bytes = ModelRunner.page_bytes(self.args.block_size, self.model.head_dim, self.dtype)
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_preemptions": self.scheduler.num_preemptions,
+            "kv_pages_total": bm.num_pages,
+            "kv_pages_used": bm.num_used_pages,
+            "kv_bytes_used_by_kind": {kind.value: n * page_bytes for kind, n in bm.used_pages_by_kind().items()},
+            "prefix_cache_queries": bm.prefix_queries,
+            "prefix_cache_hits": bm.prefix_hits,
+        }
 
     # ---- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

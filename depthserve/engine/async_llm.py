@@ -1,0 +1,199 @@
+"""The engine behind the HTTP server: the step loop runs in a background thread and each
+request gets an async stream of its outputs.
+
+Threading model: only the engine thread touches the engine. Callers put commands (add,
+abort) on a queue that the thread drains between steps; outputs travel back to each
+request's asyncio queue with `loop.call_soon_threadsafe`. Torch releases the GIL inside its
+ops, so the event loop stays responsive while a step runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from depthserve.config import EngineArgs
+from depthserve.depth import DepthParams
+from depthserve.engine.llm_engine import LLMEngine
+from depthserve.errors import DepthServeError, EngineDeadError
+from depthserve.outputs import RequestOutput
+from depthserve.sampling_params import SamplingParams
+
+logger = logging.getLogger("depthserve.async_llm")
+
+
+class QueueFullError(DepthServeError):
+    """Too many requests are waiting; retry later (HTTP 503 with Retry-After)."""
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    arrival: float = field(default_factory=time.monotonic)
+
+
+_ADD, _ABORT, _STOP = "add", "abort", "stop"
+
+
+class AsyncLLM:
+    """`async for out in llm.generate(prompt, params, depth, request_id): ...` yields cumulative outputs."""
+
+    def __init__(self, engine: LLMEngine, max_waiting_requests: int = 256):
+        self.engine = engine
+        self.max_waiting_requests = max_waiting_requests
+        self._commands: queue.Queue = queue.Queue()
+        self._streams: dict[str, _Stream] = {}
+        self._lock = threading.Lock()
+        self._wakeup = threading.Event()
+        self._dead: BaseException | None = None
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="depthserve-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs, max_waiting_requests: int = 256) -> "AsyncLLM":
+        return cls(LLMEngine(args), max_waiting_requests)
+
+    # ---- state the server reads ---------------------------------------------------------
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def model_name(self) -> str:
+        return self.engine.model_name
+
+    @property
+    def is_healthy(self) -> bool:
+        return self._dead is None and self._thread.is_alive() and not self._stopping
+
+    @property
+    def num_requests(self) -> int:
+        with self._lock:
+            return len(self._streams)
+
+    # ---- requests ---------------------------------------------------------------------------
+    async def generate(
+        self,
+        prompt: str | list[int],
+        sampling_params: SamplingParams,
+        depth: DepthParams | None,
+        request_id: str,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream the request's outputs. Cancelling or closing the iterator aborts the request.
+
+        Invalid requests raise their typed error before anything is queued.
+        """
+        self.engine.check_request(prompt, sampling_params, depth)
+        stream = self._open(request_id)
+        self._send((_ADD, request_id, prompt, sampling_params, depth))
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._close(request_id)
+            if not finished:
+                self._send((_ABORT, request_id))
+
+    async def abort(self, request_id: str) -> None:
+        self._send((_ABORT, request_id))
+
+    def _open(self, request_id: str) -> _Stream:
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine loop has stopped: {self._dead!r}")
+        if self._stopping:
+            raise EngineDeadError("the server is shutting down")
+        with self._lock:
+            if request_id in self._streams:
+                raise DepthServeError(f"request id {request_id!r} is already in use")
+            waiting = len(self._streams) - len(self.engine.scheduler.running)
+            if waiting >= self.max_waiting_requests:
+                raise QueueFullError(f"{waiting} requests are waiting; try again later")
+            stream = _Stream(loop=asyncio.get_running_loop())
+            self._streams[request_id] = stream
+        return stream
+
+    def _close(self, request_id: str) -> None:
+        with self._lock:
+            self._streams.pop(request_id, None)
+
+    def _send(self, command: tuple) -> None:
+        self._commands.put(command)
+        self._wakeup.set()
+
+    def _deliver(self, request_id: str, item) -> None:
+        with self._lock:
+            stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+    async def shutdown(self, grace_seconds: float = 5.0) -> None:
+        """Stop taking requests, let running ones finish for up to `grace_seconds`, abort the rest."""
+        self._stopping = True
+        deadline = time.monotonic() + grace_seconds
+        while self.num_requests and time.monotonic() < deadline and self._thread.is_alive():
+            await asyncio.sleep(0.05)
+        with self._lock:
+            remaining = list(self._streams)
+        for request_id in remaining:
+            self._send((_ABORT, request_id))
+            self._deliver(request_id, EngineDeadError("the server shut down before the request finished"))
+        self._send((_STOP,))
+        await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 10)
+
+    # ---- the engine thread ----------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                if not self._drain_commands():
+                    return
+                if not self.engine.has_unfinished_requests():
+                    self._wakeup.wait(timeout=0.1)
+                    self._wakeup.clear()
+                    continue
+                for out in self.engine.step():
+                    self._deliver(out.request_id, out)
+        except BaseException as exc:  # the loop died: fail every request at once
+            logger.exception("engine loop failed")
+            self._dead = exc
+            with self._lock:
+                ids = list(self._streams)
+            for request_id in ids:
+                self._deliver(request_id, EngineDeadError(f"the engine loop failed: {exc!r}"))
+
+    def _drain_commands(self) -> bool:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+            kind = command[0]
+            if kind == _STOP:
+                for request_id in list(self.engine._requests):
+                    self.engine.abort_request(request_id)
+                return False
+            if kind == _ABORT:
+                out = self.engine.abort_request(command[1])
+                if out is not None:
+                    self._deliver(command[1], out)
+                continue
+            _, request_id, prompt, params, depth = command
+            try:
+                self.engine.add_request(request_id, prompt, params, depth)
+            except DepthServeError as exc:
+                self._deliver(request_id, exc)
