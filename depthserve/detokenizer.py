@@ -21,7 +21,8 @@ class IncrementalDetokenizer:
                  stop: Sequence[str] = (), include_stop_str_in_output: bool = False):
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
-        self._stops = [s for s in (stop or ()) if s]
+        stops = [stop] if isinstance(stop, str) else list(stop or ())
+        self._stops = [s for s in stops if s]
         self._max_stop_len = max((len(s) for s in self._stops), default=0)
         self._include_stop = include_stop_str_in_output
         self._ids = self._initial_context(list(prompt_token_ids))

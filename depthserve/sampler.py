@@ -250,7 +250,7 @@ def apply_top_p(probs: torch.Tensor, top_p: list[float]) -> None:
     _zero_below(probs, _per_row(cutoff, picked, probs))
 
 
-_TOP_P_FIRST_K = 100000
+_TOP_P_FIRST_K = 64
 # Histogram bins by float32 bit pattern: for p >= 0 the int32 view grows with p, so the top bits
 # of (bits(max) - bits(p)) measure log2(max / p): 2**(23 - _BIN_SHIFT) bins per halving of p.
 _BIN_SHIFT = 19  # 16 bins per factor of 2
