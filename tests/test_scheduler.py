@@ -492,15 +492,21 @@ def test_preempted_sequence_returns_to_the_front_of_the_queue(sim):
 def test_preempted_sequence_is_recomputed_in_chunks_without_sampling_early(sim):
     s = sim(12, block_size=2, budget=3, prefix_caching=False)
     a = make_seq("a", 2, 18)  # 20 tokens: 10 pages at most
-    b = make_seq("b", 2, 8)
+    b = make_seq("b", 2, 14)  # 16 tokens: 8 pages; both together outgrow the 12-page pool
     s.add(a, b)
-    while not b.num_preemptions:
+    for _ in range(100):
+        if b.num_preemptions:
+            break
         s.step()
+    assert b.num_preemptions == 1 and not b.finished
     assert b.num_tokens > 3  # more than one budget: recomputed over several steps
     back = []
-    while not b.finished:
+    for _ in range(200):
+        if b.finished:
+            break
         out = s.step()
         back += [item for item in out.scheduled if item.seq is b]
+    assert b.finished
     chunks = [(item.start, item.num_tokens, item.samples) for item in back]
     recompute = [c for c in chunks if c[0] < chunks[-1][0] and not c[2]]
     assert len(recompute) >= 2 and recompute[0][0] == 0
@@ -516,14 +522,15 @@ def test_release_when_chunking_is_disabled_and_the_prompt_does_not_fit_the_budge
     decoders = [make_seq(f"d{i}", 1, 8) for i in range(6)]
     s.add(*decoders)
     s.step()
-    p = make_seq("p", list(range(1, 17)), 1)  # 12 tokens left after its cached blocks; 10 of budget
+    # 16 tokens cached from warm, 12 left to compute: more than the 10 of budget the decoders leave.
+    p = make_seq("p", list(range(1, 17)) + list(range(100, 112)), 1)
     s.add(p)
     for _ in range(3):
         out = s.step()
         assert all(item.seq is not p for item in out.scheduled)
         assert s.sched.waiting[0] is p and s.bm.pages_held(p) == 0 and p.num_computed_tokens == 0
     s.run()
-    assert p.num_cached_tokens == 12
+    assert p.num_cached_tokens == 16
     s.assert_all_done()
 
 

@@ -1,0 +1,156 @@
+"""Offline throughput: prefill and decode tokens/s, engine vs transformers, same weights, one run.
+
+    python bench/throughput.py                      # SmolLM2, concurrency 1, 8, 32, input 128, output 64
+    python bench/throughput.py --quick              # a fast smoke version (make bench)
+    python bench/throughput.py --model DIR --batch-sizes 1,64,256 --device cuda
+
+Method (the same for both systems): a batch of `concurrency` prompts of `input_len` random
+tokens is generated greedily with EOS ignored, once with 1 new token and once with
+`output_len + 1`. Prefill tokens/s = prompt tokens / t(1). Decode tokens/s =
+concurrency * output_len / (t(output_len + 1) - t(1)), so prefill is subtracted out the same
+way for both. Each time is the median of `--repeats` runs after one warm-up run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--batch-sizes", default="1,8,32", help="comma-separated concurrency levels")
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto")
+    p.add_argument("--threads", type=int, default=None, help="torch threads for both systems (CPU)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="engine per-step token budget")
+    p.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    p.add_argument("--quick", action="store_true", help="concurrency 1 and 8, output 16, 1 repeat")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="result name under bench/results (default: throughput-<device>)")
+    ns = p.parse_args(argv)
+    if ns.quick:
+        ns.batch_sizes, ns.output_len, ns.repeats = "1,8", 16, 1
+    return ns
+
+
+def random_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    # Skip the lowest ids: SmolLM2 keeps its special tokens there.
+    return torch.randint(100, vocab, (count, length), generator=gen).tolist()
+
+
+class EngineRunner:
+    name = "engine"
+
+    def __init__(self, ns: argparse.Namespace, max_batch: int):
+        from depthserve import LLM
+
+        extra = {}
+        if ns.max_num_batched_tokens:
+            extra["max_num_batched_tokens"] = ns.max_num_batched_tokens
+        # Prefix caching off: every repeat must prefill its prompts again.
+        self.llm = LLM(ns.model, dtype=ns.dtype, device=ns.device, num_threads=ns.threads,
+                       max_num_seqs=max(max_batch, 1), enable_prefix_caching=False,
+                       max_model_len=ns.input_len + ns.output_len + 8, load_progress=False, **extra)
+        self.device = self.llm.engine.device
+        self.dtype = self.llm.engine.dtype
+        self.vocab_size = self.llm.engine.vocab_size
+
+    def generate(self, prompts: list[list[int]], new_tokens: int) -> None:
+        from depthserve import SamplingParams
+
+        params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+        outs = self.llm.generate(prompts, params)
+        assert all(len(o.token_ids) == new_tokens for o in outs)
+
+
+class HFRunner:
+    name = "hf"
+
+    def __init__(self, ns: argparse.Namespace, device: torch.device, dtype: torch.dtype):
+        self.model = common.load_hf_model(ns.model, dtype, str(device))
+        self.device = device
+
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]], new_tokens: int) -> None:
+        ids = torch.tensor(prompts, device=self.device)  # equal lengths: no padding needed
+        out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                                  min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, eos_token_id=None)
+        assert out.shape[1] == ids.shape[1] + new_tokens
+
+
+def measure(runner, prompts: list[list[int]], output_len: int, repeats: int, sync) -> dict:
+    runner.generate(prompts, output_len + 1)  # warm-up (allocations, kernel choice)
+    t_first, first_samples = common.median_time(lambda: runner.generate(prompts, 1), repeats, sync)
+    t_full, full_samples = common.median_time(lambda: runner.generate(prompts, output_len + 1), repeats, sync)
+    concurrency, input_len = len(prompts), len(prompts[0])
+    decode_seconds = max(t_full - t_first, 1e-9)
+    return {
+        "prefill_tok_s": concurrency * input_len / t_first,
+        "decode_tok_s": concurrency * output_len / decode_seconds,
+        "decode_ms_per_step": 1000 * decode_seconds / output_len,
+        "t_1_token_s": first_samples,
+        f"t_{output_len + 1}_tokens_s": full_samples,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = parse_args(argv)
+    if ns.threads:
+        torch.set_num_threads(ns.threads)
+    batch_sizes = [int(b) for b in ns.batch_sizes.split(",")]
+    engine = EngineRunner(ns, max(batch_sizes))
+    sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
+    hf = None if ns.no_hf else HFRunner(ns, engine.device, engine.dtype)
+
+    rows = []
+    for concurrency in batch_sizes:
+        prompts = random_prompts(concurrency, ns.input_len, engine.vocab_size, ns.seed + concurrency)
+        row: dict = {"concurrency": concurrency}
+        e = measure(engine, prompts, ns.output_len, ns.repeats, sync)
+        row.update({"engine_decode_tok_s": e["decode_tok_s"], "engine_prefill_tok_s": e["prefill_tok_s"]})
+        if hf is not None:
+            h = measure(hf, prompts, ns.output_len, ns.repeats, sync)
+            row.update({
+                "hf_decode_tok_s": h["decode_tok_s"], "hf_prefill_tok_s": h["prefill_tok_s"],
+                "decode_ratio": e["decode_tok_s"] / h["decode_tok_s"],
+                "prefill_ratio": e["prefill_tok_s"] / h["prefill_tok_s"],
+            })
+        row["raw"] = {"engine": e, **({"hf": h} if hf is not None else {})}
+        rows.append(row)
+        print(_format_row(row), flush=True)
+
+    payload = {
+        "benchmark": "throughput",
+        "settings": {k: v for k, v in vars(ns).items()},
+        "engine": {"device": str(engine.device), "dtype": str(engine.dtype).replace("torch.", "")},
+        "environment": common.environment(str(engine.device), ns.threads),
+        "rows": rows,
+    }
+    name = ns.out or f"throughput-{common.device_slug(str(engine.device))}" + ("-quick" if ns.quick else "")
+    print(f"wrote {common.write_result(name, payload)}")
+    return 0
+
+
+def _format_row(row: dict) -> str:
+    text = (f"concurrency {row['concurrency']:>3}: engine prefill {row['engine_prefill_tok_s']:8.1f} tok/s, "
+            f"decode {row['engine_decode_tok_s']:7.1f} tok/s")
+    if "hf_decode_tok_s" in row:
+        text += (f" | transformers prefill {row['hf_prefill_tok_s']:8.1f}, decode {row['hf_decode_tok_s']:7.1f}"
+                 f" | decode ratio {row['decode_ratio']:.2f}, prefill ratio {row['prefill_ratio']:.2f}")
+    return text
+
+
+if __name__ == "__main__":
+    sys.exit(main())
