@@ -89,3 +89,78 @@ def paged_prefill_attention(
         mask = key_pos[None, :] <= query_pos[:, None]
         out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa)
     return out.transpose(0, 1)
+
+
+def paged_prefill_attention_varlen(
+    q: torch.Tensor,  # [total_queries, num_q_heads, head_dim], packed by sequence
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    page_tables: torch.Tensor,  # [num_seqs, num_kv_heads, num_blocks]
+    query_starts: torch.Tensor,  # [num_seqs + 1] row of each sequence's first query
+    context_lens: torch.Tensor,  # [num_seqs] keys visible to each sequence's last query
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of several packed prompt chunks, each over its own sequence's cache."""
+    out = torch.empty_like(q)
+    starts = query_starts.tolist()
+    for i, context_len in enumerate(context_lens.tolist()):
+        rows = slice(starts[i], starts[i + 1])
+        if rows.start < rows.stop:
+            out[rows] = paged_prefill_attention(q[rows], k_pages, v_pages, page_tables[i], context_len, scale)
+    return out
+
+
+def itt_route(
+    y: torch.Tensor,  # [rows, d] states entering an ITT step
+    router_weight: torch.Tensor,  # [d]
+    router_bias: float,
+    thresholds: torch.Tensor,  # [rows] fp32; +inf where the row's request has the step off
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Router score s = sigmoid(r·y + b) in fp32 and causal threshold selection (s >= tau).
+
+    Returns (scores [rows] fp32, slot_of_row [rows] int32: the row's index among the selected
+    rows, -1 if skipped, -2 if the step is off for it, selected_rows [selected] int64 in order).
+    """
+    scores = torch.sigmoid(y.float() @ router_weight.float() + router_bias)
+    enabled = thresholds < float("inf")
+    selected = (scores >= thresholds) & enabled
+    rank = torch.cumsum(selected.to(torch.int32), dim=0) - 1
+    off = torch.full_like(rank, -2, dtype=torch.int32)
+    slot_of_row = torch.where(selected, rank.to(torch.int32), torch.where(enabled, off + 1, off))
+    return scores, slot_of_row, selected.nonzero().squeeze(1)
+
+
+def itt_update(
+    y: torch.Tensor,  # [rows, d], updated in place
+    step_out: torch.Tensor,  # [selected, d] f_t(y) of the selected rows, in selection order
+    slot_of_row: torch.Tensor,  # [rows] from itt_route
+    scores: torch.Tensor,  # [rows] fp32
+    phi: torch.Tensor,  # [d] step encoding phi_t
+    alpha: float,
+    skip_rule: str,  # "paper": y += y * phi_t for skipped rows; "identity": unchanged
+) -> None:
+    """ITT step update (depth-semantics 2): selected y += alpha * s * f_t(y) * phi_t."""
+    selected = slot_of_row >= 0
+    rows = selected.nonzero().squeeze(1)
+    if len(rows):
+        gain = (alpha * scores[rows]).unsqueeze(1) * step_out[slot_of_row[rows].long()].float() * phi.float()
+        y[rows] = (y[rows].float() + gain).to(y.dtype)
+    if skip_rule == "paper":
+        skipped = (slot_of_row == -1).nonzero().squeeze(1)
+        if len(skipped):
+            y[skipped] = (y[skipped].float() * (1 + phi.float())).to(y.dtype)
+
+
+def depth_attention(
+    q: torch.Tensor,  # [tokens, heads, d]
+    k_cache: torch.Tensor,  # [tokens, max_depth, heads, d] each token's own depth states
+    v_cache: torch.Tensor,
+    num_valid: torch.Tensor,  # [tokens] depth entries each token has written (>= 1)
+    scale: float,
+) -> torch.Tensor:
+    """Each token attends over its own first num_valid depth states (Dreamer DA)."""
+    scores = torch.einsum("thd,tjhd->thj", q.float(), k_cache.float()) * scale
+    beyond = torch.arange(k_cache.shape[1], device=q.device)[None, :] >= num_valid[:, None]
+    scores.masked_fill_(beyond[:, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("thj,tjhd->thd", probs, v_cache.float()).to(q.dtype)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -15,6 +15,15 @@ class PrefillSeqMeta:
     num_tokens: int
     context_len: int  # keys visible to its last query
     page_table: torch.Tensor  # [num_blocks, row_width]
+
+
+@dataclass
+class PackedPrefills:
+    """The step's prefill chunks as one varlen batch (built once per step, shared by every layer)."""
+
+    page_tables: torch.Tensor  # [num_seqs, max_blocks, row_width], padded with page 0
+    query_starts: torch.Tensor  # [num_seqs + 1]
+    context_lens: torch.Tensor  # [num_seqs]
 
 
 @dataclass
@@ -33,10 +42,28 @@ class AttentionMetadata:
     num_prefill_tokens: int
     decode_page_table: torch.Tensor | None  # [num_decodes, max_blocks, row_width]
     decode_context_lens: torch.Tensor | None  # [num_decodes]
+    _packed: PackedPrefills | None = field(default=None, repr=False)
 
     @property
     def num_decodes(self) -> int:
         return 0 if self.decode_context_lens is None else int(self.decode_context_lens.shape[0])
+
+    def packed_prefills(self) -> PackedPrefills:
+        if self._packed is None:
+            device = self.slot_index.device
+            max_blocks = max(seq.page_table.shape[0] for seq in self.prefills)
+            width = self.prefills[0].page_table.shape[1]
+            tables = torch.zeros(len(self.prefills), max_blocks, width, dtype=self.prefills[0].page_table.dtype,
+                                 device=device)
+            for i, seq in enumerate(self.prefills):
+                tables[i, : seq.page_table.shape[0]] = seq.page_table
+            starts = [seq.token_start for seq in self.prefills] + [self.num_prefill_tokens]
+            self._packed = PackedPrefills(
+                page_tables=tables,
+                query_starts=torch.tensor(starts, dtype=torch.int32, device=device),
+                context_lens=torch.tensor([seq.context_len for seq in self.prefills], dtype=torch.int32, device=device),
+            )
+        return self._packed
 
 
 @dataclass
@@ -59,10 +86,13 @@ def paged_attention(
     """Store the step's keys/values in the slot, then attend causally. Returns [num_tokens, num_q_heads, head_dim]."""
     ops.store_kv(k, v, pool.k_pages, pool.v_pages, meta.slot_index[:, slot_columns])
     out = torch.empty_like(q)
-    for seq in meta.prefills:
-        rows = slice(seq.token_start, seq.token_start + seq.num_tokens)
-        table = seq.page_table[:, slot_columns].transpose(0, 1)  # [kv_heads, blocks]
-        out[rows] = ops.paged_prefill_attention(q[rows], pool.k_pages, pool.v_pages, table, seq.context_len, scale)
+    if meta.prefills:
+        rows = slice(0, meta.num_prefill_tokens)
+        packed = meta.packed_prefills()
+        tables = packed.page_tables[:, :, slot_columns].transpose(1, 2)  # [seqs, kv_heads, blocks]
+        out[rows] = ops.paged_prefill_attention_varlen(
+            q[rows], pool.k_pages, pool.v_pages, tables, packed.query_starts, packed.context_lens, scale
+        )
     if meta.num_decodes:
         rows = slice(meta.num_prefill_tokens, meta.num_tokens)
         table = meta.decode_page_table[:, :, slot_columns].transpose(1, 2)  # [batch, kv_heads, blocks]

@@ -1,0 +1,175 @@
+"""Every Triton kernel against its torch fallback, on small shapes, under TRITON_INTERPRET=1 on CPU
+(or natively where a GPU is present). Shapes cover ragged lengths, padding rows, GQA, head
+subsets (page-table rows repeated per query head), empty and full selections."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the kernels' import
+triton = pytest.importorskip("triton", reason="triton is not installed (pip install '.[test]')")
+
+from depthserve.kernels import torch_ops, triton_ops  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# fp32 everywhere: IEEE dot products on both paths, so only summation order differs.
+ATOL = 2e-5
+
+
+def make_pool(num_pages: int, block_size: int, head_dim: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    k = torch.randn(num_pages, block_size, head_dim, generator=gen)
+    v = torch.randn(num_pages, block_size, head_dim, generator=gen)
+    return k.to(DEVICE), v.to(DEVICE)
+
+
+def random_tables(batch: int, kv_heads: int, blocks: int, num_pages: int, seed: int) -> torch.Tensor:
+    """Distinct pages per (sequence, head, block), in scrambled order (as a real pool looks)."""
+    gen = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(num_pages, generator=gen)[: batch * kv_heads * blocks]
+    # Laid out [batch, blocks, heads] and viewed transposed, as the engine's page tables are.
+    return perm.view(batch, blocks, kv_heads).to(DEVICE).transpose(1, 2)
+
+
+def test_store_kv_skips_padding_rows():
+    k_pages, v_pages = make_pool(6, 4, 8)
+    expected_k, expected_v = k_pages.clone(), v_pages.clone()
+    k = torch.randn(5, 2, 8, device=DEVICE)
+    v = torch.randn(5, 2, 8, device=DEVICE)
+    index = torch.tensor([[0, 4], [1, 5], [-1, -1], [9, 13], [23, -1]], device=DEVICE)
+    torch_ops.store_kv(k, v, expected_k, expected_v, index)
+    triton_ops.store_kv(k, v, k_pages, v_pages, index)
+    assert torch.equal(k_pages, expected_k) and torch.equal(v_pages, expected_v)
+    assert not torch.equal(k_pages, make_pool(6, 4, 8)[0])  # something was written
+
+
+@pytest.mark.parametrize(
+    "batch, q_heads, kv_heads, block_size, lens, tiles_per_split",
+    [
+        (3, 4, 4, 4, [1, 7, 16], None),  # MHA, ragged, a context of one key
+        (2, 6, 2, 8, [33, 70], None),  # GQA 3:1, several tiles
+        (2, 6, 2, 8, [33, 70], 1),  # the same with split-K: one tile per split
+        (4, 3, 3, 2, [5, 64, 9, 100], 2),  # a head subset laid out as one table row per query head
+        (1, 9, 3, 16, [130], 1),  # SmolLM2's heads, several splits, last split partly empty
+    ],
+)
+def test_paged_decode_attention_matches_torch(batch, q_heads, kv_heads, block_size, lens, tiles_per_split):
+    head_dim = 16
+    max_blocks = -(-max(lens) // block_size) + 1  # one padding block column
+    num_pages = batch * kv_heads * max_blocks + 3
+    k_pages, v_pages = make_pool(num_pages, block_size, head_dim, seed=batch)
+    table = random_tables(batch, kv_heads, max_blocks, num_pages, seed=len(lens))
+    q = torch.randn(batch, q_heads, head_dim, device=DEVICE)
+    context_lens = torch.tensor(lens, device=DEVICE)
+    expected = torch_ops.paged_decode_attention(q, k_pages, v_pages, table, context_lens, 0.3)
+    got = triton_ops.paged_decode_attention(q, k_pages, v_pages, table, context_lens, 0.3, tiles_per_split)
+    torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
+
+
+def test_decode_splits_grow_with_context_and_shrink_with_batch():
+    few = triton.cdiv(4096, 32) // triton_ops.decode_splits(1, 1, 4096)
+    many = triton.cdiv(4096, 32) // triton_ops.decode_splits(256, 8, 4096)
+    assert few > many >= 1
+
+
+@pytest.mark.parametrize(
+    "chunks, q_heads, kv_heads, block_size",
+    [
+        ([(5, 5), (40, 40), (1, 1)], 4, 2, 4),  # fresh prompts of ragged length, GQA
+        ([(8, 20), (33, 45)], 6, 3, 8),  # later chunks over earlier chunks / prefix-cache hits
+        ([(70, 70), (3, 77)], 2, 2, 16),  # more queries than one tile
+    ],
+)
+def test_varlen_prefill_attention_matches_torch(chunks, q_heads, kv_heads, block_size):
+    head_dim = 16
+    max_blocks = -(-max(c for _, c in chunks) // block_size)
+    num_pages = len(chunks) * kv_heads * max_blocks + 2
+    k_pages, v_pages = make_pool(num_pages, block_size, head_dim, seed=7)
+    tables = random_tables(len(chunks), kv_heads, max_blocks, num_pages, seed=3)
+    counts = [n for n, _ in chunks]
+    starts = torch.tensor([0] + list(torch.tensor(counts).cumsum(0)), device=DEVICE)
+    context_lens = torch.tensor([c for _, c in chunks], device=DEVICE)
+    q = torch.randn(sum(counts), q_heads, head_dim, device=DEVICE)
+    args = (q, k_pages, v_pages, tables, starts, context_lens, 0.25)
+    torch.testing.assert_close(triton_ops.paged_prefill_attention_varlen(*args),
+                               torch_ops.paged_prefill_attention_varlen(*args), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("case", ["mixed", "none_selected", "all_selected", "step_off_for_some"])
+def test_itt_route_and_update_match_torch(case):
+    rows, dim = 150, 24  # more rows than one routing tile
+    gen = torch.Generator().manual_seed(1)
+    y = torch.randn(rows, dim, generator=gen).to(DEVICE)
+    weight = torch.randn(dim, generator=gen).to(DEVICE)
+    thresholds = {
+        "mixed": torch.rand(rows, generator=gen),
+        "none_selected": torch.full((rows,), 1.5),
+        "all_selected": torch.full((rows,), float("-inf")),
+        "step_off_for_some": torch.where(torch.arange(rows) % 3 == 0, float("inf"), 0.5),
+    }[case].to(DEVICE)
+    expected = torch_ops.itt_route(y, weight, 0.1, thresholds)
+    got = triton_ops.itt_route(y, weight, 0.1, thresholds)
+    torch.testing.assert_close(got[0], expected[0], atol=1e-6, rtol=0)
+    assert torch.equal(got[1].cpu(), expected[1].cpu())
+    assert torch.equal(got[2].cpu(), expected[2].cpu())
+    num_selected = len(expected[2])
+    assert num_selected == {"none_selected": 0, "all_selected": rows}.get(case, num_selected)
+    if case == "step_off_for_some":
+        assert bool((expected[1][::3] == -2).all())
+
+    step_out = torch.randn(num_selected, dim, generator=gen).to(DEVICE)
+    phi = torch.randn(dim, generator=gen).to(DEVICE)
+    for skip_rule in ("paper", "identity"):
+        y_ref, y_kernel = y.clone(), y.clone()
+        torch_ops.itt_update(y_ref, step_out, expected[1], expected[0], phi, 0.7, skip_rule)
+        triton_ops.itt_update(y_kernel, step_out, got[1], got[0], phi, 0.7, skip_rule)
+        torch.testing.assert_close(y_kernel, y_ref, atol=ATOL, rtol=0)
+        off = expected[1] == -2
+        assert torch.equal(y_kernel[off], y[off])  # a step that is off touches nothing
+
+
+def test_itt_update_follows_the_contract():
+    y = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]], device=DEVICE)
+    slot = torch.tensor([-1, 0, -2], dtype=torch.int32, device=DEVICE)
+    scores = torch.tensor([0.2, 0.5, 0.9], device=DEVICE)
+    phi = torch.tensor([0.5, -1.0], device=DEVICE)
+    f = torch.tensor([[10.0, 20.0]], device=DEVICE)
+    out = y.clone()
+    triton_ops.itt_update(out, f, slot, scores, phi, 2.0, "paper")
+    expected = torch.tensor([[1.5, 0.0], [3 + 2 * 0.5 * 10 * 0.5, 4 + 2 * 0.5 * 20 * -1.0], [5.0, 6.0]])
+    torch.testing.assert_close(out.cpu(), expected)
+
+
+@pytest.mark.parametrize("max_depth, heads", [(4, 1), (7, 2), (64, 1)])
+def test_depth_attention_matches_torch(max_depth, heads):
+    tokens, head_dim = 9, 16
+    gen = torch.Generator().manual_seed(max_depth)
+    q = torch.randn(tokens, heads, head_dim, generator=gen).to(DEVICE)
+    k = torch.randn(tokens, max_depth, heads, head_dim, generator=gen).to(DEVICE)
+    v = torch.randn(tokens, max_depth, heads, head_dim, generator=gen).to(DEVICE)
+    valid = torch.randint(1, max_depth + 1, (tokens,), generator=gen).to(DEVICE)
+    valid[0], valid[-1] = 1, max_depth
+    expected = torch_ops.depth_attention(q, k, v, valid, 0.25)
+    torch.testing.assert_close(triton_ops.depth_attention(q, k, v, valid, 0.25), expected, atol=ATOL, rtol=0)
+    k[0, 1:] = 1e4  # entries beyond a token's valid depth are never read
+    torch.testing.assert_close(triton_ops.depth_attention(q, k, v, valid, 0.25)[0], expected[0], atol=ATOL, rtol=0)
+
+
+def test_dispatch_picks_torch_on_cpu_and_triton_when_forced(monkeypatch):
+    from depthserve.kernels import dispatch
+
+    calls = []
+    monkeypatch.setattr(triton_ops, "depth_attention", lambda *a: calls.append("triton"))
+    q = torch.randn(2, 1, 4)
+    k = torch.randn(2, 3, 1, 4)
+    valid = torch.tensor([1, 3])
+    if DEVICE == "cpu":
+        dispatch.ops.depth_attention(q, k, k, valid, 1.0)
+        assert calls == []
+    with dispatch.force_triton():
+        dispatch.ops.depth_attention(q, k, k, valid, 1.0)
+    assert calls[-1] == "triton"
