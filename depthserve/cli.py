@@ -1,4 +1,4 @@
-"""`depthserve` command line: generate, models (and serve, once the server lands)."""
+"""`depthserve` command line: models, generate, serve (the HTTP server), chat (a terminal client)."""
 
 from __future__ import annotations
 
@@ -75,6 +75,69 @@ def _stream_one(llm, prompt, params, depth) -> None:
     sys.stdout.write("\n")
 
 
+def _depth_preset(text: str) -> tuple[str, dict]:
+    name, sep, settings = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError("a depth preset is NAME='{\"loops\": 2}'")
+    try:
+        value = json.loads(settings)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"depth preset {name!r} is not JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"depth preset {name!r} must be a JSON object")
+    return name, value
+
+
+def cmd_serve(ns: argparse.Namespace) -> int:
+    from depthserve.depth import DepthParams
+    from depthserve.engine.async_llm import AsyncLLM
+    from depthserve.server.app import run_server
+
+    presets = dict(ns.depth_preset or [])
+    llm = AsyncLLM.from_engine_args(engine_args_from(ns), max_waiting_requests=ns.max_waiting_requests)
+    for name, settings in presets.items():  # fail at start-up, not on the first request
+        DepthParams.from_dict(settings).validate(llm.engine.model.depth_knobs(), llm.model_name)
+    run_server(llm, ns.host, ns.port, ns.served_model_name, ns.api_key, presets, ns.log_level)
+    return 0
+
+
+def cmd_chat(ns: argparse.Namespace) -> int:
+    from depthserve.clients.client import DepthServeAPIError, DepthServeClient
+
+    depth = json.loads(ns.depth) if ns.depth else {}
+    try:
+        client = DepthServeClient(ns.url, api_key=ns.api_key, model=ns.model)
+    except Exception as exc:  # noqa: BLE001 - a CLI reports and exits
+        print(f"error: cannot reach {ns.url}: {exc}", file=sys.stderr)
+        return 2
+    messages: list[dict[str, str]] = []
+    if ns.system:
+        messages.append({"role": "system", "content": ns.system})
+    print(f"chatting with {client.model} at {ns.url} (Ctrl-D to quit)")
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            print()
+            return 0
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line})
+        reply = []
+        try:
+            for piece in client.chat(messages, stream=True, max_tokens=ns.max_tokens, temperature=ns.temperature,
+                                     **depth):
+                reply.append(piece)
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+        except DepthServeAPIError as exc:
+            print(f"\nerror: {exc}", file=sys.stderr)
+            messages.pop()
+            continue
+        print()
+        messages.append({"role": "assistant", "content": "".join(reply)})
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="depthserve", description="Serve adaptive-depth transformers.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -94,6 +157,28 @@ def build_parser() -> argparse.ArgumentParser:
     p_gen.add_argument("--stop", action="append")
     p_gen.add_argument("--depth", default=None, help='depth settings as JSON, e.g. \'{"loops": 2}\'')
     p_gen.set_defaults(func=cmd_generate)
+
+    p_serve = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
+    add_engine_args(p_serve)
+    p_serve.add_argument("--host", default="127.0.0.1")
+    p_serve.add_argument("--port", type=int, default=8000)
+    p_serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    p_serve.add_argument("--served-model-name", default=None, help="model id in the API (default: --model)")
+    p_serve.add_argument("--depth-preset", action="append", type=_depth_preset, metavar="NAME=JSON",
+                         help="extra model id <model>:NAME with these depth settings (repeatable)")
+    p_serve.add_argument("--max-waiting-requests", type=int, default=256, help="beyond this: HTTP 503")
+    p_serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p_serve.set_defaults(func=cmd_serve)
+
+    p_chat = sub.add_parser("chat", help="terminal chat with a running server (streams tokens)")
+    p_chat.add_argument("--url", default="http://127.0.0.1:8000")
+    p_chat.add_argument("--api-key", default=None)
+    p_chat.add_argument("--model", default=None, help="model id (default: the server's first)")
+    p_chat.add_argument("--system", default=None, help="system message")
+    p_chat.add_argument("--max-tokens", type=int, default=256)
+    p_chat.add_argument("--temperature", type=float, default=0.7)
+    p_chat.add_argument("--depth", default=None, help='depth knobs as JSON, e.g. \'{"loops": 2}\'')
+    p_chat.set_defaults(func=cmd_chat)
     return parser
 
 

@@ -1,0 +1,178 @@
+"""FastAPI app: routes, auth, request ids, error mapping; `run_server` starts uvicorn."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from depthserve.engine.async_llm import AsyncLLM, QueueFullError
+from depthserve.errors import DepthServeError, EngineDeadError, InvalidRequestError
+from depthserve.server.metrics import ServerMetrics
+from depthserve.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    error_body,
+)
+from depthserve.server.serving import ModelNotFoundError, OpenAIServing
+
+logger = logging.getLogger("depthserve.server")
+RETRY_AFTER_SECONDS = 1
+_OPEN_PATHS = ("/health", "/metrics")
+
+
+def _error(status: int, message: str, err_type: str, param: str | None = None,
+           headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, err_type, status, param), status_code=status, headers=headers)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    first = exc.errors()[0] if exc.errors() else {}
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    param = ".".join(loc) or None
+    message = first.get("msg", "invalid request").removeprefix("Value error, ")
+    if first.get("type") == "extra_forbidden":
+        message = f"unknown field '{param}'"
+    return (f"{param}: {message}" if param and first.get("type") != "extra_forbidden" else message), param
+
+
+def build_app(llm: AsyncLLM, served_model_name: str | None = None, api_key: str | None = None,
+              depth_presets: dict[str, dict] | None = None) -> FastAPI:
+    metrics = ServerMetrics(llm.engine.stats)
+    serving = OpenAIServing(llm, served_model_name or llm.model_name, depth_presets, metrics)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        await llm.shutdown()
+
+    app = FastAPI(title="depthserve", lifespan=lifespan)
+    app.state.serving = serving
+    app.state.metrics = metrics
+    app.state.llm = llm
+
+    @app.middleware("http")
+    async def request_id_and_auth(request: Request, call_next: Callable[[Request], Awaitable[Response]]):
+        request_id = request.headers.get("x-request-id") or f"req-{uuid.uuid4().hex}"
+        request.state.request_id = request_id
+        if api_key and request.url.path.startswith("/v1") and not _authorized(request, api_key):
+            response: Response = _error(401, "missing or wrong API key (Authorization: Bearer ...)",
+                                        "authentication_error")
+        else:
+            response = await call_next(request)
+        response.headers["X-Request-Id"] = request_id
+        logger.info("%s %s %s -> %d", request_id, request.method, request.url.path, response.status_code)
+        return response
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(_: Request, exc: RequestValidationError):
+        message, param = _validation_message(exc)
+        return _error(400, message, "invalid_request_error", param)
+
+    @app.exception_handler(InvalidRequestError)
+    async def on_invalid(_: Request, exc: InvalidRequestError):
+        return _error(400, str(exc), "invalid_request_error")
+
+    @app.exception_handler(ModelNotFoundError)
+    async def on_model_not_found(_: Request, exc: ModelNotFoundError):
+        return _error(404, str(exc.args[0]), "not_found_error", "model")
+
+    @app.exception_handler(QueueFullError)
+    async def on_queue_full(_: Request, exc: QueueFullError):
+        return _error(503, str(exc), "server_overloaded", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+
+    @app.exception_handler(EngineDeadError)
+    async def on_engine_dead(_: Request, exc: EngineDeadError):
+        return _error(503, str(exc), "service_unavailable")
+
+    @app.exception_handler(DepthServeError)
+    async def on_engine_error(_: Request, exc: DepthServeError):
+        return _error(400, str(exc), "invalid_request_error")
+
+    @app.get("/health")
+    async def health():
+        if llm.is_healthy:
+            return {"status": "ok"}
+        return _error(503, "the engine loop is not running", "service_unavailable")
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models():
+        return serving.list_models()
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        if body.model is not None:
+            serving.preset_depth(body.model)
+        return serving.tokenize(body.prompt, body.messages, body.add_special_tokens)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        return serving.detokenize(body.tokens)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        request_id = f"cmpl-{request.state.request_id}"
+        if body.stream:
+            jobs, params, depth = serving.completion_jobs(body)
+            return _stream(serving.completion_stream(body, request_id, jobs, params, depth))
+        return await _unless_disconnected(request, serving.completion(body, request_id))
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, request: Request):
+        request_id = f"chatcmpl-{request.state.request_id}"
+        if body.stream:
+            jobs, params, depth = serving.chat_jobs(body)
+            return _stream(serving.chat_stream(body, request_id, jobs, params, depth))
+        return await _unless_disconnected(request, serving.chat(body, request_id))
+
+    return app
+
+
+def _authorized(request: Request, api_key: str) -> bool:
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip(), api_key)
+
+
+def _stream(chunks: AsyncIterator[str]) -> StreamingResponse:
+    """SSE response; when the client goes away Starlette cancels the iteration, which aborts the request."""
+    return StreamingResponse(chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[dict]) -> dict | Response:
+    """Run a non-streaming request; abort it (freeing its cache) if the client disconnects."""
+    task = asyncio.ensure_future(work)
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=0.25)
+        if done:
+            return task.result()
+        if await request.is_disconnected():
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+            return Response(status_code=499)
+
+
+def run_server(llm: AsyncLLM, host: str, port: int, served_model_name: str | None = None,
+               api_key: str | None = None, depth_presets: dict[str, dict] | None = None,
+               log_level: str = "info") -> None:
+    import uvicorn
+
+    logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO))
+    app = build_app(llm, served_model_name, api_key, depth_presets)
+    uvicorn.run(app, host=host, port=port, log_level=log_level)

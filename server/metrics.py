@@ -1,0 +1,98 @@
+"""Prometheus metrics of the server (one registry per app, so tests can build several apps)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class _EngineCollector:
+    """Gauges read from the engine at scrape time (never stale, nothing to keep in sync)."""
+
+    def __init__(self, read_stats: Callable[[], dict]):
+        self._read_stats = read_stats
+
+    def collect(self):
+        stats = self._read_stats()
+        running = GaugeMetricFamily("depthserve_requests_running", "Sequences in the running batch")
+        running.add_metric([], stats["num_running"])
+        waiting = GaugeMetricFamily("depthserve_requests_waiting", "Sequences waiting for admission")
+        waiting.add_metric([], stats["num_waiting"])
+        preemptions = GaugeMetricFamily("depthserve_preemptions", "Preemptions (recompute) since start")
+        preemptions.add_metric([], stats["num_preemptions"])
+        pages = GaugeMetricFamily("depthserve_kv_pages_used", "KV cache pages in use")
+        pages.add_metric([], stats["kv_pages_used"])
+        total = GaugeMetricFamily("depthserve_kv_pages_total", "KV cache pages in the pool")
+        total.add_metric([], stats["kv_pages_total"])
+        by_kind = GaugeMetricFamily("depthserve_kv_bytes_used", "KV cache bytes in use by cache kind", labels=["kind"])
+        for kind, used in stats["kv_bytes_used_by_kind"].items():
+            by_kind.add_metric([kind], used)
+        yield from (running, waiting, preemptions, pages, total, by_kind)
+
+
+class ServerMetrics:
+    def __init__(self, read_stats: Callable[[], dict]):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("depthserve_requests", "Finished requests by outcome", ["outcome"], registry=r)
+        self.ttft = Histogram("depthserve_time_to_first_token_seconds", "Time to first token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("depthserve_inter_token_latency_seconds", "Time between streamed outputs",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("depthserve_e2e_request_latency_seconds", "Request latency, arrival to finish",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue = Histogram("depthserve_request_queue_seconds", "Arrival to first engine output (queue + prefill)",
+                               buckets=_LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("depthserve_prompt_tokens", "Prompt tokens processed", registry=r)
+        self.generation_tokens = Counter("depthserve_generation_tokens", "Tokens generated", registry=r)
+        self.loop_iterations = Counter("depthserve_depth_loop_iterations", "SGT head-subset loop iterations run",
+                                       ["layer"], registry=r)
+        self.itt_selected = Counter("depthserve_depth_itt_selected_tokens", "Tokens routed to an ITT step",
+                                    ["layer", "step"], registry=r)
+        r.register(_EngineCollector(read_stats))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def record_depth(self, depth: dict | None) -> None:
+        """Add a finished request's depth usage (RequestOutput.depth) to the depth counters."""
+        if not depth:
+            return
+        for layer, count in (depth.get("loop_iterations") or {}).items():
+            self.loop_iterations.labels(layer=str(layer)).inc(count)
+        for key, count in (depth.get("selected_tokens") or {}).items():
+            layer, _, step = str(key).partition(":")
+            self.itt_selected.labels(layer=layer, step=step).inc(count)
+
+
+class RequestTimer:
+    """Per-request latency bookkeeping, fed with each engine output as it arrives."""
+
+    def __init__(self, metrics: ServerMetrics):
+        self.metrics = metrics
+        self.arrival = time.monotonic()
+        self.first: float | None = None
+        self.last: float | None = None
+
+    def on_output(self, num_new_tokens: int) -> None:
+        now = time.monotonic()
+        if num_new_tokens <= 0:
+            return
+        if self.first is None:
+            self.first = now
+            self.metrics.ttft.observe(now - self.arrival)
+            self.metrics.queue.observe(now - self.arrival)
+        elif self.last is not None:
+            self.metrics.itl.observe(now - self.last)
+        self.last = now
+
+    def finish(self, outcome: str, prompt_tokens: int, generated_tokens: int) -> None:
+        self.metrics.requests.labels(outcome=outcome).inc()
+        self.metrics.e2e.observe(time.monotonic() - self.arrival)
+        self.metrics.prompt_tokens.inc(prompt_tokens)
+        self.metrics.generation_tokens.inc(generated_tokens)

@@ -1,0 +1,359 @@
+"""Serving logic: request bodies -> engine requests -> OpenAI response bodies and SSE chunks.
+
+Routes (app.py) stay thin; everything about building SamplingParams/DepthParams, running the
+prompts of one request concurrently, streaming deltas and shaping responses lives here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from depthserve.depth import DepthParams
+from depthserve.engine.async_llm import AsyncLLM
+from depthserve.errors import InvalidRequestError
+from depthserve.outputs import RequestOutput, TokenLogprobs
+from depthserve.sampling_params import SamplingParams
+from depthserve.server.metrics import RequestTimer, ServerMetrics
+from depthserve.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+
+
+class ModelNotFoundError(LookupError):
+    """The request names a model id this server does not serve (HTTP 404)."""
+
+
+@dataclass
+class _Job:
+    """One engine request: one prompt of an HTTP request."""
+
+    prompt: str | list[int]
+    token_ids: list[int]
+    prompt_text: str | None
+
+
+def sse(payload: dict | str) -> str:
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    return f"data: {data}\n\n"
+
+
+class OpenAIServing:
+    def __init__(self, llm: AsyncLLM, served_model_name: str, depth_presets: dict[str, dict] | None,
+                 metrics: ServerMetrics):
+        self.llm = llm
+        self.engine = llm.engine
+        self.tokenizer = llm.engine.tokenizer
+        self.model_name = served_model_name
+        self.depth_presets = dict(depth_presets or {})
+        self.metrics = metrics
+
+    # ---- models --------------------------------------------------------------------------------
+    def model_ids(self) -> list[str]:
+        return [self.model_name] + [f"{self.model_name}:{name}" for name in self.depth_presets]
+
+    def preset_depth(self, model: str | None) -> dict:
+        if model is None or model == self.model_name:
+            return {}
+        base, _, preset = model.partition(":")
+        if base == self.model_name and preset in self.depth_presets:
+            return dict(self.depth_presets[preset])
+        raise ModelNotFoundError(f"the model '{model}' does not exist; this server serves {self.model_ids()}")
+
+    def list_models(self) -> dict:
+        knobs = {name: spec.as_dict() for name, spec in self.engine.model.depth_knobs().items()}
+        created = int(time.time())
+        data = []
+        for model_id in self.model_ids():
+            data.append({
+                "id": model_id, "object": "model", "created": created, "owned_by": "depthserve",
+                "max_model_len": self.engine.max_model_len, "depth_knobs": knobs,
+                "depth_preset": self.preset_depth(model_id) or None,
+            })
+        return {"object": "list", "data": data}
+
+    # ---- tokenizer endpoints -----------------------------------------------------------------------
+    def chat_prompt_ids(self, messages) -> list[int]:
+        if self.tokenizer.chat_template is None:
+            raise InvalidRequestError("this model has no chat template; use /v1/completions")
+        conversation = [{"role": m.role, "content": m.text()} for m in messages]
+        rendered = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+        return self.tokenizer.encode(rendered, add_special_tokens=False)
+
+    def tokenize(self, prompt: str | None, messages, add_special_tokens: bool) -> dict:
+        if messages is not None:
+            ids = self.chat_prompt_ids(messages)
+        else:
+            ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        return {"tokens": ids, "count": len(ids), "max_model_len": self.engine.max_model_len}
+
+    def detokenize(self, tokens: list[int]) -> dict:
+        vocab = self.engine.vocab_size
+        bad = [t for t in tokens if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"token ids out of range [0, {vocab}): {bad[:5]}")
+        return {"prompt": self.tokenizer.decode(tokens)}
+
+    # ---- request building ---------------------------------------------------------------------------
+    def depth_params(self, req: SamplingFields) -> DepthParams:
+        merged = {**self.preset_depth(req.model), **(req.depth or {})}
+        return DepthParams.from_dict(merged)
+
+    @staticmethod
+    def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int | None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
+        return SamplingParams(
+            n=req.n,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=max(0, req.top_k or 0),
+            min_p=req.min_p or 0.0,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            logit_bias={int(k): v for k, v in req.logit_bias.items()} if req.logit_bias else None,
+            seed=req.seed,
+            max_tokens=max_tokens,
+            min_tokens=req.min_tokens,
+            stop=req.stop,
+            stop_token_ids=list(req.stop_token_ids or []),
+            ignore_eos=req.ignore_eos,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=req.skip_special_tokens,
+        )
+
+    def _jobs(self, prompts: list[str | list[int]], params: SamplingParams, depth: DepthParams) -> list[_Job]:
+        """Validate every prompt before anything starts (so a stream never begins with an error)."""
+        jobs = []
+        for prompt in prompts:
+            text, ids, _ = self.engine.check_request(prompt, params, depth)
+            jobs.append(_Job(prompt, ids, text))
+        return jobs
+
+    async def _run(self, jobs: list[_Job], params: SamplingParams, depth: DepthParams,
+                   request_id: str) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Run the jobs concurrently; yield (job index, cumulative output) as outputs arrive.
+        Closing this generator early (client gone) aborts every job that is still running."""
+        queue: asyncio.Queue = asyncio.Queue()
+        timers = [RequestTimer(self.metrics) for _ in jobs]
+        generated = [0] * len(jobs)
+
+        async def pump(i: int, job: _Job) -> None:
+            try:
+                sub_id = request_id if len(jobs) == 1 else f"{request_id}-{i}"
+                async for out in self.llm.generate(job.token_ids, params, depth, sub_id):
+                    await queue.put((i, out))
+            except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+                await queue.put((i, exc))
+                return
+            await queue.put((i, None))
+
+        tasks = [asyncio.create_task(pump(i, job)) for i, job in enumerate(jobs)]
+        outcome = "aborted"
+        try:
+            remaining = len(jobs)
+            while remaining:
+                i, item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                    continue
+                if isinstance(item, BaseException):
+                    outcome = "error"
+                    raise item
+                total = sum(len(o.token_ids) for o in item.outputs)
+                timers[i].on_output(total - generated[i])
+                generated[i] = total
+                if item.finished:
+                    self.metrics.record_depth(item.depth)
+                yield i, item
+            outcome = "success"
+        finally:
+            for task in tasks:
+                task.cancel()
+            for i, timer in enumerate(timers):
+                timer.finish(outcome, len(jobs[i].token_ids), generated[i])
+
+    async def _collect(self, jobs, params, depth, request_id) -> list[RequestOutput]:
+        final: list[RequestOutput | None] = [None] * len(jobs)
+        async for i, out in self._run(jobs, params, depth, request_id):
+            final[i] = out
+        return final  # type: ignore[return-value]
+
+    # ---- completions ------------------------------------------------------------------------------
+    def completion_jobs(self, req: CompletionRequest) -> tuple[list[_Job], SamplingParams, DepthParams]:
+        prompts = _prompt_list(req.prompt)
+        scoring = req.echo and req.logprobs is not None
+        params = self.sampling_params(req, req.max_tokens, req.logprobs,
+                                      prompt_logprobs=req.logprobs if scoring else None)
+        depth = self.depth_params(req)
+        return self._jobs(prompts, params, depth), params, depth
+
+    async def completion(self, req: CompletionRequest, request_id: str) -> dict:
+        jobs, params, depth = self.completion_jobs(req)
+        outputs = await self._collect(jobs, params, depth, request_id)
+        choices = []
+        for i, (job, out) in enumerate(zip(jobs, outputs)):
+            for comp in out.outputs:
+                prompt_text = self._prompt_text(job) if req.echo else ""
+                choice = {"index": i * req.n + comp.index, "text": prompt_text + comp.text,
+                          "logprobs": None, "finish_reason": comp.finish_reason,
+                          "stop_reason": comp.stop_reason}
+                if req.logprobs is not None:
+                    choice["logprobs"] = self._completion_logprobs(job, out, comp, req.echo, req.logprobs)
+                choices.append(choice)
+        return {"id": request_id, "object": "text_completion", "created": int(time.time()),
+                "model": req.model, "choices": choices, "usage": _usage(jobs, outputs)}
+
+    async def completion_stream(self, req: CompletionRequest, request_id: str, jobs, params, depth) -> AsyncIterator[str]:
+        created = int(time.time())
+        sent: dict[tuple[int, int], int] = {}
+        finals: list[RequestOutput | None] = [None] * len(jobs)
+
+        def chunk(choices: list[dict], usage: dict | None = None) -> str:
+            body = {"id": request_id, "object": "text_completion", "created": created, "model": req.model,
+                    "choices": choices}
+            if usage is not None:
+                body["usage"] = usage
+            return sse(body)
+
+        if req.echo:
+            yield chunk([{"index": i * req.n + j, "text": self._prompt_text(job), "logprobs": None,
+                          "finish_reason": None} for i, job in enumerate(jobs) for j in range(req.n)])
+        async for i, out in self._run(jobs, params, depth, request_id):
+            finals[i] = out
+            for comp in out.outputs:
+                key = (i, comp.index)
+                delta = comp.text[sent.get(key, 0):]
+                if not delta and not comp.finished:
+                    continue
+                sent[key] = len(comp.text)
+                yield chunk([{"index": i * req.n + comp.index, "text": delta, "logprobs": None,
+                              "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason}])
+        if req.stream_options and req.stream_options.include_usage:
+            yield chunk([], _usage(jobs, finals))
+        yield sse("[DONE]")
+
+    def _prompt_text(self, job: _Job) -> str:
+        return job.prompt_text if job.prompt_text is not None else self.tokenizer.decode(job.token_ids)
+
+    def _token_text(self, token_id: int, entry: TokenLogprobs | None = None) -> str:
+        if entry is not None and token_id in entry and entry[token_id].decoded_token is not None:
+            return entry[token_id].decoded_token
+        return self.tokenizer.decode([token_id])
+
+    def _completion_logprobs(self, job: _Job, out: RequestOutput, comp, echo: bool, top_n: int) -> dict:
+        """The legacy completions logprobs object (what lm-evaluation-harness reads)."""
+        tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+        position = 0 if echo else len(self._prompt_text(job))
+        pairs: list[tuple[int, TokenLogprobs | None]] = []
+        if echo:
+            prompt_entries = out.prompt_logprobs or [None] * len(job.token_ids)
+            pairs += list(zip(job.token_ids, prompt_entries))
+        pairs += list(zip(comp.token_ids, comp.logprobs or [None] * len(comp.token_ids)))
+        for token_id, entry in pairs:
+            text = self._token_text(token_id, entry)
+            tokens.append(text)
+            offsets.append(position)
+            position += len(text)
+            if entry is None:
+                token_logprobs.append(None)
+                top_logprobs.append(None)
+                continue
+            token_logprobs.append(entry[token_id].logprob)
+            ranked = sorted(entry.items(), key=lambda kv: kv[1].rank)
+            top = [(tid, lp) for tid, lp in ranked if lp.rank <= top_n] if top_n else []
+            top_logprobs.append({self._token_text(tid, entry): lp.logprob for tid, lp in top} if top_n else None)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+                "text_offset": offsets}
+
+    # ---- chat ---------------------------------------------------------------------------------------
+    def chat_jobs(self, req: ChatCompletionRequest) -> tuple[list[_Job], SamplingParams, DepthParams]:
+        ids = self.chat_prompt_ids(req.messages)
+        max_tokens = req.max_completion_tokens or req.max_tokens  # None: the rest of the context
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        params = self.sampling_params(req, max_tokens, logprobs)
+        depth = self.depth_params(req)
+        return self._jobs([ids], params, depth), params, depth
+
+    async def chat(self, req: ChatCompletionRequest, request_id: str) -> dict:
+        jobs, params, depth = self.chat_jobs(req)
+        (out,) = await self._collect(jobs, params, depth, request_id)
+        choices = [{
+            "index": comp.index,
+            "message": {"role": "assistant", "content": comp.text},
+            "logprobs": self._chat_logprobs(comp, req.top_logprobs or 0) if req.logprobs else None,
+            "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason,
+        } for comp in out.outputs]
+        return {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": req.model,
+                "choices": choices, "usage": _usage(jobs, [out])}
+
+    async def chat_stream(self, req: ChatCompletionRequest, request_id: str, jobs, params, depth) -> AsyncIterator[str]:
+        created = int(time.time())
+        sent: dict[int, int] = {}
+        logprobs_sent: dict[int, int] = {}
+        final: list[RequestOutput | None] = [None]
+
+        def chunk(choices: list[dict], usage: dict | None = None) -> str:
+            body = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": req.model,
+                    "choices": choices}
+            if usage is not None:
+                body["usage"] = usage
+            return sse(body)
+
+        yield chunk([{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                      "finish_reason": None} for j in range(req.n)])
+        async for _, out in self._run(jobs, params, depth, request_id):
+            final[0] = out
+            for comp in out.outputs:
+                delta = comp.text[sent.get(comp.index, 0):]
+                if not delta and not comp.finished:
+                    continue
+                sent[comp.index] = len(comp.text)
+                logprobs = None
+                if req.logprobs:
+                    start = logprobs_sent.get(comp.index, 0)
+                    logprobs = self._chat_logprobs(comp, req.top_logprobs or 0, start)
+                    logprobs_sent[comp.index] = len(comp.token_ids)
+                yield chunk([{"index": comp.index, "delta": {"content": delta} if delta else {},
+                              "logprobs": logprobs, "finish_reason": comp.finish_reason}])
+        if req.stream_options and req.stream_options.include_usage:
+            yield chunk([], _usage(jobs, final))
+        yield sse("[DONE]")
+
+    def _chat_logprobs(self, comp, top_n: int, start: int = 0) -> dict:
+        content = []
+        for token_id, entry in zip(comp.token_ids[start:], (comp.logprobs or [])[start:]):
+            text = self._token_text(token_id, entry)
+            ranked = sorted(entry.items(), key=lambda kv: kv[1].rank)
+            content.append({
+                "token": text, "logprob": entry[token_id].logprob, "bytes": list(text.encode()),
+                "top_logprobs": [
+                    {"token": self._token_text(tid, entry), "logprob": lp.logprob,
+                     "bytes": list(self._token_text(tid, entry).encode())}
+                    for tid, lp in ranked if lp.rank <= top_n
+                ],
+            })
+        return {"content": content}
+
+
+def _prompt_list(prompt) -> list[str | list[int]]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if all(isinstance(p, int) for p in prompt):
+        return [list(prompt)]
+    return list(prompt)
+
+
+def _usage(jobs: list[_Job], outputs: list[RequestOutput | None]) -> dict[str, Any]:
+    prompt_tokens = sum(len(job.token_ids) for job in jobs)
+    completion_tokens = sum(len(c.token_ids) for out in outputs if out is not None for c in out.outputs)
+    usage: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                             "total_tokens": prompt_tokens + completion_tokens}
+    depths = [out.depth for out in outputs if out is not None and out.depth]
+    if depths:
+        usage["depth"] = depths[0] if len(depths) == 1 else depths
+    return usage

@@ -1,0 +1,251 @@
+"""The HTTP server, run for real (uvicorn on loopback) and driven with the official openai SDK
+and httpx: parity with offline generation, streaming, disconnects, errors, scoring, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from depthserve.api import LLM  # noqa: E402
+from depthserve.engine.async_llm import AsyncLLM  # noqa: E402
+from depthserve.sampling_params import SamplingParams  # noqa: E402
+from depthserve.server.app import build_app  # noqa: E402
+
+MODEL = "smollm2-135m-instruct"
+API_KEY = "test-key"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def offline():
+    """The offline API on its own engine: the reference the server must reproduce."""
+    return LLM(MODEL, max_model_len=1024, kv_cache_memory_gib=0.1, load_progress=False)
+
+
+@pytest.fixture(scope="module")
+def server(offline):
+    # Same weights and settings; a second engine so offline runs never race the server's thread.
+    llm = AsyncLLM(type(offline.engine)(offline.engine.args))
+    app = build_app(llm, api_key=API_KEY, depth_presets={"plain": {}})
+    port = _free_port()
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
+    srv = uvicorn.Server(config)
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    for _ in range(200):
+        try:
+            if httpx.get(f"{base}/health").status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.05)
+    yield base, llm
+    srv.should_exit = True
+    thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key=API_KEY)
+
+
+def _pages_used(llm: AsyncLLM) -> int:
+    return llm.engine.block_manager.num_used_pages
+
+
+def _wait_idle(llm: AsyncLLM, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not llm.engine.has_unfinished_requests() and llm.num_requests == 0:
+            return
+        time.sleep(0.02)
+    raise AssertionError("the engine did not go idle")
+
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
+
+
+def test_completions_match_offline_generate(client, offline, server):
+    expected = offline.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=12))
+    response = client.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=12, temperature=0.0)
+    assert [c.text for c in sorted(response.choices, key=lambda c: c.index)] == [e.text for e in expected]
+    assert response.usage.completion_tokens == sum(len(e.token_ids) for e in expected)
+    streamed = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0.0,
+                                         stream=True)
+    assert "".join(chunk.choices[0].text for chunk in streamed if chunk.choices) == expected[0].text
+
+
+def test_chat_matches_offline_and_streams_the_same_text(client, offline):
+    messages = [{"role": "user", "content": "Name three colors."}]
+    ids = offline.apply_chat_template(messages)
+    expected = offline.generate([ids], SamplingParams(temperature=0.0, max_tokens=16))[0]
+    response = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0.0,
+                                              extra_body={"depth": {}})
+    assert response.choices[0].message.content == expected.text
+    assert response.usage.prompt_tokens == len(ids)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0.0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected.text
+    assert chunks[-1].usage.completion_tokens == len(expected.token_ids)
+    preset = client.chat.completions.create(model=f"{MODEL}:plain", messages=messages, max_tokens=16,
+                                            temperature=0.0)
+    assert preset.choices[0].message.content == expected.text
+
+
+def test_stream_equals_non_stream_with_stop_strings_and_multibyte_text(client, offline):
+    prompt = "Translate to Japanese and Greek: good morning, my friend. Answer:"
+    for stop in (None, ["."], [" o"]):
+        kwargs = dict(model=MODEL, prompt=prompt, max_tokens=24, temperature=0.0, stop=stop)
+        whole = client.completions.create(**kwargs).choices[0]
+        pieces = [c.choices[0].text for c in client.completions.create(stream=True, **kwargs) if c.choices]
+        assert "".join(pieces) == whole.text
+        if stop:
+            assert stop[0] not in whole.text
+    multibyte = client.completions.create(model=MODEL, prompt="日本語で: こんにちは、", max_tokens=16,
+                                          temperature=0.0)
+    pieces = client.completions.create(model=MODEL, prompt="日本語で: こんにちは、", max_tokens=16,
+                                       temperature=0.0, stream=True)
+    streamed = [c.choices[0].text for c in pieces if c.choices]
+    assert "".join(streamed) == multibyte.choices[0].text
+    assert all("\ufffd" not in piece for piece in streamed)
+
+
+def test_echo_logprobs_scoring_equals_llm_score(server, offline):
+    base, _ = server
+    text = "Question: What is ice made of?\nAnswer: frozen water"
+    # One request with a text prompt, one with a batch of token-id prompts (one choice each).
+    for prompt in (text, [offline.tokenizer.encode(text), [1, 504, 3458, 314, 260]]):
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 1}
+        response = httpx.post(f"{base}/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"})
+        assert response.status_code == 200, response.text
+        choices = sorted(response.json()["choices"], key=lambda c: c["index"])
+        expected = offline.score([prompt] if isinstance(prompt, str) else prompt)
+        assert len(choices) == len(expected)
+        for choice, scores in zip(choices, expected):
+            got = choice["logprobs"]["token_logprobs"]
+            assert got[0] is None and len(got) == len(scores)
+            assert max(abs(a - b) for a, b in zip(got[1:], scores[1:])) < 1e-4
+
+
+async def _stream_one(base: str, index: int, disconnect: bool) -> str | None:
+    body = {"model": MODEL, "prompt": f"Story number {index}: once upon a time", "max_tokens": 24,
+            "temperature": 0.0, "stream": True, "ignore_eos": True}
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    text = []
+    async with httpx.AsyncClient(timeout=120) as http:
+        async with http.stream("POST", f"{base}/v1/completions", json=body, headers=headers) as response:
+            assert response.status_code == 200
+            async for line in response.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    import json
+
+                    chunk = json.loads(line[6:])
+                    text.append(chunk["choices"][0]["text"])
+                    if disconnect and len(text) >= 3:
+                        return None  # leaving the context closes the connection mid-stream
+    return "".join(text)
+
+
+def test_concurrent_streams_with_disconnects_leave_no_blocks(server, offline):
+    base, llm = server
+    _wait_idle(llm)
+    before = _metric_value(base, "depthserve_requests_total", outcome="success")
+
+    async def main():
+        return await asyncio.gather(*[_stream_one(base, i, disconnect=i % 3 == 0) for i in range(32)])
+
+    results = asyncio.run(main())
+    kept = [i for i in range(32) if i % 3]
+    expected = offline.generate([f"Story number {i}: once upon a time" for i in kept],
+                                SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+    assert [results[i] for i in kept] == [e.text for e in expected]
+    _wait_idle(llm)
+    assert _pages_used(llm) == 0
+    after = _metric_value(base, "depthserve_requests_total", outcome="success")
+    assert after - before == len(kept)
+    assert _metric_value(base, "depthserve_kv_pages_used") == 0
+    assert _metric_value(base, "depthserve_requests_total", outcome="aborted") >= 32 - len(kept)
+
+
+def _metric_value(base: str, name: str, **labels) -> float:
+    text = httpx.get(f"{base}/metrics").text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    return 0.0
+
+
+BAD_REQUESTS = [
+    # (path, body, headers, status, error type, words the message must contain)
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": "many"}, None, 400, "invalid_request_error", "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "temperature": 5}, None, 400, "invalid_request_error", "temperature"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "top_p": 0}, None, 400, "invalid_request_error", "top_p"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 0}, None, 400, "invalid_request_error", "n"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "frobnicate": 1}, None, 400, "invalid_request_error", "frobnicate"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "suffix": "y"}, None, 400, "invalid_request_error", "suffix"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "logit_bias": {"abc": 1}}, None, 400, "invalid_request_error", "logit_bias"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "logit_bias": {"99999999": 1}}, None, 400, "invalid_request_error", "vocabulary"),
+    ("/v1/completions", {"model": MODEL, "prompt": []}, None, 400, "invalid_request_error", "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": ""}, None, 400, "invalid_request_error", "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "depth": {"loops": 2}}, None, 400, "invalid_request_error", "loops"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "depth": {"warp": 9}}, None, 400, "invalid_request_error", "warp"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hello " * 1100}, None, 400, "invalid_request_error", "context"),
+    ("/v1/completions", {"model": "no-such-model", "prompt": "x"}, None, 404, "not_found_error", "no-such-model"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": []}, None, 400, "invalid_request_error", "messages"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": [{}]}, None, 400, "invalid_request_error", "tools"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, None, 400, "invalid_request_error", "role"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x"}, {}, 401, "authentication_error", "API key"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x"}, {"Authorization": "Bearer wrong"}, 401, "authentication_error", "API key"),
+    ("/detokenize", {"tokens": [-1]}, None, 400, "invalid_request_error", "range"),
+]
+
+
+@pytest.mark.parametrize("path, body, headers, status, err_type, words", BAD_REQUESTS)
+def test_bad_requests_get_documented_errors_and_the_server_keeps_serving(server, path, body, headers, status,
+                                                                         err_type, words):
+    base, llm = server
+    sent_headers = {"Authorization": f"Bearer {API_KEY}"} if headers is None else headers
+    response = httpx.post(f"{base}{path}", json=body, headers={**sent_headers, "X-Request-Id": "bad-1"})
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["type"] == err_type and error["code"] == status
+    assert words.lower() in error["message"].lower()
+    assert response.headers["x-request-id"] == "bad-1"
+    ok = httpx.post(f"{base}/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2},
+                    headers={"Authorization": f"Bearer {API_KEY}"})
+    assert ok.status_code == 200
+    _wait_idle(llm)
+    assert _pages_used(llm) == 0
+
+
+def test_open_endpoints_models_tokenize_and_metrics(server, offline):
+    base, _ = server
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    assert httpx.get(f"{base}/health").status_code == 200  # no key needed
+    models = httpx.get(f"{base}/v1/models", headers=auth).json()["data"]
+    assert [m["id"] for m in models] == [MODEL, f"{MODEL}:plain"]
+    assert models[0]["depth_knobs"] == {}
+    ids = httpx.post(f"{base}/tokenize", json={"prompt": "Hello world", "add_special_tokens": False}).json()
+    assert ids["tokens"] == offline.tokenizer.encode("Hello world", add_special_tokens=False)
+    text = httpx.post(f"{base}/detokenize", json={"tokens": ids["tokens"]}).json()["prompt"]
+    assert text == "Hello world"
+    families = {f.name for f in text_string_to_metric_families(httpx.get(f"{base}/metrics").text)}
+    for name in ("depthserve_requests", "depthserve_time_to_first_token_seconds", "depthserve_kv_bytes_used",
+                 "depthserve_depth_loop_iterations", "depthserve_depth_itt_selected_tokens"):
+        assert name in families
