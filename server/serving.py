@@ -214,11 +214,7 @@ class OpenAIServing:
         finals: list[RequestOutput | None] = [None] * len(jobs)
 
         def chunk(choices: list[dict], usage: dict | None = None) -> str:
-            body = {"id": request_id, "object": "text_completion", "created": created, "model": req.model,
-                    "choices": choices}
-            if usage is not None:
-                body["usage"] = usage
-            return sse(body)
+            return _chunk(request_id, "text_completion", created, req.model, choices, usage)
 
         if req.echo:
             yield chunk([{"index": i * req.n + j, "text": self._prompt_text(job), "logprobs": None,
@@ -298,11 +294,7 @@ class OpenAIServing:
         final: list[RequestOutput | None] = [None]
 
         def chunk(choices: list[dict], usage: dict | None = None) -> str:
-            body = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": req.model,
-                    "choices": choices}
-            if usage is not None:
-                body["usage"] = usage
-            return sse(body)
+            return _chunk(request_id, "chat.completion.chunk", created, req.model, choices, usage)
 
         yield chunk([{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                       "finish_reason": None} for j in range(req.n)])
@@ -338,6 +330,13 @@ class OpenAIServing:
                 ],
             })
         return {"content": content}
+
+
+def _chunk(request_id: str, obj: str, created: int, model: str, choices: list[dict], usage: dict | None) -> str:
+    body: dict[str, Any] = {"id": request_id, "object": obj, "created": created, "model": model, "choices": choices}
+    if usage is not None:
+        body["usage"] = usage
+    return sse(body)
 
 
 def _prompt_list(prompt) -> list[str | list[int]]:
