@@ -6,7 +6,7 @@ import asyncio
 import hmac
 import logging
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -56,22 +56,12 @@ def build_app(llm: AsyncLLM, served_model_name: str | None = None, api_key: str 
         await llm.shutdown()
 
     app = FastAPI(title="depthserve", lifespan=lifespan)
+    # A plain ASGI middleware: unlike @app.middleware("http") it leaves the client's disconnect
+    # visible to the route, which must abort a non-streaming request whose client went away.
+    app.add_middleware(RequestIdAndAuth, api_key=api_key)
     app.state.serving = serving
     app.state.metrics = metrics
     app.state.llm = llm
-
-    @app.middleware("http")
-    async def request_id_and_auth(request: Request, call_next: Callable[[Request], Awaitable[Response]]):
-        request_id = request.headers.get("x-request-id") or f"req-{uuid.uuid4().hex}"
-        request.state.request_id = request_id
-        if api_key and request.url.path.startswith("/v1") and not _authorized(request, api_key):
-            response: Response = _error(401, "missing or wrong API key (Authorization: Bearer ...)",
-                                        "authentication_error")
-        else:
-            response = await call_next(request)
-        response.headers["X-Request-Id"] = request_id
-        logger.info("%s %s %s -> %d", request_id, request.method, request.url.path, response.status_code)
-        return response
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(_: Request, exc: RequestValidationError):
@@ -124,7 +114,7 @@ def build_app(llm: AsyncLLM, served_model_name: str | None = None, api_key: str 
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        request_id = f"cmpl-{request.state.request_id}"
+        request_id = f"cmpl-{request.state.request_id}-{uuid.uuid4().hex[:8]}"
         if body.stream:
             jobs, params, depth = serving.completion_jobs(body)
             return _stream(serving.completion_stream(body, request_id, jobs, params, depth))
@@ -132,7 +122,7 @@ def build_app(llm: AsyncLLM, served_model_name: str | None = None, api_key: str 
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
-        request_id = f"chatcmpl-{request.state.request_id}"
+        request_id = f"chatcmpl-{request.state.request_id}-{uuid.uuid4().hex[:8]}"
         if body.stream:
             jobs, params, depth = serving.chat_jobs(body)
             return _stream(serving.chat_stream(body, request_id, jobs, params, depth))
@@ -141,9 +131,37 @@ def build_app(llm: AsyncLLM, served_model_name: str | None = None, api_key: str 
     return app
 
 
-def _authorized(request: Request, api_key: str) -> bool:
-    header = request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
+class RequestIdAndAuth:
+    """Keeps (or makes) the request id, echoes it in X-Request-Id, logs it; checks the API key on /v1/*."""
+
+    def __init__(self, app, api_key: str | None):
+        self.app = app
+        self.api_key = api_key
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        request_id = headers.get("x-request-id") or f"req-{uuid.uuid4().hex}"
+        scope.setdefault("state", {})["request_id"] = request_id
+        status = []
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                status.append(message["status"])
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id.encode("latin-1"))]
+            await send(message)
+
+        if self.api_key and scope["path"].startswith("/v1") and not _authorized(headers, self.api_key):
+            response = _error(401, "missing or wrong API key (Authorization: Bearer ...)", "authentication_error")
+            await response(scope, receive, send_with_id)
+        else:
+            await self.app(scope, receive, send_with_id)
+        logger.info("%s %s %s -> %s", request_id, scope.get("method"), scope["path"], status[0] if status else "-")
+
+
+def _authorized(headers: dict[str, str], api_key: str) -> bool:
+    scheme, _, token = headers.get("authorization", "").partition(" ")
     return scheme.lower() == "bearer" and hmac.compare_digest(token.strip(), api_key)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+from depthserve.errors import InvalidRequestError
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 # OpenAI fields that exist in the API but that this server does not implement.
@@ -102,7 +103,7 @@ class ChatMessage(StrictModel):
         parts = []
         for part in self.content:
             if part.get("type") != "text":
-                raise ValueError(f"message content of type {part.get('type')!r} is not supported (text only)")
+                raise InvalidRequestError(f"message content of type {part.get('type')!r} is not supported (text only)")
             parts.append(str(part.get("text", "")))
         return "".join(parts)
 

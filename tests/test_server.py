@@ -210,6 +210,7 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"model": MODEL, "messages": []}, None, 400, "invalid_request_error", "messages"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": [{}]}, None, 400, "invalid_request_error", "tools"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, None, 400, "invalid_request_error", "role"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, None, 400, "invalid_request_error", "image_url"),
     ("/v1/completions", {"model": MODEL, "prompt": "x"}, {}, 401, "authentication_error", "API key"),
     ("/v1/completions", {"model": MODEL, "prompt": "x"}, {"Authorization": "Bearer wrong"}, 401, "authentication_error", "API key"),
     ("/detokenize", {"tokens": [-1]}, None, 400, "invalid_request_error", "range"),
