@@ -179,6 +179,10 @@ def build_parser() -> argparse.ArgumentParser:
     p_chat.add_argument("--temperature", type=float, default=0.7)
     p_chat.add_argument("--depth", default=None, help='depth knobs as JSON, e.g. \'{"loops": 2}\'')
     p_chat.set_defaults(func=cmd_chat)
+
+    from depthserve.tiny import add_subcommands as add_checkpoint_commands  # make-tiny, calibrate
+
+    add_checkpoint_commands(sub)
     return parser
 
 

@@ -1,0 +1,256 @@
+"""`depthserve make-tiny` and `depthserve calibrate`: small random checkpoints in the native format.
+
+A tiny checkpoint has random weights with *peaked* output distributions (the LM head is scaled so
+that the top-2 logit gap is usually large), so greedy comparisons between the engine and the
+reference mean something. `--like smollm2-135m-instruct` gives the real model's shapes (random
+weights) for benchmarks. An ITT checkpoint gets a calibration table computed on synthetic token
+streams; `depthserve calibrate --model DIR --text FILE` recomputes it on real text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from depthserve.loading.checkpoint import (
+    ITTSpec,
+    LlamaSpec,
+    SGTLayer,
+    SGTSpec,
+    depth_section,
+    itt_router_bias,
+    itt_router_weight,
+    itt_step_encoding,
+    write_calibration,
+    write_config,
+)
+
+# Shapes of a tiny model (the vocabulary is the tokenizer's).
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, rope_theta=10000.0)
+LIKE = {
+    "smollm2-135m-instruct": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                                  num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                                  max_position_embeddings=8192, rope_theta=100000.0),
+}
+LOGIT_STD = 4.0  # std of the tiny model's logits: peaked (top-1 ~0.25 on average), top-2 gaps usually >> fp32 noise
+
+
+def load_default_tokenizer():
+    """The SmolLM2 tokenizer of the default model, or a byte-level one built with `tokenizers`."""
+    try:
+        from depthserve.loading.registry import DEFAULT_MODEL, resolve_model
+        from depthserve.loading.tokenizer import load_tokenizer
+
+        return load_tokenizer(resolve_model(DEFAULT_MODEL))
+    except Exception:  # noqa: BLE001 - the default model's package is optional here
+        return _byte_tokenizer()
+
+
+def _byte_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {"<|endoftext|>": 0, **{ch: i + 1 for i, ch in enumerate(sorted(alphabet))}}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|endoftext|>")
+
+
+def _sgt_spec(num_layers: int, num_heads: int) -> SGTSpec:
+    """Looped layers 1..3 (or the upper layers of a deep model) with head sets that cover the cases:
+    one KV group per head, two heads of one group, and heads split unevenly over groups."""
+    if num_layers <= 4:
+        layers = [1, 2, 3][: max(num_layers - 1, 1)]
+    else:
+        layers = [num_layers // 3, num_layers // 2, (2 * num_layers) // 3]
+    heads = [[num_heads - 1, 0], [1, num_heads // 2, num_heads - 1], [1, 0]]
+    heads = [sorted(set(h), key=h.index) for h in heads]
+    loops = [2, 1, 1]
+    return SGTSpec(tuple(SGTLayer(l, tuple(h), k) for l, h, k in zip(layers, heads, loops)), max_loops=3)
+
+
+def _itt_spec(num_layers: int) -> ITTSpec:
+    layers = (1, 3) if num_layers <= 4 else (num_layers // 4, num_layers // 2, (3 * num_layers) // 4)
+    return ITTSpec(layers=tuple(l for l in layers if l < num_layers), steps=2, alphas=(1.0, 0.5),
+                   trained_ratios=(0.5, 0.3), skip_rule="paper")
+
+
+def random_weights(cfg: dict[str, Any], spec, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    import torch
+
+    d, ffn, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    H, H_kv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+
+    def normal(*shape, std=1.0):
+        return (torch.randn(*shape, generator=gen) * std).contiguous()
+
+    w = {"model.embed_tokens.weight": normal(V, d),
+         "model.norm.weight": 1 + normal(d, std=0.1)}
+    if not cfg["tie_word_embeddings"]:
+        w["lm_head.weight"] = normal(V, d, std=LOGIT_STD / d**0.5)  # peaked output distributions
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        w[p + "self_attn.q_proj.weight"] = normal(H * hd, d, std=2.0 / d**0.5)  # sharp-ish attention
+        w[p + "self_attn.k_proj.weight"] = normal(H_kv * hd, d, std=2.0 / d**0.5)
+        w[p + "self_attn.v_proj.weight"] = normal(H_kv * hd, d, std=1.0 / d**0.5)
+        w[p + "self_attn.o_proj.weight"] = normal(d, H * hd, std=1.0 / (H * hd) ** 0.5)
+        w[p + "mlp.gate_proj.weight"] = normal(ffn, d, std=1.0 / d**0.5)
+        w[p + "mlp.up_proj.weight"] = normal(ffn, d, std=1.0 / d**0.5)
+        w[p + "mlp.down_proj.weight"] = normal(d, ffn, std=1.0 / ffn**0.5)
+        w[p + "input_layernorm.weight"] = 1 + normal(d, std=0.1)
+        w[p + "post_attention_layernorm.weight"] = 1 + normal(d, std=0.1)
+    if isinstance(spec, ITTSpec):
+        T = spec.steps
+        for layer in spec.layers:
+            w[itt_router_weight(layer)] = normal(T, d, std=2.0 / d**0.5)  # spread-out router scores
+            w[itt_router_bias(layer)] = normal(T, std=0.1)
+            phi0 = 1 + normal(1, d, std=0.1)
+            phis = 0.1 + normal(T, d, std=0.05)
+            w[itt_step_encoding(layer)] = torch.cat([phi0, phis]).contiguous()
+    return w
+
+
+def make_tiny(arch: str, out: str | Path, seed: int = 0, like: str | None = None, num_kv_heads: int | None = None,
+              tokenizer=None, calibrate_windows: int = 16, calibrate_window: int = 128) -> Path:
+    """Write a random-initialised checkpoint of `arch` ("llama", "sgt", "itt") to `out`."""
+    import torch
+    from safetensors.torch import save_file
+
+    if arch not in ("llama", "sgt", "itt"):
+        raise ValueError(f"--arch must be llama, sgt or itt, got {arch!r}")
+    if like and like not in LIKE:
+        raise ValueError(f"--like must be one of {sorted(LIKE)}")
+    shapes = dict(LIKE[like]) if like else dict(TINY)
+    if num_kv_heads is not None:
+        if shapes["num_attention_heads"] % num_kv_heads:
+            raise ValueError("--num-kv-heads must divide the number of attention heads")
+        shapes["num_key_value_heads"] = num_kv_heads
+    tokenizer = tokenizer or load_default_tokenizer()
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(seed)
+    cfg = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": len(tokenizer),
+        **shapes,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": bool(like),
+        "attention_bias": False,
+        "hidden_act": "silu",
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "torch_dtype": "float32",
+    }
+    spec = {"llama": lambda: LlamaSpec(),
+            "sgt": lambda: _sgt_spec(cfg["num_hidden_layers"], cfg["num_attention_heads"]),
+            "itt": lambda: _itt_spec(cfg["num_hidden_layers"])}[arch]()
+    cfg["depth"] = depth_section(spec)
+    weights = random_weights(cfg, spec, gen)
+    for stale in out.glob("*.safetensors"):
+        stale.unlink()
+    save_file(weights, str(out / "model.safetensors"))
+    write_config(out, cfg)
+    tokenizer.save_pretrained(str(out))
+    if arch == "itt":
+        streams = synthetic_streams(cfg["vocab_size"], calibrate_windows, calibrate_window, seed)
+        calibrate_tokens(out, streams, {"source": "synthetic token streams (make-tiny)", "seed": seed})
+    return out
+
+
+def synthetic_streams(vocab_size: int, windows: int, length: int, seed: int) -> torch.Tensor:
+    """Token windows [windows, length] drawn from a Zipf-like distribution over a shuffled vocabulary."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed + 1)
+    ranks = torch.arange(1, vocab_size + 1, dtype=torch.float64)
+    probs = 1.0 / ranks**1.1
+    order = torch.randperm(vocab_size, generator=gen)
+    draws = torch.multinomial(probs / probs.sum(), windows * length, replacement=True, generator=gen)
+    return order[draws].view(windows, length)
+
+
+def calibrate_tokens(model_dir: Path, windows: torch.Tensor, metadata: dict[str, Any]) -> dict[int, torch.Tensor]:
+    """Compute and write the ITT calibration table from token windows [B, n]."""
+    from depthserve import reference
+
+    tables = reference.calibrate(model_dir, windows)
+    write_calibration(Path(model_dir), tables, {**metadata, "num_tokens": int(windows.numel()),
+                                                "window": int(windows.shape[1])})
+    return tables
+
+
+def text_windows(tokenizer, text_file: Path, window: int, max_tokens: int | None) -> torch.Tensor:
+    """Tokenize a text file (.jsonl: each line's "text") into one stream cut into equal windows."""
+    import torch
+
+    if text_file.suffix == ".jsonl":
+        docs = [json.loads(line).get("text", "") for line in text_file.read_text().splitlines() if line.strip()]
+    else:
+        docs = [text_file.read_text()]
+    stream: list[int] = []
+    for doc in docs:
+        stream += tokenizer.encode(doc, add_special_tokens=False)
+        if tokenizer.eos_token_id is not None:
+            stream.append(tokenizer.eos_token_id)
+        if max_tokens is not None and len(stream) >= max_tokens:
+            break
+    if max_tokens is not None:
+        stream = stream[:max_tokens]
+    count = len(stream) // window
+    if count == 0:
+        raise ValueError(f"{text_file} has {len(stream)} tokens, fewer than one window of {window}")
+    return torch.tensor(stream[: count * window]).view(count, window)
+
+
+def calibrate(model_dir: str | Path, text_file: str | Path, window: int = 128,
+              max_tokens: int | None = 65536) -> dict[int, torch.Tensor]:
+    """`depthserve calibrate`: the table of 101 router-score quantiles per (ITT layer, step) on real text."""
+    from transformers import AutoTokenizer
+
+    model_dir, text_file = Path(model_dir), Path(text_file)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    windows = text_windows(tokenizer, text_file, window, max_tokens)
+    return calibrate_tokens(model_dir, windows, {"source": str(text_file)})
+
+
+# ---- command line ------------------------------------------------------------------------------------
+def add_subcommands(sub) -> None:
+    p = sub.add_parser("make-tiny", help="write a small random checkpoint (llama, sgt or itt) in the native format")
+    p.add_argument("--arch", required=True, choices=["llama", "sgt", "itt"])
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--like", default=None, choices=sorted(LIKE), help="the real model's shapes, random weights")
+    p.add_argument("--num-kv-heads", type=int, default=None, help="KV heads (default 2 of 4: GQA; 4 for MHA)")
+    p.set_defaults(func=_cmd_make_tiny)
+
+    c = sub.add_parser("calibrate", help="write an ITT checkpoint's router-score calibration table")
+    c.add_argument("--model", required=True, help="ITT checkpoint directory")
+    c.add_argument("--text", required=True, help="calibration text (.txt, or .jsonl with a 'text' field)")
+    c.add_argument("--window", type=int, default=128, help="tokens per calibration sequence")
+    c.add_argument("--max-tokens", type=int, default=65536)
+    c.set_defaults(func=_cmd_calibrate)
+
+
+def _cmd_make_tiny(ns: argparse.Namespace) -> int:
+    path = make_tiny(ns.arch, ns.out, ns.seed, ns.like, ns.num_kv_heads)
+    print(f"wrote a random {ns.arch} checkpoint to {path}")
+    return 0
+
+
+def _cmd_calibrate(ns: argparse.Namespace) -> int:
+    from depthserve.errors import DepthServeError
+
+    try:
+        tables = calibrate(ns.model, ns.text, ns.window, ns.max_tokens)
+    except (DepthServeError, ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote the calibration table of {len(tables)} ITT layers to {ns.model}")
+    return 0
