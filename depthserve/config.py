@@ -21,6 +21,7 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     num_threads: int | None = None  # torch intra-op threads on CPU; default: torch's choice
     seed: int = 0  # for unseeded sampling
+    max_loops: int | None = None  # ceiling of the SGT `loops` knob; default: the checkpoint's max_loops
     load_progress: bool = True
 
     def validate(self) -> None:

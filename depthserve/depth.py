@@ -16,14 +16,69 @@ KNOB_NAMES = ("loops", "selection_ratios", "thinking_steps", "depth")
 
 @dataclass(frozen=True)
 class KnobSpec:
+    """One knob a model accepts, with its range. `kind` says the value's shape:
+
+    - "int": an integer in [minimum, maximum];
+    - "int_or_map": an integer, or a map from one of `keys` (layer indices; JSON string keys are
+      accepted) to an integer, each in [minimum, maximum];
+    - "ratio_list": exactly `length` numbers, each in [minimum, maximum].
+    """
+
     name: str
     description: str
     minimum: float
     maximum: float
     default: Any
+    kind: str = "int"
+    length: int | None = None
+    keys: tuple[int, ...] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def check(self, value: Any, model_name: str = "this model") -> Any:
+        """The value in canonical form (map keys as ints, ratios as floats), or InvalidDepthError."""
+        where = f"depth knob '{self.name}' of {model_name}"
+        if self.kind == "ratio_list":
+            if not isinstance(value, (list, tuple)) or not all(_is_number(v) for v in value):
+                raise InvalidDepthError(f"{where} must be a list of numbers, got {value!r}")
+            if self.length is not None and len(value) != self.length:
+                raise InvalidDepthError(
+                    f"{where} needs exactly {self.length} values (one per step), got {len(value)}")
+            for v in value:
+                if not self.minimum <= v <= self.maximum:
+                    raise InvalidDepthError(
+                        f"{where}: every value must lie in [{self.minimum:g}, {self.maximum:g}], got {v!r}")
+            return [float(v) for v in value]
+        if self.kind == "int_or_map" and isinstance(value, dict):
+            out = {}
+            for key, count in value.items():
+                try:
+                    layer = int(key) if isinstance(key, str) else key
+                except ValueError:
+                    layer = key
+                if not _is_int(layer) or (self.keys is not None and layer not in self.keys):
+                    raise InvalidDepthError(f"{where}: {key!r} is not one of its layers {list(self.keys or ())}")
+                out[layer] = self._check_int(count, f"{where} (layer {layer})")
+            return out
+        return self._check_int(value, where)
+
+    def _check_int(self, value: Any, where: str) -> int:
+        if not _is_int(value):
+            shape = "an integer or a map from layer to integer" if self.kind == "int_or_map" else "an integer"
+            raise InvalidDepthError(f"{where} must be {shape}, got {value!r}")
+        if not self.minimum <= value <= self.maximum:
+            raise InvalidDepthError(
+                f"{where} must lie in {int(self.minimum)}..{int(self.maximum)}, got {value} ({self.description})")
+        return int(value)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
 
 
 @dataclass
@@ -65,10 +120,17 @@ class DepthParams:
         return tuple((name, freeze(value)) for name, value in sorted(self.set_knobs().items()))
 
     def validate(self, knobs: dict[str, KnobSpec], model_name: str = "this model") -> None:
-        """Reject knobs the model does not have. Range checks live with each mechanism."""
-        for name in self.set_knobs():
+        """Reject knobs the model does not have and values outside each knob's range."""
+        self.normalized(knobs, model_name)
+
+    def normalized(self, knobs: dict[str, KnobSpec], model_name: str = "this model") -> "DepthParams":
+        """A copy with every set knob checked against its KnobSpec and in canonical form."""
+        values = {}
+        for name, value in self.set_knobs().items():
             if name not in knobs:
                 accepted = sorted(knobs) or "none"
                 raise InvalidDepthError(
                     f"depth knob '{name}' is not supported by {model_name} (accepted knobs: {accepted})"
                 )
+            values[name] = knobs[name].check(value, model_name)
+        return DepthParams(**values)

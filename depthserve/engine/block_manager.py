@@ -9,6 +9,13 @@ Prefix caching: a full token block, once computed, is registered under a hash of
 (previous block's hash, its tokens, the layout, the depth settings). A later sequence with
 the same prefix and settings reuses the row (reference count + 1). Rows nobody uses stay
 cached until their pages are needed (least recently freed first).
+
+Routed slots (ITT steps, `CacheLayout.routed_slots`) are not token-covering: each has its own
+list of page rows (one per `block_size` selected tokens) and a committed length. Before a step,
+`grow` reserves the worst case (every token of the step selected, in every routed slot);
+after it, `commit_routed` adds the tokens actually selected and returns the pages beyond them.
+Which tokens a step selects depends on the whole prefix, so a sequence with routed slots
+neither uses nor feeds the prefix cache.
 """
 
 from __future__ import annotations
@@ -23,11 +30,24 @@ from depthserve.engine.sequence import Sequence
 
 
 @dataclass
+class _RoutedPages:
+    """One routed slot of one sequence: page rows for its selected tokens, in selection order."""
+
+    num_heads: int
+    rows: list[np.ndarray] = field(default_factory=list)  # each [num_heads] int32
+    length: int = 0  # selected tokens committed
+
+
+@dataclass
 class _SeqPages:
     layout: CacheLayout
     rows: np.ndarray  # [capacity, row_width] int32; first `num_rows` are valid
     num_rows: int = 0
     block_hashes: list[int] = field(default_factory=list)  # of the leading full, computed rows
+    routed: dict[str, _RoutedPages] = field(default_factory=dict)
+
+    def routed_pages(self) -> int:
+        return sum(len(r.rows) * r.num_heads for r in self.routed.values())
 
     def table(self) -> np.ndarray:
         return self.rows[: self.num_rows]
@@ -71,7 +91,8 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     def pages_for(self, layout: CacheLayout, num_tokens: int) -> int:
-        return self.blocks_for(num_tokens) * layout.row_width
+        """Pages of a sequence of `num_tokens` tokens, routed slots at their worst case."""
+        return self.blocks_for(num_tokens) * (layout.row_width + layout.routed_width)
 
     def fits_ever(self, layout: CacheLayout, num_tokens: int) -> bool:
         return self.pages_for(layout, num_tokens) <= self.num_pages
@@ -86,7 +107,14 @@ class BlockManager:
 
     def pages_held(self, seq: Sequence) -> int:
         entry = self._seqs.get(seq.seq_id)
-        return 0 if entry is None else entry.num_rows * entry.layout.row_width
+        return 0 if entry is None else entry.num_rows * entry.layout.row_width + entry.routed_pages()
+
+    def routed_table(self, seq: Sequence, name: str) -> tuple[np.ndarray, int]:
+        """([reserved_blocks, num_heads] page ids, committed length) of one routed slot."""
+        routed = self._seqs[seq.seq_id].routed[name]
+        if not routed.rows:
+            return np.zeros((0, routed.num_heads), dtype=np.int32), routed.length
+        return np.stack(routed.rows), routed.length
 
     def used_pages_by_kind(self) -> dict[SlotKind, int]:
         """Pages referenced by live sequences, by slot kind (shared rows counted once)."""
@@ -100,21 +128,50 @@ class BlockManager:
                 seen.add(key)
                 for kind, n in entry.layout.pages_by_kind().items():
                     counts[kind] = counts.get(kind, 0) + n
+            if entry.routed:
+                counts[SlotKind.ROUTED] = counts.get(SlotKind.ROUTED, 0) + entry.routed_pages()
         return counts
 
     # ---- allocation -------------------------------------------------------------------
     def can_grow(self, seq: Sequence, num_tokens: int, reserve_pages: int = 0) -> bool:
-        """Whether the sequence's table can cover `num_tokens` tokens."""
+        """Whether the sequence's table can cover `num_tokens` tokens.
+
+        Routed slots count at their worst case: every token from `seq.num_computed_tokens` up
+        to `num_tokens` selected.
+        """
         entry = self._seqs.get(seq.seq_id)
         have = 0 if entry is None else entry.num_rows
-        need = (self.blocks_for(num_tokens) - have) * seq.layout.row_width
+        need = max(self.blocks_for(num_tokens) - have, 0) * seq.layout.row_width
+        extra = max(num_tokens - seq.num_computed_tokens, 0)
+        for slot in seq.layout.routed_slots:
+            routed = None if entry is None else entry.routed.get(slot.name)
+            length, rows = (0, 0) if routed is None else (routed.length, len(routed.rows))
+            need += max(self.blocks_for(length + extra) - rows, 0) * slot.num_heads
         return need <= self.num_free_pages - reserve_pages
 
     def grow(self, seq: Sequence, num_tokens: int) -> None:
-        """Extend the sequence's page table to cover `num_tokens` tokens."""
+        """Extend the sequence's page table to cover `num_tokens` tokens, and reserve its routed
+        slots' worst case for the tokens from `seq.num_computed_tokens` to `num_tokens`."""
         entry = self._entry(seq)
         while entry.num_rows < self.blocks_for(num_tokens):
             entry.append(self._take_pages(entry.layout.row_width))
+        extra = max(num_tokens - seq.num_computed_tokens, 0)
+        for slot in entry.layout.routed_slots:
+            routed = entry.routed.setdefault(slot.name, _RoutedPages(slot.num_heads))
+            while len(routed.rows) < self.blocks_for(routed.length + extra):
+                routed.rows.append(self._take_pages(slot.num_heads))
+
+    def commit_routed(self, seq: Sequence, name: str, num_selected: int) -> None:
+        """After a step: `num_selected` more tokens live in the routed slot; return the unused reservation."""
+        routed = self._seqs[seq.seq_id].routed[name]
+        routed.length += num_selected
+        keep = self.blocks_for(routed.length)
+        if keep > len(routed.rows):
+            raise RuntimeError(f"routed slot {name!r} used more than its reservation")
+        while len(routed.rows) > keep:
+            pages = routed.rows.pop()
+            self._refs[pages] -= 1
+            self._free.extend(int(p) for p in pages[::-1])
 
     def allocate_cached_prefix(self, seq: Sequence, depth_key: tuple) -> int:
         """Attach cached rows for the sequence's leading full blocks; returns tokens covered.
@@ -123,7 +180,7 @@ class BlockManager:
         logits of the last prompt token.
         """
         entry = self._entry(seq)
-        if not self.enable_prefix_caching or entry.num_rows:
+        if not self.enable_prefix_caching or entry.num_rows or entry.layout.routed_slots:
             return 0
         tokens = seq.all_token_ids
         max_blocks = (len(tokens) - 1) // self.block_size
@@ -148,7 +205,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         entry = self._seqs.get(seq.seq_id)
-        if entry is None:
+        if entry is None or entry.layout.routed_slots:
             return
         full = min(seq.num_computed_tokens // self.block_size, entry.num_rows)
         if len(entry.block_hashes) >= full:
@@ -170,6 +227,10 @@ class BlockManager:
         entry = self._seqs.pop(seq.seq_id, None)
         if entry is None:
             return
+        for routed in entry.routed.values():
+            for pages in routed.rows[::-1]:
+                self._refs[pages] -= 1
+                self._free.extend(int(p) for p in pages[::-1])
         for row in entry.table()[::-1]:
             self._refs[row] -= 1
             if self._refs[row[0]] > 0:

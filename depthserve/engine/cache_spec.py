@@ -34,21 +34,53 @@ class SlotSpec:
 
 @dataclass(frozen=True)
 class CacheLayout:
-    """The slots of one request that cover every token (dense and head-subset kinds).
+    """The KV slots of one request.
 
-    They share one page table: row i holds, for token block i, the pages of every slot in
-    order (`num_heads` each), so `columns(name)` picks a slot's pages out of the table.
+    `slots` cover every token (dense and head-subset kinds). They share one page table: row i
+    holds, for token block i, the pages of every slot in order (`num_heads` each), so
+    `columns(index)` picks a slot's pages out of the table. Dense slots come first, so every
+    request of a model has its dense slots at the same columns (`base_width`).
+
+    `routed_slots` (ITT steps) hold only the tokens selected at that step: each has its own
+    table of pages, one row per `block_size` selected tokens, grown by worst-case reservation
+    before a step and trimmed to what was used after it (BlockManager.reserve/commit_routed).
     """
 
     slots: tuple[SlotSpec, ...]
+    routed_slots: tuple[SlotSpec, ...] = ()
+
+    def __post_init__(self) -> None:
+        if any(slot.kind is SlotKind.ROUTED for slot in self.slots):
+            raise ValueError("routed slots go in routed_slots, not in the token-covering table")
+        if any(slot.kind is not SlotKind.ROUTED for slot in self.routed_slots):
+            raise ValueError("routed_slots may only hold ROUTED slots")
 
     @property
     def row_width(self) -> int:
         return sum(slot.num_heads for slot in self.slots)
 
+    @property
+    def base_width(self) -> int:
+        """Columns of the leading dense slots (the same for every request of a model)."""
+        width = 0
+        for slot in self.slots:
+            if slot.kind is not SlotKind.DENSE:
+                break
+            width += slot.num_heads
+        return width
+
+    @property
+    def routed_width(self) -> int:
+        """Pages per block of selected tokens, summed over the routed slots."""
+        return sum(slot.num_heads for slot in self.routed_slots)
+
     def columns(self, index: int) -> slice:
         start = sum(slot.num_heads for slot in self.slots[:index])
         return slice(start, start + self.slots[index].num_heads)
+
+    def slot_columns(self) -> dict[str, slice]:
+        """Name -> columns of every token-covering slot."""
+        return {slot.name: self.columns(i) for i, slot in enumerate(self.slots)}
 
     def pages_by_kind(self) -> dict[SlotKind, int]:
         counts: dict[SlotKind, int] = {}

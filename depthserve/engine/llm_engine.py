@@ -75,11 +75,15 @@ class LLMEngine:
         self.max_model_len = loaded.max_model_len
         self.vocab_size = self.model.config.vocab_size
         self.eos_token_ids = self._eos_ids()
+        if args.max_loops is not None and hasattr(self.model, "max_loops"):
+            self.model.max_loops = args.max_loops  # the server's ceiling of the SGT `loops` knob
+        # Test hook: put each ITT sequence's per-position routing decisions in RequestOutput.depth.
+        self.record_routing = False
 
         page_bytes = ModelRunner.page_bytes(args.block_size, self.model.head_dim, self.dtype)
         num_pages = int(self._kv_cache_bytes() // page_bytes)
         self.block_manager = BlockManager(num_pages, args.block_size, args.enable_prefix_caching)
-        base_layout = self.model.cache_layout(DepthParams())
+        base_layout = self._plan(DepthParams()).layout
         if not self.block_manager.fits_ever(base_layout, self.max_model_len):
             raise CacheCapacityError(
                 f"the KV cache ({num_pages} pages) cannot hold one sequence of max_model_len="
@@ -129,7 +133,7 @@ class LLMEngine:
 
         Raises a typed `InvalidRequestError` subclass for anything wrong with it.
         """
-        (depth or DepthParams()).validate(self.model.depth_knobs(), self.model_name)
+        plan = self._plan(depth or DepthParams())
         sampling.validate()
         sampling.check_vocab(self.vocab_size)
         prompt_text, token_ids = self._tokenize(prompt)
@@ -139,9 +143,18 @@ class LLMEngine:
             )
         room = self.max_model_len - len(token_ids)
         max_tokens = room if sampling.max_tokens is None else min(sampling.max_tokens, room)
-        if not self.block_manager.fits_ever(self.model.cache_layout(depth or DepthParams()), len(token_ids) + max_tokens):
+        if not self.block_manager.fits_ever(plan.layout, len(token_ids) + max_tokens):
             raise CacheCapacityError("the KV cache can never hold this request; lower max_tokens")
         return prompt_text, token_ids, max_tokens
+
+    def _plan(self, depth: DepthParams):
+        """The request's depth settings, checked against the model's knobs, as the model runs them
+        (with the cache layout they need). Raises InvalidDepthError for bad settings."""
+        depth.validate(self.model.depth_knobs(), self.model_name)
+        plan_depth = getattr(self.model, "plan_depth", None)
+        if plan_depth is None:
+            return _PlainPlan(self.model.cache_layout(depth))
+        return plan_depth(depth)
 
     def add_request(
         self,
@@ -154,10 +167,12 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         depth = depth or DepthParams()
         prompt_text, token_ids, max_tokens = self.check_request(prompt, sampling, depth)
-        layout = self.model.cache_layout(depth)
+        depth = depth.normalized(self.model.depth_knobs(), self.model_name)  # canonical: part of prefix-cache keys
+        plan = self._plan(depth)  # fixed for the request's lifetime
         request = _Request(request_id, prompt_text, token_ids, sampling)
         for index in range(sampling.n):
-            seq = Sequence(request_id, index, list(token_ids), sampling, depth, layout, max_tokens)
+            seq = Sequence(request_id, index, list(token_ids), sampling, depth, plan.layout, max_tokens)
+            seq.state["depth_plan"] = plan
             seq.state["generator"] = _generator(sampling.seed, index)
             seq.state["detokenizer"] = IncrementalDetokenizer(
                 self.tokenizer, token_ids,
@@ -294,6 +309,11 @@ class LLMEngine:
                 )
             )
         first = request.seqs[0]
+        depth = None
+        if hasattr(self.model, "depth_report"):
+            depth = self.model.depth_report(first)
+            if self.record_routing and hasattr(self.model, "routing_record"):
+                depth["routing"] = [self.model.routing_record(seq) for seq in request.seqs]
         return RequestOutput(
             request_id=request.request_id,
             prompt=request.prompt,
@@ -302,7 +322,13 @@ class LLMEngine:
             outputs=completions,
             finished=request.finished,
             num_cached_tokens=first.num_cached_tokens,
+            depth=depth,
         )
+
+
+@dataclass(frozen=True)
+class _PlainPlan:
+    layout: object
 
 
 def _generator(seed: int | None, index: int) -> torch.Generator | None:

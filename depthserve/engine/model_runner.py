@@ -10,6 +10,7 @@ import torch
 from depthserve.engine.block_manager import BlockManager
 from depthserve.engine.scheduler import ScheduledSeq
 from depthserve.layers.attention import AttentionMetadata, KVPool, PrefillSeqMeta
+from depthserve.layers.batch import BatchItem, StepBatch
 from depthserve.sampler import Sampler, SampledToken, SamplingRow, prompt_logprobs
 
 
@@ -53,7 +54,16 @@ class ModelRunner:
         batch = sorted(scheduled, key=lambda s: s.num_tokens == 1)
         input_ids, positions, meta = self._prepare(batch)
         hidden = self.model(input_ids, positions, self.pool, meta)
+        if meta.batch is not None:
+            self._commit_routed(meta.batch)
         return self._postprocess_logits(batch, hidden)
+
+    def _commit_routed(self, step: StepBatch) -> None:
+        """Routed slots: keep what the step selected, return the rest of the worst-case reservation."""
+        for item in step.items:
+            for slot in item.seq.layout.routed_slots:
+                count = step.routed_counts.get((item.seq.seq_id, slot.name), 0)
+                self.block_manager.commit_routed(item.seq, slot.name, count)
 
     def _prepare(self, batch: list[ScheduledSeq]):
         bs = self.block_size
@@ -65,8 +75,16 @@ class ModelRunner:
         decode_lens: list[int] = []
         row = 0
         num_prefill_tokens = 0
+        depth_model = getattr(self.model, "uses_step_batch", False)
+        items: list[BatchItem] = []
         for item in batch:
-            table = self.block_manager.page_table(item.seq)
+            full_table = self.block_manager.page_table(item.seq)
+            # The base (dense) slots sit at the same leading columns for every request of a model.
+            table = full_table[:, : item.seq.layout.base_width]
+            if depth_model:
+                routed = {slot.name: self.block_manager.routed_table(item.seq, slot.name)
+                          for slot in item.seq.layout.routed_slots}
+                items.append(BatchItem(item.seq, item.start, item.num_tokens, row, full_table, routed))
             positions = np.arange(item.start, item.end)
             ids.extend(item.seq.token_ids(item.start, item.end))
             pos_chunks.append(positions)
@@ -94,6 +112,7 @@ class ModelRunner:
             num_prefill_tokens=num_prefill_tokens,
             decode_page_table=decode_table,
             decode_context_lens=decode_len,
+            batch=StepBatch(items, bs, self.device) if depth_model else None,
         )
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         positions = self._tensor(np.concatenate(pos_chunks))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -42,6 +43,8 @@ class AttentionMetadata:
     num_prefill_tokens: int
     decode_page_table: torch.Tensor | None  # [num_decodes, max_blocks, row_width]
     decode_context_lens: torch.Tensor | None  # [num_decodes]
+    # The step's per-sequence view (depthserve.layers.batch.StepBatch) for depth models; None for plain ones.
+    batch: Any = field(default=None, repr=False)
     _packed: PackedPrefills | None = field(default=None, repr=False)
 
     @property

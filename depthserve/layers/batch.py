@@ -1,0 +1,183 @@
+"""One step's batch, as the depth models see it: per-sequence rows, page tables and depth plans.
+
+The base (dense) slots are described once by the step's `AttentionMetadata`. A depth mechanism
+that runs only for some rows (an SGT loop iteration for the requests that asked for it, an ITT
+step for the tokens its router selected) builds a compact `AttentionMetadata` for just those
+rows and just that slot's pages with `StepBatch.slot_meta` / `StepBatch.routed_meta`: the model
+index-selects the rows, runs, and scatters back, so no row pays for depth it did not ask for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from depthserve.layers.attention import AttentionMetadata, PrefillSeqMeta
+
+
+@dataclass
+class BatchItem:
+    seq: Any  # engine Sequence
+    start: int  # first position computed this step
+    num_tokens: int
+    row: int  # its first row in the packed batch
+    table: np.ndarray  # [blocks, row_width] token-covering page table
+    routed: dict[str, tuple[np.ndarray, int]] = field(default_factory=dict)  # name -> (pages, committed length)
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+    @property
+    def decode(self) -> bool:
+        return self.num_tokens == 1
+
+    @property
+    def plan(self) -> Any:
+        return self.seq.state.get("depth_plan")
+
+
+@dataclass
+class MetaEntry:
+    """One sequence's part of a compact attention batch over one slot."""
+
+    num_queries: int
+    context_len: int  # keys visible to its last query (its own included)
+    read_table: np.ndarray  # [blocks, read_heads] pages to attend over (a KV head may repeat)
+    write_index: np.ndarray  # [num_queries, stored_heads] flat cache index of the new keys/values
+    decode: bool
+
+
+def build_metadata(entries: list[MetaEntry], block_size: int, device: torch.device) -> AttentionMetadata:
+    """AttentionMetadata for entries whose query rows are packed in order (multi-token entries first)."""
+    prefills: list[PrefillSeqMeta] = []
+    decode_tables: list[np.ndarray] = []
+    decode_lens: list[int] = []
+    row = 0
+    num_prefill_tokens = 0
+    seen_decode = False
+    for e in entries:
+        if e.decode:
+            seen_decode = True
+            decode_tables.append(e.read_table)
+            decode_lens.append(e.context_len)
+        else:
+            if seen_decode:
+                raise ValueError("prefill entries must come before decode entries")
+            prefills.append(PrefillSeqMeta(row, e.num_queries, e.context_len, _tensor(e.read_table, device)))
+            num_prefill_tokens += e.num_queries
+        row += e.num_queries
+    decode_table = decode_len = None
+    if decode_tables:
+        max_blocks = max(len(t) for t in decode_tables)
+        padded = np.zeros((len(decode_tables), max_blocks, decode_tables[0].shape[1]), dtype=np.int64)
+        for i, t in enumerate(decode_tables):
+            padded[i, : len(t)] = t
+        decode_table = _tensor(padded, device)
+        decode_len = _tensor(np.asarray(decode_lens), device)
+    width = entries[0].write_index.shape[1] if entries else 1
+    index = np.concatenate([e.write_index for e in entries]) if entries else np.zeros((0, width), np.int64)
+    return AttentionMetadata(
+        num_tokens=row,
+        block_size=block_size,
+        slot_index=_tensor(index, device),
+        prefills=prefills,
+        num_prefill_tokens=num_prefill_tokens,
+        decode_page_table=decode_table,
+        decode_context_lens=decode_len,
+    )
+
+
+def _tensor(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64)).to(device)
+
+
+class StepBatch:
+    """The items of one step (multi-token chunks first, then decodes), in packed-row order."""
+
+    def __init__(self, items: list[BatchItem], block_size: int, device: torch.device):
+        self.items = items
+        self.block_size = block_size
+        self.device = device
+        self.num_rows = sum(item.num_tokens for item in items)
+        # Filled by the model during the forward: tokens selected per (sequence, routed slot),
+        # committed to the block manager by the runner after the step.
+        self.routed_counts: dict[tuple[int, str], int] = {}
+        self._rows: dict[Any, torch.Tensor] = {}
+        self._item_of_row: np.ndarray | None = None
+
+    # ---- rows ------------------------------------------------------------------------------------
+    def rows(self, items: list[BatchItem]) -> torch.Tensor | None:
+        """Packed-row indices of these items (None when they are the whole batch)."""
+        if len(items) == len(self.items):
+            return None
+        key = tuple(id(i) for i in items)
+        if key not in self._rows:
+            index = np.concatenate([np.arange(i.row, i.row + i.num_tokens) for i in items]) if items else \
+                np.zeros(0, np.int64)
+            self._rows[key] = _tensor(index, self.device)
+        return self._rows[key]
+
+    def item_of_row(self) -> np.ndarray:
+        """[num_rows] index of the item each packed row belongs to."""
+        if self._item_of_row is None:
+            self._item_of_row = np.repeat(np.arange(len(self.items)), [i.num_tokens for i in self.items])
+        return self._item_of_row
+
+    def per_row(self, values: list[float], dtype=torch.float32) -> torch.Tensor:
+        """A [num_rows] tensor holding values[i] on every row of item i."""
+        counts = torch.tensor([i.num_tokens for i in self.items])
+        return torch.repeat_interleave(torch.tensor(values, dtype=dtype), counts).to(self.device)
+
+    # ---- metadata for a token-covering slot used by some items --------------------------------------
+    def slot_meta(self, items: list[BatchItem], columns: list[slice],
+                  read_heads: np.ndarray | None = None) -> AttentionMetadata:
+        """Attention metadata over one token-covering slot (e.g. an SGT loop slot) for `items`.
+
+        `columns[i]` is that slot's columns in item i's page table; `read_heads` maps each
+        attended head to a stored KV head (GQA subsets whose query heads do not split evenly
+        over their KV groups attend through one table row per query head).
+        """
+        bs = self.block_size
+        entries = []
+        for item, cols in zip(items, columns):
+            table = item.table[: -(-item.end // bs), cols]
+            positions = np.arange(item.start, item.end)
+            write = table[positions // bs] * bs + (positions % bs)[:, None]
+            read = table if read_heads is None else table[:, read_heads]
+            entries.append(MetaEntry(item.num_tokens, item.end, read, write, item.decode))
+        return build_metadata(entries, bs, self.device)
+
+    # ---- metadata for a routed slot, given the rows selected this step -----------------------------
+    def routed_meta(self, name: str, selected_rows: np.ndarray,
+                    read_heads: np.ndarray | None = None) -> tuple[AttentionMetadata, list[tuple[int, int]]]:
+        """Attention metadata over routed slot `name` for the selected packed rows (sorted).
+
+        The j-th token a sequence selects in this step goes to routed index committed + j and
+        attends to routed indices 0..committed + j. Records the per-sequence counts for the
+        commit after the step. Returns (metadata, [(item index, count)] of items with selections).
+        """
+        bs = self.block_size
+        owners = self.item_of_row()[selected_rows]
+        entries = []
+        counts: list[tuple[int, int]] = []
+        if len(selected_rows):
+            boundaries = np.flatnonzero(np.diff(owners)) + 1
+            for group in np.split(np.arange(len(selected_rows)), boundaries):
+                index = int(owners[group[0]])
+                item = self.items[index]
+                pages, committed = item.routed[name]
+                count = len(group)
+                routed_index = committed + np.arange(count)
+                write = pages[routed_index // bs] * bs + (routed_index % bs)[:, None]
+                read = pages[: -(-(committed + count) // bs)]
+                if read_heads is not None:
+                    read = read[:, read_heads]
+                entries.append(MetaEntry(count, committed + count, read, write, item.decode))
+                counts.append((index, count))
+                key = (item.seq.seq_id, name)
+                self.routed_counts[key] = self.routed_counts.get(key, 0) + count
+        return build_metadata(entries, bs, self.device), counts
