@@ -195,7 +195,9 @@ def itt_layer(ref: Reference, layer: int, x: torch.Tensor, ratios: list[float], 
             # Calibration: this (layer, step)'s score distribution under threshold routing of every
             # earlier (layer, step) at its trained ratio; 101 quantiles.
             levels = torch.linspace(0, 1, NUM_QUANTILES, dtype=torch.float64)
-            table = torch.quantile(score.flatten().double(), levels)
+            valid = calibration.get("valid")  # [B, n]: real tokens of right-padded sequences
+            scores = score[valid] if valid is not None else score.flatten()
+            table = torch.quantile(scores.double(), levels)
             calibration.setdefault(layer, [None] * spec.steps)[t - 1] = table.float()
             table = table.float().double()  # route with the table as it will be stored
             quantiles = table.numpy()
@@ -269,14 +271,25 @@ def forward(model_dir: str | Path, token_ids: list[int], depth: Any = None, *, r
 
 
 @torch.no_grad()
-def calibrate(model_dir: str | Path, windows: torch.Tensor, dtype: torch.dtype = torch.float32) -> dict[int, torch.Tensor]:
-    """Router-score quantiles per ITT layer ([T, 101]) over token windows [B, n], computed in forward
-    order with threshold routing, every step at its trained ratio (section 2, causal routing)."""
+def calibrate(model_dir: str | Path, sequences, dtype: torch.dtype = torch.float32,
+              batch_tokens: int = 65536) -> dict[int, torch.Tensor]:
+    """Router-score quantiles per ITT layer ([T, 101]) over calibration sequences (each from
+    position 0: a [B, n] tensor or a list of token lists), computed in forward order with threshold
+    routing, every step at its trained ratio (section 2, causal routing)."""
     ref = load(model_dir, dtype)
     if not isinstance(ref.spec, ITTSpec):
         raise ValueError(f"{model_dir} is not an ITT checkpoint")
-    tables: dict[int, list] = {}
-    run(ref, windows, None, None, tables, with_logits=False)
+    seqs = [list(map(int, s)) for s in (sequences.tolist() if torch.is_tensor(sequences) else sequences)]
+    seqs = [s for s in seqs if s]
+    n = max(len(s) for s in seqs)
+    ids = torch.zeros(len(seqs), n, dtype=torch.long)  # right padding: causal, so it never reaches real tokens
+    valid = torch.zeros(len(seqs), n, dtype=torch.bool)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = torch.tensor(s)
+        valid[i, : len(s)] = True
+    tables: dict = {"valid": valid}
+    run(ref, ids, None, None, tables, with_logits=False)
+    tables.pop("valid")
     return {layer: torch.stack(rows) for layer, rows in tables.items()}
 
 

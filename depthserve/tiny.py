@@ -36,6 +36,8 @@ LIKE = {
                                   num_attention_heads=9, num_key_value_heads=3, head_dim=64,
                                   max_position_embeddings=8192, rope_theta=100000.0),
 }
+EMBED_STD = 1.0  # token embeddings
+QK_STD = 1.5  # attention logits of std ~QK_STD**2: focused attention without amplifying fp32 rounding
 LOGIT_STD = 4.0  # std of the tiny model's logits: peaked (top-1 ~0.25 on average), top-2 gaps usually >> fp32 noise
 
 
@@ -90,14 +92,14 @@ def random_weights(cfg: dict[str, Any], spec, gen: torch.Generator) -> dict[str,
     def normal(*shape, std=1.0):
         return (torch.randn(*shape, generator=gen) * std).contiguous()
 
-    w = {"model.embed_tokens.weight": normal(V, d),
+    w = {"model.embed_tokens.weight": normal(V, d, std=EMBED_STD),
          "model.norm.weight": 1 + normal(d, std=0.1)}
     if not cfg["tie_word_embeddings"]:
         w["lm_head.weight"] = normal(V, d, std=LOGIT_STD / d**0.5)  # peaked output distributions
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        w[p + "self_attn.q_proj.weight"] = normal(H * hd, d, std=2.0 / d**0.5)  # sharp-ish attention
-        w[p + "self_attn.k_proj.weight"] = normal(H_kv * hd, d, std=2.0 / d**0.5)
+        w[p + "self_attn.q_proj.weight"] = normal(H * hd, d, std=QK_STD / d**0.5)
+        w[p + "self_attn.k_proj.weight"] = normal(H_kv * hd, d, std=QK_STD / d**0.5)
         w[p + "self_attn.v_proj.weight"] = normal(H_kv * hd, d, std=1.0 / d**0.5)
         w[p + "self_attn.o_proj.weight"] = normal(d, H * hd, std=1.0 / (H * hd) ** 0.5)
         w[p + "mlp.gate_proj.weight"] = normal(ffn, d, std=1.0 / d**0.5)
@@ -176,48 +178,51 @@ def synthetic_streams(vocab_size: int, windows: int, length: int, seed: int) -> 
     return order[draws].view(windows, length)
 
 
-def calibrate_tokens(model_dir: Path, windows: torch.Tensor, metadata: dict[str, Any]) -> dict[int, torch.Tensor]:
-    """Compute and write the ITT calibration table from token windows [B, n]."""
+def calibrate_tokens(model_dir: Path, sequences, metadata: dict[str, Any]) -> dict[int, torch.Tensor]:
+    """Compute and write the ITT calibration table from token sequences (a [B, n] tensor or lists)."""
     from depthserve import reference
 
-    tables = reference.calibrate(model_dir, windows)
-    write_calibration(Path(model_dir), tables, {**metadata, "num_tokens": int(windows.numel()),
-                                                "window": int(windows.shape[1])})
+    tables = reference.calibrate(model_dir, sequences)
+    lengths = [len(s) for s in sequences]
+    write_calibration(Path(model_dir), tables, {**metadata, "num_tokens": int(sum(lengths)),
+                                                "num_sequences": len(lengths), "max_len": int(max(lengths))})
     return tables
 
 
-def text_windows(tokenizer, text_file: Path, window: int, max_tokens: int | None) -> torch.Tensor:
-    """Tokenize a text file (.jsonl: each line's "text") into one stream cut into equal windows."""
-    import torch
-
+def text_sequences(tokenizer, text_file: Path, max_len: int, max_tokens: int | None) -> list[list[int]]:
+    """Tokenize a text file (.jsonl: each line's "text" is a document; else the whole file is one):
+    each document is a sequence from position 0, as a prompt would be, cut every `max_len` tokens."""
     if text_file.suffix == ".jsonl":
         docs = [json.loads(line).get("text", "") for line in text_file.read_text().splitlines() if line.strip()]
     else:
         docs = [text_file.read_text()]
-    stream: list[int] = []
+    sequences: list[list[int]] = []
+    total = 0
     for doc in docs:
-        stream += tokenizer.encode(doc, add_special_tokens=False)
-        if tokenizer.eos_token_id is not None:
-            stream.append(tokenizer.eos_token_id)
-        if max_tokens is not None and len(stream) >= max_tokens:
+        ids = tokenizer.encode(doc, add_special_tokens=False)
+        for start in range(0, len(ids), max_len):
+            chunk = ids[start : start + max_len]
+            if max_tokens is not None:
+                chunk = chunk[: max_tokens - total]
+            if len(chunk) >= 2:
+                sequences.append(chunk)
+                total += len(chunk)
+        if max_tokens is not None and total >= max_tokens:
             break
-    if max_tokens is not None:
-        stream = stream[:max_tokens]
-    count = len(stream) // window
-    if count == 0:
-        raise ValueError(f"{text_file} has {len(stream)} tokens, fewer than one window of {window}")
-    return torch.tensor(stream[: count * window]).view(count, window)
+    if not sequences:
+        raise ValueError(f"{text_file} has no text to calibrate on")
+    return sequences
 
 
-def calibrate(model_dir: str | Path, text_file: str | Path, window: int = 128,
+def calibrate(model_dir: str | Path, text_file: str | Path, max_len: int = 512,
               max_tokens: int | None = 65536) -> dict[int, torch.Tensor]:
     """`depthserve calibrate`: the table of 101 router-score quantiles per (ITT layer, step) on real text."""
     from transformers import AutoTokenizer
 
     model_dir, text_file = Path(model_dir), Path(text_file)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    windows = text_windows(tokenizer, text_file, window, max_tokens)
-    return calibrate_tokens(model_dir, windows, {"source": str(text_file)})
+    sequences = text_sequences(tokenizer, text_file, max_len, max_tokens)
+    return calibrate_tokens(model_dir, sequences, {"source": text_file.name})
 
 
 # ---- command line ------------------------------------------------------------------------------------
@@ -233,7 +238,7 @@ def add_subcommands(sub) -> None:
     c = sub.add_parser("calibrate", help="write an ITT checkpoint's router-score calibration table")
     c.add_argument("--model", required=True, help="ITT checkpoint directory")
     c.add_argument("--text", required=True, help="calibration text (.txt, or .jsonl with a 'text' field)")
-    c.add_argument("--window", type=int, default=128, help="tokens per calibration sequence")
+    c.add_argument("--max-len", type=int, default=512, help="documents are cut into sequences of at most this many tokens")
     c.add_argument("--max-tokens", type=int, default=65536)
     c.set_defaults(func=_cmd_calibrate)
 
@@ -248,7 +253,7 @@ def _cmd_calibrate(ns: argparse.Namespace) -> int:
     from depthserve.errors import DepthServeError
 
     try:
-        tables = calibrate(ns.model, ns.text, ns.window, ns.max_tokens)
+        tables = calibrate(ns.model, ns.text, ns.max_len, ns.max_tokens)
     except (DepthServeError, ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

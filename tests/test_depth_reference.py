@@ -166,7 +166,7 @@ def test_itt_without_calibration_is_refused_until_calibrated(ckpts, tmp_path, to
         LLM(str(path), device="cpu", dtype="float32", load_progress=False)
     text = tmp_path / "calib.txt"
     text.write_text("The quick brown fox jumps over the lazy dog. " * 200)
-    assert main(["calibrate", "--model", str(path), "--text", str(text), "--window", "64"]) == 0
+    assert main(["calibrate", "--model", str(path), "--text", str(text), "--max-len", "64"]) == 0
     llm = LLM(str(path), device="cpu", dtype="float32", load_progress=False, max_model_len=128)
     assert llm.generate([[5, 6, 7]])[0].finish_reason is not None
 

@@ -92,6 +92,14 @@ def check_against_reference(path, prompts, depths, outputs, routed: bool) -> dic
             top = row.topk(2).values
             if int(row.argmax()) != token:
                 assert float(top[0] - row[token]) < NEAR_TIE, f"greedy token {i} is not the reference argmax"
+        for position, entry in enumerate(out.prompt_logprobs or []):
+            if entry is None:
+                continue  # position 0 has no prefix
+            for alt, lp in entry.items():
+                err = abs(float(logprobs[position - 1, alt]) - lp.logprob)
+                stats["max_err"] = max(stats["max_err"], err)
+                assert err < TOL, f"prompt position {position}: logprob of {alt} differs by {err:.2e}"
+            stats["prompt_positions"] = stats.get("prompt_positions", 0) + 1
         stats["tokens"] += len(out.token_ids)
     return stats
 
@@ -99,16 +107,19 @@ def check_against_reference(path, prompts, depths, outputs, routed: bool) -> dic
 def _run_mixed(path, depths, prefix_caching=True):
     prompts = _prompts()
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2)
+    # Every third request also scores its prompt (prompt_logprobs: every prompt position is checked).
+    per_request = [SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2,
+                                  prompt_logprobs=1 if i % 3 == 2 else None) for i in range(len(prompts))]
     ds = [_depth(d) for d in depths]
     # KV budget: a little more than the costliest request alone, far less than the batch needs.
     probe = _llm(path, max_model_len=160)
     bm, model = probe.engine.block_manager, probe.engine.model
     need = [bm.pages_for(model.cache_layout(d), len(p) + params.max_tokens) for p, d in zip(prompts, ds)]
-    pages = max(need) + 16
+    pages = max(need) + 4
     assert sum(need) > 3 * pages
     llm = _llm(path, pages=pages, max_model_len=160, max_num_batched_tokens=32, enable_prefix_caching=prefix_caching)
     llm.engine.record_routing = True
-    outputs = llm.generate(prompts, params, ds)
+    outputs = llm.generate(prompts, per_request, ds)
     return llm, prompts, ds, outputs
 
 
