@@ -32,6 +32,19 @@ class CompletionOutput:
 
 
 @dataclass
+class RequestMetrics:
+    """Engine-side timestamps of a request (time.monotonic(), the engine process's clock)."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None  # left the waiting queue (queue time = this - arrival)
+    first_token_time: float | None = None
+
+    @property
+    def queue_time(self) -> float | None:
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt: str | None
@@ -42,6 +55,7 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     depth: dict | None = field(default=None)
+    metrics: RequestMetrics | None = None
 
     # Convenience accessors for the common n == 1 case.
     @property

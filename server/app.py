@@ -6,7 +6,7 @@ import asyncio
 import hmac
 import logging
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -23,7 +23,7 @@ from depthserve.server.protocol import (
     TokenizeRequest,
     error_body,
 )
-from depthserve.server.serving import ModelNotFoundError, OpenAIServing
+from depthserve.server.serving import ADMITTED, ModelNotFoundError, OpenAIServing, sse
 
 logger = logging.getLogger("depthserve.server")
 RETRY_AFTER_SECONDS = 1
@@ -47,7 +47,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 def build_app(llm: AsyncLLM, served_model_name: str | None = None, api_key: str | None = None,
               depth_presets: dict[str, dict] | None = None) -> FastAPI:
-    metrics = ServerMetrics(llm.engine.stats)
+    metrics = ServerMetrics(llm.stats)
     serving = OpenAIServing(llm, served_model_name or llm.model_name, depth_presets, metrics)
 
     @asynccontextmanager
@@ -117,7 +117,7 @@ def build_app(llm: AsyncLLM, served_model_name: str | None = None, api_key: str 
         request_id = f"cmpl-{request.state.request_id}-{uuid.uuid4().hex[:8]}"
         if body.stream:
             jobs, params, depth = serving.completion_jobs(body)
-            return _stream(serving.completion_stream(body, request_id, jobs, params, depth))
+            return await _stream(serving.completion_stream(body, request_id, jobs, params, depth))
         return await _unless_disconnected(request, serving.completion(body, request_id))
 
     @app.post("/v1/chat/completions")
@@ -125,7 +125,7 @@ def build_app(llm: AsyncLLM, served_model_name: str | None = None, api_key: str 
         request_id = f"chatcmpl-{request.state.request_id}-{uuid.uuid4().hex[:8]}"
         if body.stream:
             jobs, params, depth = serving.chat_jobs(body)
-            return _stream(serving.chat_stream(body, request_id, jobs, params, depth))
+            return await _stream(serving.chat_stream(body, request_id, jobs, params, depth))
         return await _unless_disconnected(request, serving.chat(body, request_id))
 
     return app
@@ -165,9 +165,28 @@ def _authorized(headers: dict[str, str], api_key: str) -> bool:
     return scheme.lower() == "bearer" and hmac.compare_digest(token.strip(), api_key)
 
 
-def _stream(chunks: AsyncIterator[str]) -> StreamingResponse:
-    """SSE response; when the client goes away Starlette cancels the iteration, which aborts the request."""
-    return StreamingResponse(chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+async def _stream(chunks: AsyncGenerator[str, None]) -> StreamingResponse:
+    """SSE response. The generator's first item (ADMITTED) is taken here, before the response
+    starts: admission errors (queue full, engine dead) become HTTP errors, and from then on the
+    generator is running, so closing it (client gone, or the response dropped) aborts the request."""
+    first = await anext(chunks)
+    assert first == ADMITTED, "SSE generators start by admitting their prompts"
+    return StreamingResponse(_errors_as_events(chunks), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
+
+
+async def _errors_as_events(chunks: AsyncGenerator[str, None]) -> AsyncIterator[str]:
+    """Once a stream has started its status is sent: a failure mid-stream (the engine died, the
+    server shuts down) ends it with an error event (and no [DONE]) instead of a cut connection."""
+    try:
+        async for chunk in chunks:
+            yield chunk
+    except EngineDeadError as exc:
+        yield sse(error_body(str(exc), "service_unavailable", 503))
+    except DepthServeError as exc:
+        yield sse(error_body(str(exc), "internal_error", 500))
+    finally:
+        await chunks.aclose()
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[dict]) -> dict | Response:

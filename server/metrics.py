@@ -6,13 +6,16 @@ import time
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from depthserve.outputs import RequestMetrics
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
 class _EngineCollector:
-    """Gauges read from the engine at scrape time (never stale, nothing to keep in sync)."""
+    """Engine gauges and counters, read at scrape time from the snapshot the engine thread publishes
+    after each step (never stale, nothing to keep in sync)."""
 
     def __init__(self, read_stats: Callable[[], dict]):
         self._read_stats = read_stats
@@ -23,7 +26,7 @@ class _EngineCollector:
         running.add_metric([], stats["num_running"])
         waiting = GaugeMetricFamily("depthserve_requests_waiting", "Sequences waiting for admission")
         waiting.add_metric([], stats["num_waiting"])
-        preemptions = GaugeMetricFamily("depthserve_preemptions", "Preemptions (recompute) since start")
+        preemptions = CounterMetricFamily("depthserve_preemptions", "Preemptions (recompute) since start")
         preemptions.add_metric([], stats["num_preemptions"])
         pages = GaugeMetricFamily("depthserve_kv_pages_used", "KV cache pages in use")
         pages.add_metric([], stats["kv_pages_used"])
@@ -46,7 +49,7 @@ class ServerMetrics:
                              buckets=_LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("depthserve_e2e_request_latency_seconds", "Request latency, arrival to finish",
                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.queue = Histogram("depthserve_request_queue_seconds", "Arrival to first engine output (queue + prefill)",
+        self.queue = Histogram("depthserve_request_queue_seconds", "Arrival to first scheduled (time waiting for admission)",
                                buckets=_LATENCY_BUCKETS, registry=r)
         self.prompt_tokens = Counter("depthserve_prompt_tokens", "Prompt tokens processed", registry=r)
         self.generation_tokens = Counter("depthserve_generation_tokens", "Tokens generated", registry=r)
@@ -78,15 +81,18 @@ class RequestTimer:
         self.arrival = time.monotonic()
         self.first: float | None = None
         self.last: float | None = None
+        self.queued = False
 
-    def on_output(self, num_new_tokens: int) -> None:
+    def on_output(self, num_new_tokens: int, engine_times: RequestMetrics | None = None) -> None:
         now = time.monotonic()
+        if not self.queued and engine_times is not None and engine_times.queue_time is not None:
+            self.queued = True
+            self.metrics.queue.observe(engine_times.queue_time)
         if num_new_tokens <= 0:
             return
         if self.first is None:
             self.first = now
             self.metrics.ttft.observe(now - self.arrival)
-            self.metrics.queue.observe(now - self.arrival)
         elif self.last is not None:
             self.metrics.itl.observe(now - self.last)
         self.last = now

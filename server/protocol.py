@@ -1,7 +1,8 @@
 """Request bodies of the OpenAI-compatible API (pydantic), and the error body.
 
 Unknown fields are rejected (400 naming the field) rather than silently ignored; so are OpenAI
-fields this server knows but does not implement (`UNSUPPORTED_FIELDS`).
+fields this server knows but does not implement (`UNSUPPORTED_FIELDS`). Types are strict: a
+string is not an integer ("3" for max_tokens is a 400, not 3), 1 is not a boolean.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ UNSUPPORTED_FIELDS = (
 
 
 class StrictModel(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     @model_validator(mode="before")
     @classmethod
@@ -33,6 +34,19 @@ class StrictModel(BaseModel):
 
 class StreamOptions(StrictModel):
     include_usage: bool = False
+
+
+class DepthRequest(StrictModel):
+    """The depth extension: the knobs of depth-semantics.md, typed here; their ranges are the
+    served model's (GET /v1/models lists them) and are checked by the engine (a 400 if outside)."""
+
+    loops: int | dict[str, int] | None = None  # SGT: extra loop iterations, all looped layers or per layer
+    selection_ratios: list[float] | None = None  # ITT: fraction of tokens routed to each step
+    thinking_steps: int | None = None  # ITT: how many of the trained steps run
+    depth: int | None = None  # depth-recurrent models: shared-block applications
+
+    def knobs(self) -> dict[str, Any]:
+        return self.model_dump(exclude_none=True)
 
 
 class SamplingFields(StrictModel):
@@ -58,7 +72,7 @@ class SamplingFields(StrictModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     user: str | None = None
-    depth: dict[str, Any] | None = None  # the depth extension: knobs of depth-semantics.md
+    depth: DepthRequest | None = None
 
     @field_validator("logit_bias")
     @classmethod

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from depthserve.depth import DepthParams
-from depthserve.engine.async_llm import AsyncLLM
-from depthserve.errors import InvalidRequestError
+from depthserve.engine.async_llm import AsyncLLM, QueueFullError, RequestStream
+from depthserve.errors import EngineDeadError, InvalidRequestError
 from depthserve.outputs import RequestOutput, TokenLogprobs
 from depthserve.sampling_params import SamplingParams
 from depthserve.server.metrics import RequestTimer, ServerMetrics
@@ -33,6 +33,12 @@ class _Job:
     prompt: str | list[int]
     token_ids: list[int]
     prompt_text: str | None
+
+
+# First item of every SSE generator here: all its prompts were admitted. The route consumes it
+# before the response starts, so a refusal (queue full, engine dead) is an HTTP error, not an
+# empty 200 stream.
+ADMITTED = ""
 
 
 def sse(payload: dict | str) -> str:
@@ -98,7 +104,7 @@ class OpenAIServing:
 
     # ---- request building ---------------------------------------------------------------------------
     def depth_params(self, req: SamplingFields) -> DepthParams:
-        merged = {**self.preset_depth(req.model), **(req.depth or {})}
+        merged = {**self.preset_depth(req.model), **(req.depth.knobs() if req.depth else {})}
         return DepthParams.from_dict(merged)
 
     @staticmethod
@@ -134,25 +140,40 @@ class OpenAIServing:
             jobs.append(_Job(prompt, ids, text))
         return jobs
 
-    async def _run(self, jobs: list[_Job], params: SamplingParams, depth: DepthParams,
-                   request_id: str) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Run the jobs concurrently; yield (job index, cumulative output) as outputs arrive.
+    def admit(self, jobs: list[_Job], params: SamplingParams, depth: DepthParams,
+              request_id: str) -> list[RequestStream]:
+        """Admit every prompt of one HTTP request, or none: a refusal (queue full, engine dead)
+        closes the streams already opened and raises, before any response has started."""
+        streams: list[RequestStream] = []
+        try:
+            for i, job in enumerate(jobs):
+                sub_id = request_id if len(jobs) == 1 else f"{request_id}-{i}"
+                streams.append(self.llm.add_request(job.token_ids, params, depth, sub_id))
+        except BaseException as exc:
+            for stream in streams:
+                stream.close()
+            if isinstance(exc, (QueueFullError, EngineDeadError)):
+                self.metrics.requests.labels(outcome="rejected").inc()
+            raise
+        return streams
+
+    async def _run(self, jobs: list[_Job], streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Yield (job index, cumulative output) as the admitted streams produce them.
         Closing this generator early (client gone) aborts every job that is still running."""
         queue: asyncio.Queue = asyncio.Queue()
         timers = [RequestTimer(self.metrics) for _ in jobs]
         generated = [0] * len(jobs)
 
-        async def pump(i: int, job: _Job) -> None:
+        async def pump(i: int, stream: RequestStream) -> None:
             try:
-                sub_id = request_id if len(jobs) == 1 else f"{request_id}-{i}"
-                async for out in self.llm.generate(job.token_ids, params, depth, sub_id):
+                async for out in stream:
                     await queue.put((i, out))
             except BaseException as exc:  # noqa: BLE001 - handed to the consumer
                 await queue.put((i, exc))
                 return
             await queue.put((i, None))
 
-        tasks = [asyncio.create_task(pump(i, job)) for i, job in enumerate(jobs)]
+        tasks = [asyncio.create_task(pump(i, stream)) for i, stream in enumerate(streams)]
         outcome = "aborted"
         try:
             remaining = len(jobs)
@@ -165,7 +186,7 @@ class OpenAIServing:
                     outcome = "error"
                     raise item
                 total = sum(len(o.token_ids) for o in item.outputs)
-                timers[i].on_output(total - generated[i])
+                timers[i].on_output(total - generated[i], item.metrics)
                 generated[i] = total
                 if item.finished:
                     self.metrics.record_depth(item.depth)
@@ -174,12 +195,15 @@ class OpenAIServing:
         finally:
             for task in tasks:
                 task.cancel()
+            for stream in streams:
+                stream.close()
             for i, timer in enumerate(timers):
                 timer.finish(outcome, len(jobs[i].token_ids), generated[i])
 
     async def _collect(self, jobs, params, depth, request_id) -> list[RequestOutput]:
+        streams = self.admit(jobs, params, depth, request_id)
         final: list[RequestOutput | None] = [None] * len(jobs)
-        async for i, out in self._run(jobs, params, depth, request_id):
+        async for i, out in self._run(jobs, streams):
             final[i] = out
         return final  # type: ignore[return-value]
 
@@ -203,31 +227,55 @@ class OpenAIServing:
                           "logprobs": None, "finish_reason": comp.finish_reason,
                           "stop_reason": comp.stop_reason}
                 if req.logprobs is not None:
-                    choice["logprobs"] = self._completion_logprobs(job, out, comp, req.echo, req.logprobs)
+                    pairs = self._prompt_pairs(job, out) if req.echo else []
+                    pairs += list(zip(comp.token_ids, comp.logprobs or [None] * len(comp.token_ids)))
+                    position = 0 if req.echo else len(self._prompt_text(job))
+                    choice["logprobs"] = self._completion_logprobs(pairs, position, req.logprobs)
                 choices.append(choice)
         return {"id": request_id, "object": "text_completion", "created": int(time.time()),
                 "model": req.model, "choices": choices, "usage": _usage(jobs, outputs)}
 
     async def completion_stream(self, req: CompletionRequest, request_id: str, jobs, params, depth) -> AsyncIterator[str]:
+        """SSE chunks. The first item is ADMITTED, yielded once every prompt is admitted (see admit)."""
+        streams = self.admit(jobs, params, depth, request_id)
+        yield ADMITTED
         created = int(time.time())
-        sent: dict[tuple[int, int], int] = {}
+        sent_text: dict[tuple[int, int], int] = {}
+        sent_tokens: dict[tuple[int, int], int] = {}
+        offsets: dict[tuple[int, int], int] = {}
         finals: list[RequestOutput | None] = [None] * len(jobs)
 
         def chunk(choices: list[dict], usage: dict | None = None) -> str:
             return _chunk(request_id, "text_completion", created, req.model, choices, usage)
 
-        if req.echo:
-            yield chunk([{"index": i * req.n + j, "text": self._prompt_text(job), "logprobs": None,
-                          "finish_reason": None} for i, job in enumerate(jobs) for j in range(req.n)])
-        async for i, out in self._run(jobs, params, depth, request_id):
+        async for i, out in self._run(jobs, streams):
+            if req.echo and finals[i] is None and _prompt_done(out):
+                # The prompt goes first, once its logprobs (when asked for) are complete.
+                prompt_text = self._prompt_text(jobs[i])
+                logprobs = None
+                if req.logprobs is not None:
+                    logprobs = self._completion_logprobs(self._prompt_pairs(jobs[i], out), 0, req.logprobs)
+                yield chunk([{"index": i * req.n + j, "text": prompt_text, "logprobs": logprobs,
+                              "finish_reason": None} for j in range(req.n)])
+            if req.echo and not _prompt_done(out):
+                continue
             finals[i] = out
             for comp in out.outputs:
                 key = (i, comp.index)
-                delta = comp.text[sent.get(key, 0):]
+                delta = comp.text[sent_text.get(key, 0):]
                 if not delta and not comp.finished:
                     continue
-                sent[key] = len(comp.text)
-                yield chunk([{"index": i * req.n + comp.index, "text": delta, "logprobs": None,
+                sent_text[key] = len(comp.text)
+                logprobs = None
+                if req.logprobs is not None:
+                    start = sent_tokens.get(key, 0)
+                    pairs = list(zip(comp.token_ids[start:], (comp.logprobs or [])[start:]))
+                    # Offsets count from the start of prompt + completion, as in a non-streamed response.
+                    position = offsets.setdefault(key, len(self._prompt_text(jobs[i])))
+                    logprobs = self._completion_logprobs(pairs, position, req.logprobs)
+                    offsets[key] = position + sum(len(t) for t in logprobs["tokens"])
+                sent_tokens[key] = len(comp.token_ids)
+                yield chunk([{"index": i * req.n + comp.index, "text": delta, "logprobs": logprobs,
                               "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason}])
         if req.stream_options and req.stream_options.include_usage:
             yield chunk([], _usage(jobs, finals))
@@ -241,15 +289,13 @@ class OpenAIServing:
             return entry[token_id].decoded_token
         return self.tokenizer.decode([token_id])
 
-    def _completion_logprobs(self, job: _Job, out: RequestOutput, comp, echo: bool, top_n: int) -> dict:
-        """The legacy completions logprobs object (what lm-evaluation-harness reads)."""
+    def _prompt_pairs(self, job: _Job, out: RequestOutput) -> list[tuple[int, TokenLogprobs | None]]:
+        return list(zip(job.token_ids, out.prompt_logprobs or [None] * len(job.token_ids)))
+
+    def _completion_logprobs(self, pairs: list[tuple[int, TokenLogprobs | None]], position: int, top_n: int) -> dict:
+        """The legacy completions logprobs object (what lm-evaluation-harness reads) for (token id,
+        logprobs entry) pairs, with text offsets counted from `position`."""
         tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
-        position = 0 if echo else len(self._prompt_text(job))
-        pairs: list[tuple[int, TokenLogprobs | None]] = []
-        if echo:
-            prompt_entries = out.prompt_logprobs or [None] * len(job.token_ids)
-            pairs += list(zip(job.token_ids, prompt_entries))
-        pairs += list(zip(comp.token_ids, comp.logprobs or [None] * len(comp.token_ids)))
         for token_id, entry in pairs:
             text = self._token_text(token_id, entry)
             tokens.append(text)
@@ -288,6 +334,9 @@ class OpenAIServing:
                 "choices": choices, "usage": _usage(jobs, [out])}
 
     async def chat_stream(self, req: ChatCompletionRequest, request_id: str, jobs, params, depth) -> AsyncIterator[str]:
+        """SSE chunks. The first item is ADMITTED, yielded once the request is admitted (see admit)."""
+        streams = self.admit(jobs, params, depth, request_id)
+        yield ADMITTED
         created = int(time.time())
         sent: dict[int, int] = {}
         logprobs_sent: dict[int, int] = {}
@@ -298,7 +347,7 @@ class OpenAIServing:
 
         yield chunk([{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                       "finish_reason": None} for j in range(req.n)])
-        async for _, out in self._run(jobs, params, depth, request_id):
+        async for _, out in self._run(jobs, streams):
             final[0] = out
             for comp in out.outputs:
                 delta = comp.text[sent.get(comp.index, 0):]
@@ -339,6 +388,11 @@ def _chunk(request_id: str, obj: str, created: int, model: str, choices: list[di
     return sse(body)
 
 
+def _prompt_done(out: RequestOutput) -> bool:
+    """The prompt has been processed (its logprobs, if asked for, are complete)."""
+    return out.finished or any(comp.token_ids for comp in out.outputs)
+
+
 def _prompt_list(prompt) -> list[str | list[int]]:
     if isinstance(prompt, str):
         return [prompt]
@@ -352,7 +406,38 @@ def _usage(jobs: list[_Job], outputs: list[RequestOutput | None]) -> dict[str, A
     completion_tokens = sum(len(c.token_ids) for out in outputs if out is not None for c in out.outputs)
     usage: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                              "total_tokens": prompt_tokens + completion_tokens}
-    depths = [out.depth for out in outputs if out is not None and out.depth]
-    if depths:
-        usage["depth"] = depths[0] if len(depths) == 1 else depths
+    reports = [out.depth for out in outputs if out is not None and out.depth]
+    if reports:
+        usage["depth"] = reports[0] if len(reports) == 1 else combined_depth(reports)
     return usage
+
+
+_SUMMED = ("tokens", "flops", "plain_flops")
+_SUMMED_MAPS = ("loop_iterations", "selected_tokens")
+
+
+def combined_depth(reports: list[dict]) -> dict[str, Any]:
+    """One depth report for a request of several prompts: counts summed, `relative_compute` as
+    total FLOPs over total plain FLOPs, settings kept where the prompts agree, and each
+    prompt's own report under `per_prompt`."""
+    total: dict[str, Any] = {}
+    for key in reports[0]:
+        values = [r.get(key) for r in reports]
+        if key in _SUMMED:
+            total[key] = sum(values)
+        elif key in _SUMMED_MAPS:
+            merged: dict = {}
+            for value in values:
+                for name, count in (value or {}).items():
+                    merged[name] = merged.get(name, 0) + count
+            total[key] = merged
+        elif key == "extrapolated":
+            total[key] = sorted({layer for value in values for layer in value})
+        elif all(v == values[0] for v in values):
+            total[key] = values[0]
+    if all("flops" in r and "plain_flops" in r for r in reports):
+        total["relative_compute"] = total["flops"] / total["plain_flops"] if total["plain_flops"] else 1.0
+    else:
+        total.pop("relative_compute", None)
+    total["per_prompt"] = reports
+    return total

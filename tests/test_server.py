@@ -4,9 +4,7 @@ and httpx: parity with offline generation, streaming, disconnects, errors, scori
 from __future__ import annotations
 
 import asyncio
-import socket
-import threading
-import time
+import json
 
 import httpx
 import pytest
@@ -20,15 +18,10 @@ from depthserve.api import LLM  # noqa: E402
 from depthserve.engine.async_llm import AsyncLLM  # noqa: E402
 from depthserve.sampling_params import SamplingParams  # noqa: E402
 from depthserve.server.app import build_app  # noqa: E402
+from tests.live_server import live_server, metric_value, wait_idle  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 API_KEY = "test-key"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -42,21 +35,8 @@ def server(offline):
     # Same weights and settings; a second engine so offline runs never race the server's thread.
     llm = AsyncLLM(type(offline.engine)(offline.engine.args))
     app = build_app(llm, api_key=API_KEY, depth_presets={"plain": {}})
-    port = _free_port()
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
-    srv = uvicorn.Server(config)
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    base = f"http://127.0.0.1:{port}"
-    for _ in range(200):
-        try:
-            if httpx.get(f"{base}/health").status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.05)
-    yield base, llm
-    srv.should_exit = True
-    thread.join(timeout=10)
+    with live_server(app) as base:
+        yield base, llm
 
 
 @pytest.fixture(scope="module")
@@ -66,15 +46,6 @@ def client(server):
 
 def _pages_used(llm: AsyncLLM) -> int:
     return llm.engine.block_manager.num_used_pages
-
-
-def _wait_idle(llm: AsyncLLM, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not llm.engine.has_unfinished_requests() and llm.num_requests == 0:
-            return
-        time.sleep(0.02)
-    raise AssertionError("the engine did not go idle")
 
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
@@ -152,8 +123,6 @@ async def _stream_one(base: str, index: int, disconnect: bool) -> str | None:
             assert response.status_code == 200
             async for line in response.aiter_lines():
                 if line.startswith("data: ") and line != "data: [DONE]":
-                    import json
-
                     chunk = json.loads(line[6:])
                     text.append(chunk["choices"][0]["text"])
                     if disconnect and len(text) >= 3:
@@ -163,8 +132,8 @@ async def _stream_one(base: str, index: int, disconnect: bool) -> str | None:
 
 def test_concurrent_streams_with_disconnects_leave_no_blocks(server, offline):
     base, llm = server
-    _wait_idle(llm)
-    before = _metric_value(base, "depthserve_requests_total", outcome="success")
+    wait_idle(llm)
+    before = metric_value(base, "depthserve_requests_total", outcome="success")
 
     async def main():
         return await asyncio.gather(*[_stream_one(base, i, disconnect=i % 3 == 0) for i in range(32)])
@@ -174,26 +143,21 @@ def test_concurrent_streams_with_disconnects_leave_no_blocks(server, offline):
     expected = offline.generate([f"Story number {i}: once upon a time" for i in kept],
                                 SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
     assert [results[i] for i in kept] == [e.text for e in expected]
-    _wait_idle(llm)
+    wait_idle(llm)
     assert _pages_used(llm) == 0
-    after = _metric_value(base, "depthserve_requests_total", outcome="success")
+    after = metric_value(base, "depthserve_requests_total", outcome="success")
     assert after - before == len(kept)
-    assert _metric_value(base, "depthserve_kv_pages_used") == 0
-    assert _metric_value(base, "depthserve_requests_total", outcome="aborted") >= 32 - len(kept)
-
-
-def _metric_value(base: str, name: str, **labels) -> float:
-    text = httpx.get(f"{base}/metrics").text
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                return sample.value
-    return 0.0
+    assert metric_value(base, "depthserve_kv_pages_used") == 0
+    assert metric_value(base, "depthserve_requests_total", outcome="aborted") >= 32 - len(kept)
 
 
 BAD_REQUESTS = [
     # (path, body, headers, status, error type, words the message must contain)
     ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": "many"}, None, 400, "invalid_request_error", "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": "3"}, None, 400, "invalid_request_error", "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2.5}, None, 400, "invalid_request_error", "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "stream": 1}, None, 400, "invalid_request_error", "stream"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "temperature": "0.5"}, None, 400, "invalid_request_error", "temperature"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "temperature": 5}, None, 400, "invalid_request_error", "temperature"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "top_p": 0}, None, 400, "invalid_request_error", "top_p"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 0}, None, 400, "invalid_request_error", "n"),
@@ -205,6 +169,8 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": MODEL, "prompt": ""}, None, 400, "invalid_request_error", "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "depth": {"loops": 2}}, None, 400, "invalid_request_error", "loops"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "depth": {"warp": 9}}, None, 400, "invalid_request_error", "warp"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "depth": {"loops": "2"}}, None, 400, "invalid_request_error", "loops"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "depth": [1]}, None, 400, "invalid_request_error", "depth"),
     ("/v1/completions", {"model": MODEL, "prompt": "hello " * 1100}, None, 400, "invalid_request_error", "context"),
     ("/v1/completions", {"model": "no-such-model", "prompt": "x"}, None, 404, "not_found_error", "no-such-model"),
     ("/v1/chat/completions", {"model": MODEL, "messages": []}, None, 400, "invalid_request_error", "messages"),
@@ -231,7 +197,7 @@ def test_bad_requests_get_documented_errors_and_the_server_keeps_serving(server,
     ok = httpx.post(f"{base}/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2},
                     headers={"Authorization": f"Bearer {API_KEY}"})
     assert ok.status_code == 200
-    _wait_idle(llm)
+    wait_idle(llm)
     assert _pages_used(llm) == 0
 
 

@@ -53,6 +53,7 @@ class AsyncLLM:
         self._wakeup = threading.Event()
         self._dead: BaseException | None = None
         self._stopping = False
+        self._stats = self._snapshot()
         self._thread = threading.Thread(target=self._run, name="depthserve-engine", daemon=True)
         self._thread.start()
 
@@ -78,7 +79,30 @@ class AsyncLLM:
         with self._lock:
             return len(self._streams)
 
+    def stats(self) -> dict:
+        """The engine's counters as of its last step (a snapshot the engine thread publishes, so
+        readers on other threads never see the scheduler mid-step)."""
+        return self._stats
+
     # ---- requests ---------------------------------------------------------------------------
+    def add_request(
+        self,
+        prompt: str | list[int],
+        sampling_params: SamplingParams,
+        depth: DepthParams | None,
+        request_id: str,
+    ) -> "RequestStream":
+        """Admit a request now and return the stream of its outputs.
+
+        Raises at once, before anything is queued: the request's typed error if it is invalid,
+        QueueFullError if too many requests wait, EngineDeadError if the engine loop is gone.
+        Call from the event loop; close (or fully iterate) the stream, or the request runs on.
+        """
+        self.engine.check_request(prompt, sampling_params, depth)
+        stream = self._open(request_id)
+        self._send((_ADD, request_id, prompt, sampling_params, depth, stream.arrival))
+        return RequestStream(self, request_id, stream)
+
     async def generate(
         self,
         prompt: str | list[int],
@@ -86,28 +110,13 @@ class AsyncLLM:
         depth: DepthParams | None,
         request_id: str,
     ) -> AsyncIterator[RequestOutput]:
-        """Stream the request's outputs. Cancelling or closing the iterator aborts the request.
-
-        Invalid requests raise their typed error before anything is queued.
-        """
-        self.engine.check_request(prompt, sampling_params, depth)
-        stream = self._open(request_id)
-        self._send((_ADD, request_id, prompt, sampling_params, depth))
-        finished = False
+        """Stream the request's outputs. Cancelling or closing the iterator aborts the request."""
+        stream = self.add_request(prompt, sampling_params, depth, request_id)
         try:
-            while True:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
+            async for out in stream:
+                yield out
         finally:
-            self._close(request_id)
-            if not finished:
-                self._send((_ABORT, request_id))
+            stream.close()
 
     async def abort(self, request_id: str) -> None:
         self._send((_ABORT, request_id))
@@ -120,7 +129,7 @@ class AsyncLLM:
         with self._lock:
             if request_id in self._streams:
                 raise DepthServeError(f"request id {request_id!r} is already in use")
-            waiting = len(self._streams) - len(self.engine.scheduler.running)
+            waiting = len(self._streams) - self._stats["num_running_requests"]
             if waiting >= self.max_waiting_requests:
                 raise QueueFullError(f"{waiting} requests are waiting; try again later")
             stream = _Stream(loop=asyncio.get_running_loop())
@@ -166,7 +175,9 @@ class AsyncLLM:
                     self._wakeup.wait(timeout=0.1)
                     self._wakeup.clear()
                     continue
-                for out in self.engine.step():
+                outputs = self.engine.step()
+                self._stats = self._snapshot()
+                for out in outputs:
                     self._deliver(out.request_id, out)
         except BaseException as exc:  # the loop died: fail every request at once
             logger.exception("engine loop failed")
@@ -176,11 +187,17 @@ class AsyncLLM:
             for request_id in ids:
                 self._deliver(request_id, EngineDeadError(f"the engine loop failed: {exc!r}"))
 
+    def _snapshot(self) -> dict:
+        stats = self.engine.stats()
+        stats["num_running_requests"] = self.engine.num_running_requests()
+        return stats
+
     def _drain_commands(self) -> bool:
         while True:
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
+                self._stats = self._snapshot()
                 return True
             kind = command[0]
             if kind == _STOP:
@@ -192,8 +209,46 @@ class AsyncLLM:
                 if out is not None:
                     self._deliver(command[1], out)
                 continue
-            _, request_id, prompt, params, depth = command
+            _, request_id, prompt, params, depth, arrival = command
             try:
-                self.engine.add_request(request_id, prompt, params, depth)
+                self.engine.add_request(request_id, prompt, params, depth, arrival_time=arrival)
             except DepthServeError as exc:
                 self._deliver(request_id, exc)
+
+
+class RequestStream:
+    """The outputs of one admitted request, as an async iterator of cumulative RequestOutputs.
+
+    Closing it before the request finished aborts the request (its cache pages are freed at the
+    engine's next step); closing it again, or after the end, does nothing."""
+
+    def __init__(self, llm: AsyncLLM, request_id: str, stream: _Stream):
+        self.request_id = request_id
+        self._llm = llm
+        self._stream = stream
+        self._done = False
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        return self._outputs()
+
+    async def _outputs(self) -> AsyncIterator[RequestOutput]:
+        try:
+            while not self._done:
+                item = await self._stream.queue.get()
+                if isinstance(item, BaseException):
+                    self._finish()
+                    raise item
+                if item.finished:
+                    self._finish()
+                yield item
+        finally:
+            self.close()
+
+    def _finish(self) -> None:
+        self._done = True
+        self._llm._close(self.request_id)
+
+    def close(self) -> None:
+        if not self._done:
+            self._finish()
+            self._llm._send((_ABORT, self.request_id))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -13,7 +14,7 @@ from depthserve.detokenizer import IncrementalDetokenizer
 from depthserve.engine.block_manager import BlockManager
 from depthserve.engine.model_runner import ModelRunner, SeqStepOutput
 from depthserve.engine.scheduler import Scheduler, SchedulerConfig
-from depthserve.engine.sequence import Sequence
+from depthserve.engine.sequence import Sequence, SequenceStatus
 from depthserve.errors import (
     CacheCapacityError,
     EmptyPromptError,
@@ -23,7 +24,7 @@ from depthserve.errors import (
 from depthserve.loading.model_loader import load_model
 from depthserve.loading.registry import resolve_model
 from depthserve.loading.tokenizer import load_tokenizer
-from depthserve.outputs import CompletionOutput, Logprob, RequestOutput
+from depthserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from depthserve.sampler import Sampler
 from depthserve.sampling_params import SamplingParams
 
@@ -162,7 +163,9 @@ class LLMEngine:
         prompt: str | list[int],
         sampling: SamplingParams,
         depth: DepthParams | None = None,
+        arrival_time: float | None = None,
     ) -> None:
+        """Queue a request. `arrival_time` (time.monotonic()) is when it reached the server, if earlier."""
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         depth = depth or DepthParams()
@@ -172,6 +175,8 @@ class LLMEngine:
         request = _Request(request_id, prompt_text, token_ids, sampling)
         for index in range(sampling.n):
             seq = Sequence(request_id, index, list(token_ids), sampling, depth, plan.layout, max_tokens)
+            if arrival_time is not None:
+                seq.arrival_time = arrival_time
             seq.state["depth_plan"] = plan
             seq.state["generator"] = _generator(sampling.seed, index)
             seq.state["detokenizer"] = IncrementalDetokenizer(
@@ -212,6 +217,10 @@ class LLMEngine:
     @property
     def num_unfinished_requests(self) -> int:
         return len(self._requests)
+
+    def num_running_requests(self) -> int:
+        """Requests with at least one sequence in the running batch (the rest are waiting)."""
+        return sum(any(seq.status is SequenceStatus.RUNNING for seq in r.seqs) for r in self._requests.values())
 
     def stats(self) -> dict:
         """Counters and gauges for metrics and health pages."""
@@ -261,6 +270,8 @@ class LLMEngine:
     def _append_token(self, seq: Sequence, sampled) -> None:
         token = sampled.token_id
         seq.output_token_ids.append(token)
+        if seq.first_token_time is None:
+            seq.first_token_time = time.monotonic()
         seq.state["cumulative_logprob"] += sampled.logprob
         if seq.state["logprobs"] is not None:
             entry = {token: Logprob(sampled.logprob, sampled.rank, self._decode_one(token))}
@@ -323,6 +334,7 @@ class LLMEngine:
             finished=request.finished,
             num_cached_tokens=first.num_cached_tokens,
             depth=depth,
+            metrics=RequestMetrics(first.arrival_time, first.first_scheduled_time, first.first_token_time),
         )
 
 

@@ -10,6 +10,7 @@ goes back to the front of the queue, to be recomputed from its tokens (nothing i
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -142,6 +143,8 @@ class Scheduler:
                     break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.monotonic()
             self.running.append(seq)
             bm.grow(seq, seq.num_computed_tokens + num)
             out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, num))

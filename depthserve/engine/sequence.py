@@ -40,6 +40,8 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_preemptions: int = 0
+    first_scheduled_time: float | None = None  # when it first left the waiting queue
+    first_token_time: float | None = None
     # Engine-side state that the scheduler never reads (sampler generator, detokenizer, logprobs).
     state: dict[str, Any] = field(default_factory=dict)
 

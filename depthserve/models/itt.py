@@ -188,6 +188,8 @@ class ITTForCausalLM(LlamaForCausalLM):
             "selected_tokens": selected,  # "layer:step" -> tokens selected (enabled steps only)
             "prompt_selected_fraction": prompt_frac,
             "decode_selected_fraction": decode_frac,
+            "flops": base + extra,  # this request's FLOPs (depthserve/models/flops.py)
+            "plain_flops": base,  # the plain model's FLOPs on the same tokens
             "relative_compute": (base + extra) / base if base else 1.0,
         }
 

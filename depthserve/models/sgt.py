@@ -190,6 +190,8 @@ class SGTForCausalLM(LlamaForCausalLM):
             "tokens": tokens,
             # per looped layer: (token, iteration) pairs run over the tokens this request processed
             "loop_iterations": {layer: tokens * n for layer, n in plan.loops.items()},
+            "flops": base + extra,  # this request's FLOPs (depthserve/models/flops.py)
+            "plain_flops": base,  # the plain model's FLOPs on the same tokens
             "relative_compute": (base + extra) / base if base else 1.0,
         }
 

@@ -1,0 +1,61 @@
+"""Run an app under a real uvicorn on loopback (in a thread) for the server tests."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def live_server(app) -> Iterator[str]:
+    """Serve `app` until the block ends; yields the base URL once /health answers."""
+    import uvicorn
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    for _ in range(400):
+        try:
+            httpx.get(f"{base}/health")
+            break
+        except httpx.HTTPError:
+            time.sleep(0.05)
+    try:
+        yield base
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+def metric_value(base: str, name: str, **labels) -> float:
+    """A sample of /metrics (0.0 when absent), parsed with the prometheus text parser."""
+    text = httpx.get(f"{base}/metrics").text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    return 0.0
+
+
+def wait_idle(llm, timeout: float = 10.0) -> None:
+    """Until the AsyncLLM has no request in flight (aborts land at the engine's next step)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not llm.engine.has_unfinished_requests() and llm.num_requests == 0:
+            return
+        time.sleep(0.02)
+    raise AssertionError("the engine did not go idle")
