@@ -180,9 +180,11 @@ def build_parser() -> argparse.ArgumentParser:
     p_chat.add_argument("--depth", default=None, help='depth knobs as JSON, e.g. \'{"loops": 2}\'')
     p_chat.set_defaults(func=cmd_chat)
 
-    from depthserve.tiny import add_subcommands as add_checkpoint_commands  # make-tiny, calibrate
+    from depthserve import graft, import_sgt, tiny
 
-    add_checkpoint_commands(sub)
+    tiny.add_subcommands(sub)  # make-tiny, calibrate
+    import_sgt.add_subcommands(sub)  # import-sgt
+    graft.add_subcommands(sub)  # graft-sgt
     return parser
 
 
