@@ -15,6 +15,7 @@ the margin rule of the contract compares decisions only where the margin exceeds
 from __future__ import annotations
 
 import functools
+import json
 import math
 import os
 from dataclasses import dataclass
@@ -264,6 +265,12 @@ def forward(model_dir: str | Path, token_ids: list[int], depth: Any = None, *, r
     force: {(layer, step): bool[n_tokens]} ITT decisions to use instead of the threshold rule.
     return_decisions: also return {(layer, step): {"selected", "score", "threshold", "margin"}}.
     """
+    from depthserve.architectures import ARCHITECTURE_MODULES, architecture_module
+
+    architecture = json.loads((Path(model_dir) / "config.json").read_text()).get("depth", {}).get("architecture")
+    if architecture in ARCHITECTURE_MODULES:  # its own reference (depthserve/architectures.py)
+        return architecture_module(architecture).reference_forward(
+            model_dir, token_ids, depth, return_decisions=return_decisions, force=force, dtype=dtype)
     ref = load(model_dir, dtype)
     ids = torch.as_tensor(list(token_ids), dtype=torch.long)[None]
     logits, decisions = run(ref, ids, depth, force)

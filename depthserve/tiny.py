@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,8 @@ from depthserve.loading.checkpoint import (
     write_calibration,
     write_config,
 )
+
+TINY_ARCHITECTURES = ("llama", "sgt", "itt", "dreamer", "put", "saobp")
 
 # Shapes of a tiny model (the vocabulary is the tokenizer's).
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
@@ -64,23 +67,58 @@ def _byte_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|endoftext|>")
 
 
-def _sgt_spec(num_layers: int, num_heads: int) -> SGTSpec:
+def _sgt_spec(num_layers: int, num_heads: int, layers: Sequence[int] | None = None,
+              heads: int | Sequence[Sequence[int]] | None = None, loops: int | None = None) -> SGTSpec:
     """Looped layers 1..3 (or the upper layers of a deep model) with head sets that cover the cases:
-    one KV group per head, two heads of one group, and heads split unevenly over groups."""
-    if num_layers <= 4:
-        layers = [1, 2, 3][: max(num_layers - 1, 1)]
+    one KV group per head, two heads of one group, and heads split unevenly over groups.
+
+    `layers`, `heads` (a head count, taken as heads 0..n-1, or one head set per looped layer) and
+    `loops` (the trained count of every looped layer) override those defaults."""
+    if layers is None:
+        if num_layers <= 4:
+            layers = [1, 2, 3][: max(num_layers - 1, 1)]
+        else:
+            layers = [num_layers // 3, num_layers // 2, (2 * num_layers) // 3]
+    layers = list(layers)
+    if not layers or len(set(layers)) != len(layers) or not all(0 <= l < num_layers for l in layers):
+        raise ValueError(f"SGT layers must be distinct layer indices in 0..{num_layers - 1}, got {layers}")
+    if heads is None:
+        defaults = [[num_heads - 1, 0], [1, num_heads // 2, num_heads - 1], [1, 0]]
+        head_sets = [defaults[i % len(defaults)] for i in range(len(layers))]
+    elif isinstance(heads, int):
+        if not 1 <= heads <= num_heads:
+            raise ValueError(f"the SGT head count must lie in 1..{num_heads}, got {heads}")
+        head_sets = [list(range(heads))] * len(layers)
     else:
-        layers = [num_layers // 3, num_layers // 2, (2 * num_layers) // 3]
-    heads = [[num_heads - 1, 0], [1, num_heads // 2, num_heads - 1], [1, 0]]
-    heads = [sorted(set(h), key=h.index) for h in heads]
-    loops = [2, 1, 1]
-    return SGTSpec(tuple(SGTLayer(l, tuple(h), k) for l, h, k in zip(layers, heads, loops)), max_loops=3)
+        head_sets = [list(h) for h in heads]
+        if len(head_sets) != len(layers):
+            raise ValueError(f"give one SGT head set per looped layer ({len(layers)}), got {len(head_sets)}")
+    head_sets = [sorted(set(h), key=h.index) for h in head_sets]
+    if not all(h and all(0 <= x < num_heads for x in h) for h in head_sets):
+        raise ValueError(f"SGT head sets must be non-empty sets of heads in 0..{num_heads - 1}, got {head_sets}")
+    counts = [2, 1, 1][: len(layers)] + [1] * max(len(layers) - 3, 0) if loops is None else [loops] * len(layers)
+    if min(counts) < 0:
+        raise ValueError(f"the SGT loop count must be >= 0, got {loops}")
+    return SGTSpec(tuple(SGTLayer(l, tuple(h), k) for l, h, k in zip(layers, head_sets, counts)),
+                   max_loops=max(3, *counts))
 
 
-def _itt_spec(num_layers: int) -> ITTSpec:
-    layers = (1, 3) if num_layers <= 4 else (num_layers // 4, num_layers // 2, (3 * num_layers) // 4)
-    return ITTSpec(layers=tuple(l for l in layers if l < num_layers), steps=2, alphas=(1.0, 0.5),
-                   trained_ratios=(0.5, 0.3), skip_rule="paper")
+def _itt_spec(num_layers: int, layers: Sequence[int] | None = None, steps: int | None = None) -> ITTSpec:
+    """ITT on layers 1 and 3 (a quarter, half and three quarters of a deep model) with T=2 steps;
+    `layers` and `steps` override those. Step t has alpha = 1/2^(t-1) and trained ratio
+    max(0.5 - 0.2 (t-1), 0.1): (1.0, 0.5) and (0.5, 0.3) for T=2."""
+    if layers is None:
+        layers = (1, 3) if num_layers <= 4 else (num_layers // 4, num_layers // 2, (3 * num_layers) // 4)
+        layers = tuple(l for l in layers if l < num_layers)
+    layers = tuple(layers)
+    if not layers or len(set(layers)) != len(layers) or not all(0 <= l < num_layers for l in layers):
+        raise ValueError(f"ITT layers must be distinct layer indices in 0..{num_layers - 1}, got {list(layers)}")
+    steps = 2 if steps is None else steps
+    if steps < 1:
+        raise ValueError(f"the ITT step count must be >= 1, got {steps}")
+    alphas = tuple(0.5**t for t in range(steps))
+    ratios = tuple(round(max(0.5 - 0.2 * t, 0.1), 6) for t in range(steps))
+    return ITTSpec(layers=layers, steps=steps, alphas=alphas, trained_ratios=ratios, skip_rule="paper")
 
 
 def random_weights(cfg: dict[str, Any], spec, gen: torch.Generator) -> dict[str, torch.Tensor]:
@@ -119,15 +157,30 @@ def random_weights(cfg: dict[str, Any], spec, gen: torch.Generator) -> dict[str,
 
 
 def make_tiny(arch: str, out: str | Path, seed: int = 0, like: str | None = None, num_kv_heads: int | None = None,
-              tokenizer=None, calibrate_windows: int = 16, calibrate_window: int = 128) -> Path:
-    """Write a random-initialised checkpoint of `arch` ("llama", "sgt", "itt") to `out`."""
+              tokenizer=None, calibrate_windows: int = 16, calibrate_window: int = 128, *,
+              sgt_layers: Sequence[int] | None = None, sgt_heads: int | Sequence[Sequence[int]] | None = None,
+              sgt_loops: int | None = None, itt_layers: Sequence[int] | None = None,
+              itt_steps: int | None = None) -> Path:
+    """Write a random-initialised checkpoint of `arch` ("llama", "sgt", "itt") to `out`.
+
+    The sgt_* and itt_* arguments override the depth layout of `_sgt_spec` / `_itt_spec`
+    (None keeps the defaults); they are an error for another architecture."""
     import torch
     from safetensors.torch import save_file
 
+    from depthserve.architectures import ARCHITECTURE_MODULES, architecture_module
+
+    if arch in ARCHITECTURE_MODULES:  # an architecture with its own module writes its own tiny checkpoint
+        return architecture_module(arch).make_tiny(Path(out), seed, like, num_kv_heads,
+                                                   tokenizer or load_default_tokenizer())
     if arch not in ("llama", "sgt", "itt"):
-        raise ValueError(f"--arch must be llama, sgt or itt, got {arch!r}")
+        raise ValueError(f"--arch must be one of {TINY_ARCHITECTURES}, got {arch!r}")
     if like and like not in LIKE:
         raise ValueError(f"--like must be one of {sorted(LIKE)}")
+    overrides = {"sgt": (sgt_layers, sgt_heads, sgt_loops), "itt": (itt_layers, itt_steps)}
+    for other, values in overrides.items():
+        if other != arch and any(v is not None for v in values):
+            raise ValueError(f"{other}_* options apply to --arch {other} only, not {arch}")
     shapes = dict(LIKE[like]) if like else dict(TINY)
     if num_kv_heads is not None:
         if shapes["num_attention_heads"] % num_kv_heads:
@@ -151,8 +204,9 @@ def make_tiny(arch: str, out: str | Path, seed: int = 0, like: str | None = None
         "torch_dtype": "float32",
     }
     spec = {"llama": lambda: LlamaSpec(),
-            "sgt": lambda: _sgt_spec(cfg["num_hidden_layers"], cfg["num_attention_heads"]),
-            "itt": lambda: _itt_spec(cfg["num_hidden_layers"])}[arch]()
+            "sgt": lambda: _sgt_spec(cfg["num_hidden_layers"], cfg["num_attention_heads"],
+                                     sgt_layers, sgt_heads, sgt_loops),
+            "itt": lambda: _itt_spec(cfg["num_hidden_layers"], itt_layers, itt_steps)}[arch]()
     cfg["depth"] = depth_section(spec)
     weights = random_weights(cfg, spec, gen)
     for stale in out.glob("*.safetensors"):
@@ -228,11 +282,18 @@ def calibrate(model_dir: str | Path, text_file: str | Path, max_len: int = 512,
 # ---- command line ------------------------------------------------------------------------------------
 def add_subcommands(sub) -> None:
     p = sub.add_parser("make-tiny", help="write a small random checkpoint (llama, sgt or itt) in the native format")
-    p.add_argument("--arch", required=True, choices=["llama", "sgt", "itt"])
+    p.add_argument("--arch", required=True, choices=TINY_ARCHITECTURES)
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--like", default=None, choices=sorted(LIKE), help="the real model's shapes, random weights")
     p.add_argument("--num-kv-heads", type=int, default=None, help="KV heads (default 2 of 4: GQA; 4 for MHA)")
+    p.add_argument("--sgt-layers", type=_int_list, default=None, help="SGT looped layers, e.g. 10,15,20")
+    p.add_argument("--sgt-heads", type=_head_sets, default=None,
+                   help="SGT heads per looped layer: a count N (heads 0..N-1) or one set per layer, e.g. '0,1;0,4;1,8'")
+    p.add_argument("--sgt-loops", type=int, default=None, help="trained loop count of every looped layer")
+    p.add_argument("--itt-layers", type=_layer_selection, default=None,
+                   help="ITT layers: a list (e.g. 1,3,5), 'odd' or 'even' (every other layer)")
+    p.add_argument("--itt-steps", type=int, default=None, help="ITT extra steps T (default 2)")
     p.set_defaults(func=_cmd_make_tiny)
 
     c = sub.add_parser("calibrate", help="write an ITT checkpoint's router-score calibration table")
@@ -243,8 +304,41 @@ def add_subcommands(sub) -> None:
     c.set_defaults(func=_cmd_calibrate)
 
 
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from exc
+
+
+def _head_sets(text: str) -> int | list[list[int]]:
+    return int(text) if text.strip().isdigit() else [_int_list(part) for part in text.split(";")]
+
+
+def _layer_selection(text: str) -> list[int] | str:
+    return text if text in ("odd", "even") else _int_list(text)
+
+
+def every_other_layer(num_layers: int, parity: str) -> list[int]:
+    """Layers 1, 3, 5, ... ('odd') or 0, 2, 4, ... ('even') of a model with `num_layers` layers."""
+    return list(range(1 if parity == "odd" else 0, num_layers, 2))
+
+
+def num_layers_of(like: str | None) -> int:
+    return (LIKE[like] if like else TINY)["num_hidden_layers"]
+
+
 def _cmd_make_tiny(ns: argparse.Namespace) -> int:
-    path = make_tiny(ns.arch, ns.out, ns.seed, ns.like, ns.num_kv_heads)
+    itt_layers = ns.itt_layers
+    if isinstance(itt_layers, str):
+        itt_layers = every_other_layer(num_layers_of(ns.like), itt_layers)
+    try:
+        path = make_tiny(ns.arch, ns.out, ns.seed, ns.like, ns.num_kv_heads, sgt_layers=ns.sgt_layers,
+                         sgt_heads=ns.sgt_heads, sgt_loops=ns.sgt_loops, itt_layers=itt_layers,
+                         itt_steps=ns.itt_steps)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     print(f"wrote a random {ns.arch} checkpoint to {path}")
     return 0
 

@@ -21,7 +21,7 @@ from typing import Any
 from depthserve.errors import DepthServeError
 
 FORMAT_VERSION = 1
-ARCHITECTURES = ("llama", "sgt", "itt")
+ARCHITECTURES = ("llama", "sgt", "itt", "dreamer", "put", "saobp")
 SKIP_RULES = ("paper", "identity")
 NUM_QUANTILES = 101
 CALIBRATION_FILE = "itt_calibration.safetensors"
@@ -105,10 +105,14 @@ def read_depth_spec(hf_config: dict[str, Any]) -> DepthSpec:
     arch = section.get("architecture")
     if arch not in ARCHITECTURES:
         raise CheckpointFormatError(f"depth.architecture must be one of {ARCHITECTURES}, got {arch!r}")
-    num_layers = hf_config["num_hidden_layers"]
-    num_heads = hf_config["num_attention_heads"]
     if arch == "llama":
         return LlamaSpec()
+    from depthserve.architectures import ARCHITECTURE_MODULES, architecture_module
+
+    if arch in ARCHITECTURE_MODULES:
+        return architecture_module(arch).read_spec(section, hf_config)
+    num_layers = hf_config["num_hidden_layers"]
+    num_heads = hf_config["num_attention_heads"]
     if arch == "sgt":
         body = section.get("sgt")
         if not isinstance(body, dict):
@@ -167,6 +171,8 @@ def depth_section(spec: DepthSpec) -> dict[str, Any]:
     """The `depth` object of config.json for a spec (the inverse of read_depth_spec)."""
     if isinstance(spec, LlamaSpec):
         return {"format_version": FORMAT_VERSION, "architecture": "llama"}
+    if hasattr(spec, "to_section"):  # an architecture of depthserve/architectures.py
+        return spec.to_section()
     if isinstance(spec, SGTSpec):
         scales = [list(s.head_scales) if s.head_scales is not None else None for s in spec.layers]
         return {

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from depthserve.architectures import module_of_spec
 from depthserve.layers.linear import optimize_linears_for_cpu
 from depthserve.loading.gguf_loader import load_gguf
 from depthserve.loading.checkpoint import ITTSpec, SGTSpec, read_depth_spec
@@ -28,13 +29,24 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device, ma
         hf_config, weights = load_gguf(source.path, progress)
     else:
         hf_config, weights = load_hf_dir(source.path, progress)
+    spec = read_depth_spec(hf_config)  # the native format's `depth` section (absent: plain Llama)
+    module = module_of_spec(spec)
+    if module is not None:  # an architecture with its own module (depthserve/architectures.py)
+        context = int(hf_config.get("max_position_embeddings", 4096))
+        max_len = min(max_model_len or context, context)
+        model = module.build_model(hf_config, spec, max_len)
+        model.checkpoint_path = str(source.path)
+        model.load_hf_state_dict(weights)
+        model = model.to(device=device, dtype=dtype).eval()
+        if hasattr(model, "finish_load"):
+            model.finish_load(device)
+        return LoadedModel(model=model, hf_config=hf_config, max_model_len=max_len)
     archs = hf_config.get("architectures") or ["LlamaForCausalLM"]
     if archs[0] not in ("LlamaForCausalLM", "MistralForCausalLM"):
         raise ValueError(f"architecture {archs[0]} is not supported")
     cfg = LlamaConfig.from_hf(hf_config)
     context = cfg.max_position_embeddings
     max_len = min(max_model_len or context, context)
-    spec = read_depth_spec(hf_config)  # the native format's `depth` section (absent: plain Llama)
     with torch.device("meta"):
         model = _build(cfg, spec, max_len)
     model = model.to_empty(device="cpu")
