@@ -8,8 +8,13 @@ MODEL ?= smollm2-135m-instruct
 HOST ?= 127.0.0.1
 PORT ?= 8000
 PYTEST_ARGS ?=
+# lm-evaluation-harness lives in its own venv: its dependencies stay out of the main one.
+EVAL_VENV ?= .venv-eval
+EVAL_STAMP := $(EVAL_VENV)/.installed
+EVAL_ARGS ?=
+C4_SAMPLE ?= /work/shared/data/c4_sample.jsonl
 
-.PHONY: install serve test bench clean
+.PHONY: install serve test bench eval eval-install clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -29,8 +34,27 @@ serve: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
+# Quick versions of every benchmark, then the charts (bench/results/plots/): about 3 minutes on 2 CPU cores
+# (the first run also builds two SmolLM2-shaped SGT/ITT checkpoints, ~0.5 GB each, in ~/.cache/depthserve).
 bench: $(STAMP)
-	$(BIN)/python bench/throughput.py --quick
+	$(BIN)/python bench/throughput.py --quick --model $(MODEL)
+	$(BIN)/python bench/serving.py --quick --launch --model $(MODEL) --no-progress \
+		$(if $(wildcard $(C4_SAMPLE)),--dataset $(C4_SAMPLE),--random-prompts)
+	$(BIN)/python bench/depth_sweep.py --quick
+	$(BIN)/python bench/plot.py
+
+$(EVAL_STAMP):
+	$(PYTHON) -m venv $(EVAL_VENV)
+	$(EVAL_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(EVAL_VENV)/bin/python -m pip install --quiet torch==$(TORCH_VERSION)
+	$(EVAL_VENV)/bin/python -m pip install --quiet "lm-eval[api]>=0.4.5" transformers gguf accelerate sentencepiece tokenizers
+	touch $(EVAL_STAMP)
+
+eval-install: $(EVAL_STAMP)
+
+# ARC-Easy via lm-evaluation-harness: the server (local-completions) vs lm-eval's hf model.
+eval: $(STAMP) $(EVAL_STAMP)
+	$(BIN)/python bench/lm_eval_arc.py --eval-venv $(EVAL_VENV) $(EVAL_ARGS)
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(EVAL_VENV) build *.egg-info

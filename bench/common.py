@@ -3,17 +3,22 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
+import re
+import socket
 import statistics
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+PLOTS_DIR = RESULTS_DIR / "plots"
+C4_SAMPLE = Path("/work/shared/data/c4_sample.jsonl")
 
 
 def cpu_model() -> str:
@@ -66,6 +71,15 @@ def git_commit() -> str | None:
         return None
 
 
+def resolve_device(device: str) -> str:
+    """'auto' -> 'cuda' when a GPU is visible, else 'cpu' (the engine's own rule)."""
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
 def environment(device: str, threads: int | None) -> dict:
     import torch
 
@@ -114,3 +128,94 @@ def load_hf_model(model: str, dtype, device: str):
     else:
         hf = AutoModelForCausalLM.from_pretrained(str(source.path), dtype=dtype)
     return hf.to(device).eval()
+
+
+# ---- prompts and statistics shared by the scripts -----------------------------------------------
+def random_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    """`count` prompts of `length` uniformly random token ids (ids below 100 left out: SmolLM2
+    keeps its special tokens there)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(100, vocab, (count, length), generator=gen).tolist()
+
+
+def read_jsonl_texts(path: Path) -> list[str]:
+    """The non-empty "text" fields of a JSON-lines file, in file order."""
+    texts = []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            text = json.loads(line).get("text", "")
+            if text:
+                texts.append(text)
+    return texts
+
+
+def token_windows(documents: Sequence[Sequence[int]], length: int, count: int) -> list[list[int]]:
+    """`count` prompts of exactly `length` tokens: the first `length` tokens of each long-enough
+    document, then (if more are needed) each document's next `length` tokens, and so on.
+    Cycles through them again if the documents run out (with prefix caching on, a repeated
+    prompt is cheaper, so keep `count` within what the documents hold)."""
+    windows: list[list[int]] = []
+    offset = 0
+    while True:
+        found = [list(doc[offset:offset + length]) for doc in documents if len(doc) >= offset + length]
+        if not found:
+            break
+        windows += found
+        offset += length
+    if not windows:
+        raise ValueError(f"no document has {length} tokens")
+    return [windows[i % len(windows)] for i in range(count)]
+
+
+def parse_number_list(text: str) -> list[float]:
+    """'1,2,4,inf' -> [1.0, 2.0, 4.0, inf]."""
+    return [float(part) for part in text.split(",") if part.strip()]
+
+
+def summarize(values: Iterable[float], percentiles: Sequence[float] = (50, 90, 99)) -> dict[str, float | None]:
+    """mean, std, median and the given percentiles (linear interpolation) of `values`; None when empty."""
+    data = sorted(values)
+    keys = ["mean", "std", "median"] + [f"p{p:g}" for p in percentiles]
+    if not data:
+        return dict.fromkeys(keys)
+    out = {"mean": statistics.fmean(data), "std": statistics.pstdev(data), "median": statistics.median(data)}
+    for p in percentiles:
+        out[f"p{p:g}"] = percentile(data, p)
+    return out
+
+
+def percentile(sorted_values: Sequence[float], p: float) -> float:
+    """The p-th percentile (0..100) of already sorted values, interpolating linearly between ranks."""
+    if len(sorted_values) == 1:
+        return float(sorted_values[0])
+    rank = (len(sorted_values) - 1) * p / 100
+    low, high = math.floor(rank), math.ceil(rank)
+    return float(sorted_values[low] + (sorted_values[high] - sorted_values[low]) * (rank - low))
+
+
+def slug(text: str) -> str:
+    """A file-name-safe tag: 'HuggingFaceTB/SmolLM2 135M' -> 'huggingfacetb-smollm2-135m'."""
+    return re.sub(r"[^a-z0-9.]+", "-", text.lower()).strip("-") or "model"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nobody listens on right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def load_results(kind: str, directory: Path = RESULTS_DIR) -> list[tuple[Path, dict]]:
+    """Every <directory>/<kind>-*.json whose "benchmark" is `kind`, as (path, payload), in name
+    order; unreadable files are skipped."""
+    found = []
+    for path in sorted(directory.glob(f"{kind}-*.json")):
+        try:
+            payload = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        if payload.get("benchmark") == kind:
+            found.append((path, payload))
+    return found

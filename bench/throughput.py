@@ -35,19 +35,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="engine per-step token budget")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
-    p.add_argument("--quick", action="store_true", help="concurrency 1 and 8, output 16, 1 repeat")
+    p.add_argument("--quick", action="store_true", help="concurrency 1 and 8, output 16, 2 repeats")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="result name under bench/results (default: throughput-<device>)")
     ns = p.parse_args(argv)
     if ns.quick:
-        ns.batch_sizes, ns.output_len, ns.repeats = "1,8", 16, 1
+        ns.batch_sizes, ns.output_len, ns.repeats = "1,8", 16, 2
     return ns
-
-
-def random_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-    # Skip the lowest ids: SmolLM2 keeps its special tokens there.
-    return torch.randint(100, vocab, (count, length), generator=gen).tolist()
 
 
 class EngineRunner:
@@ -95,11 +89,15 @@ def measure(runner, prompts: list[list[int]], output_len: int, repeats: int, syn
     t_first, first_samples = common.median_time(lambda: runner.generate(prompts, 1), repeats, sync)
     t_full, full_samples = common.median_time(lambda: runner.generate(prompts, output_len + 1), repeats, sync)
     concurrency, input_len = len(prompts), len(prompts[0])
-    decode_seconds = max(t_full - t_first, 1e-9)
+    decode_seconds = t_full - t_first
+    measured = decode_seconds > 0  # not so after a slow spell of the machine in the 1-token runs
+    if not measured:
+        print(f"warning: t({output_len + 1} tokens) <= t(1 token) for {runner.name} at concurrency {concurrency}; "
+              "decode not measured (use more --repeats)", file=sys.stderr)
     return {
         "prefill_tok_s": concurrency * input_len / t_first,
-        "decode_tok_s": concurrency * output_len / decode_seconds,
-        "decode_ms_per_step": 1000 * decode_seconds / output_len,
+        "decode_tok_s": concurrency * output_len / decode_seconds if measured else None,
+        "decode_ms_per_step": 1000 * decode_seconds / output_len if measured else None,
         "t_1_token_s": first_samples,
         f"t_{output_len + 1}_tokens_s": full_samples,
     }
@@ -116,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = []
     for concurrency in batch_sizes:
-        prompts = random_prompts(concurrency, ns.input_len, engine.vocab_size, ns.seed + concurrency)
+        prompts = common.random_prompts(concurrency, ns.input_len, engine.vocab_size, ns.seed + concurrency)
         row: dict = {"concurrency": concurrency}
         e = measure(engine, prompts, ns.output_len, ns.repeats, sync)
         row.update({"engine_decode_tok_s": e["decode_tok_s"], "engine_prefill_tok_s": e["prefill_tok_s"]})
@@ -124,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
             h = measure(hf, prompts, ns.output_len, ns.repeats, sync)
             row.update({
                 "hf_decode_tok_s": h["decode_tok_s"], "hf_prefill_tok_s": h["prefill_tok_s"],
-                "decode_ratio": e["decode_tok_s"] / h["decode_tok_s"],
+                "decode_ratio": e["decode_tok_s"] / h["decode_tok_s"] if e["decode_tok_s"] and h["decode_tok_s"] else None,
                 "prefill_ratio": e["prefill_tok_s"] / h["prefill_tok_s"],
             })
         row["raw"] = {"engine": e, **({"hf": h} if hf is not None else {})}
@@ -145,11 +143,15 @@ def main(argv: list[str] | None = None) -> int:
 
 def _format_row(row: dict) -> str:
     text = (f"concurrency {row['concurrency']:>3}: engine prefill {row['engine_prefill_tok_s']:8.1f} tok/s, "
-            f"decode {row['engine_decode_tok_s']:7.1f} tok/s")
+            f"decode {_figure(row['engine_decode_tok_s'], 7, 1)} tok/s")
     if "hf_decode_tok_s" in row:
-        text += (f" | transformers prefill {row['hf_prefill_tok_s']:8.1f}, decode {row['hf_decode_tok_s']:7.1f}"
-                 f" | decode ratio {row['decode_ratio']:.2f}, prefill ratio {row['prefill_ratio']:.2f}")
+        text += (f" | transformers prefill {row['hf_prefill_tok_s']:8.1f}, decode {_figure(row['hf_decode_tok_s'], 7, 1)}"
+                 f" | decode ratio {_figure(row['decode_ratio'], 0, 2)}, prefill ratio {row['prefill_ratio']:.2f}")
     return text
+
+
+def _figure(value: float | None, width: int, decimals: int) -> str:
+    return f"{'-':>{width}}" if value is None else f"{value:{width}.{decimals}f}"
 
 
 if __name__ == "__main__":

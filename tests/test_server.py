@@ -216,3 +216,96 @@ def test_open_endpoints_models_tokenize_and_metrics(server, offline):
     for name in ("depthserve_requests", "depthserve_time_to_first_token_seconds", "depthserve_kv_bytes_used",
                  "depthserve_depth_loop_iterations", "depthserve_depth_itt_selected_tokens"):
         assert name in families
+
+
+def _arc_questions(count: int) -> list[dict]:
+    from tests.conftest import shared_data_file
+
+    with open(shared_data_file("arc_easy_validation.jsonl")) as f:
+        return [json.loads(line) for line in f][:count]
+
+
+def _arc_requests(tokenizer, questions: list[dict]) -> list[tuple[list[list[int]], list[int], list[int]]]:
+    """Per question: token-id prompts (context + continuation, one per choice), continuation
+    lengths in tokens and in bytes (the normaliser). Context and continuation are encoded apart."""
+    out = []
+    for q in questions:
+        context = tokenizer.encode(f"Question: {q['question']}\nAnswer:", add_special_tokens=False)
+        prompts, lengths, nbytes = [], [], []
+        for choice in q["choices"]["text"]:
+            continuation = tokenizer.encode(f" {choice}", add_special_tokens=False)
+            prompts.append(context + continuation)
+            lengths.append(len(continuation))
+            nbytes.append(len(f" {choice}".encode()))
+        out.append((prompts, lengths, nbytes))
+    return out
+
+
+def _hf_continuation_logprobs(prompts: list[list[int]], lengths: list[int]) -> list[float]:
+    import torch
+
+    from tests.hf_oracle import hf_model
+
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([p + [0] * (width - len(p)) for p in prompts])
+    mask = torch.tensor([[1] * len(p) + [0] * (width - len(p)) for p in prompts])
+    with torch.inference_mode():
+        logprobs = torch.log_softmax(hf_model()(ids, attention_mask=mask).logits.float(), dim=-1)
+    sums = []
+    for row, (prompt, n) in enumerate(zip(prompts, lengths)):
+        positions = range(len(prompt) - n, len(prompt))
+        sums.append(sum(logprobs[row, pos - 1, prompt[pos]].item() for pos in positions))
+    return sums
+
+
+def test_arc_easy_scoring_over_http_equals_llm_score_and_transformers(server, offline):
+    """First 100 ARC-easy questions: loglikelihood of ` {choice}` after `Question: ...\\nAnswer:`,
+    normalised by the continuation's bytes. HTTP scoring (echo + logprobs) = LLM.score, and the
+    chosen answers are transformers' (a pick may differ only where transformers' own top-2 margin
+    is below 1e-3, i.e. a numerical tie)."""
+    base, _ = server
+    questions = _arc_questions(100)
+    requests = _arc_requests(offline.tokenizer, questions)
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+
+    async def score_all() -> list[dict]:
+        slots = asyncio.Semaphore(16)  # 16 questions (~64 prompts) in flight: below the waiting-queue bound
+        async with httpx.AsyncClient(timeout=300) as http:
+            async def one(prompts):
+                body = {"model": MODEL, "prompt": prompts, "max_tokens": 0, "echo": True, "logprobs": 0}
+                async with slots:
+                    response = await http.post(f"{base}/v1/completions", json=body, headers=headers)
+                assert response.status_code == 200, response.text
+                return response.json()
+            return await asyncio.gather(*[one(prompts) for prompts, _, _ in requests])
+
+    responses = asyncio.run(score_all())
+    flat_prompts = [p for prompts, _, _ in requests for p in prompts]
+    offline_scores = offline.score(flat_prompts)
+    http_picks, hf_picks, near_ties, k = [], [], 0, 0
+    for (prompts, lengths, nbytes), response in zip(requests, responses):
+        choices = sorted(response["choices"], key=lambda c: c["index"])
+        http_sums = []
+        for choice, prompt, n in zip(choices, prompts, lengths):
+            got = choice["logprobs"]["token_logprobs"]
+            expected = offline_scores[k]
+            k += 1
+            assert len(got) == len(prompt) and got[0] is None
+            assert max(abs(a - b) for a, b in zip(got[1:], expected[1:])) < 1e-4
+            http_sums.append(sum(got[-n:]))
+        hf_sums = _hf_continuation_logprobs(prompts, lengths)
+        http_norm = [s / b for s, b in zip(http_sums, nbytes)]
+        hf_norm = [s / b for s, b in zip(hf_sums, nbytes)]
+        http_picks.append(max(range(len(prompts)), key=http_norm.__getitem__))
+        hf_picks.append(max(range(len(prompts)), key=hf_norm.__getitem__))
+        top2 = sorted(hf_norm, reverse=True)[:2]
+        if http_picks[-1] != hf_picks[-1]:
+            assert top2[0] - top2[1] < 1e-3, (prompts, http_norm, hf_norm)
+            near_ties += 1
+    answers = [q["choices"]["label"].index(q["answerKey"]) for q in questions]
+    http_acc = sum(p == a for p, a in zip(http_picks, answers)) / len(answers)
+    hf_acc = sum(p == a for p, a in zip(hf_picks, answers)) / len(answers)
+    print(f"ARC-easy first 100 (acc, byte-normalised): server {http_acc:.2f}, transformers {hf_acc:.2f}, "
+          f"near-tie disagreements {near_ties}")
+    assert near_ties <= 2 and abs(http_acc - hf_acc) <= near_ties / len(answers)
+    assert http_acc > 0.3  # a real model, well above chance (0.25) on ARC-easy

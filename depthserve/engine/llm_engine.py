@@ -321,7 +321,7 @@ class LLMEngine:
             )
         first = request.seqs[0]
         depth = None
-        if hasattr(self.model, "depth_report"):
+        if request.finished and hasattr(self.model, "depth_report"):  # once, at the end (not every step)
             depth = self.model.depth_report(first)
             if self.record_routing and hasattr(self.model, "routing_record"):
                 depth["routing"] = [self.model.routing_record(seq) for seq in request.seqs]

@@ -1,0 +1,353 @@
+"""Depth sweep: decode step time of SGT and ITT checkpoints against their depth knobs, next to
+the compute those settings predict.
+
+    python bench/depth_sweep.py --quick                 # a fast smoke version (make bench)
+    python bench/depth_sweep.py --threads 2             # the full sweep on CPU
+    python bench/depth_sweep.py --device cuda --concurrency 32 --decode-steps 64
+
+Checkpoints: random weights with SmolLM2-135M's shapes (`depthserve.tiny.make_tiny(arch, dir,
+like="smollm2-135m-instruct")`), built once into --checkpoint-dir and reused:
+    SGT  trained loops=1 on heads 0,1 (one KV group) of 3 layers (10, 15, 20), loops knob 0..max_loops
+    ITT  every other layer (1, 3, ..., 29) with T=3 extra steps, calibrated on synthetic streams
+
+Method: for each depth setting, `--concurrency` requests of `--input-len` random tokens (greedy,
+EOS ignored, prefix caching off) are added to the engine and stepped until every request has its
+first token (prefill done); after `--warmup-steps` more steps, each of `--decode-steps` engine
+steps is timed on its own (every request decodes one token per step, so a step's time is also
+each request's per-token latency at this concurrency). Settings are measured in `--rounds`
+interleaved passes; a setting's step time is the median of all its timed steps.
+Predicted compute: the mean `relative_compute` of the requests' depth reports (FLOPs of the
+setting / FLOPs of the plain model over the same tokens; depthserve/models/flops.py).
+
+Derived figures (extra-step time = step time - the step time with the extra depth off, i.e.
+thinking_steps=0 for ITT and loops=0 for SGT):
+    ITT (a) extra time per selected token-step at ratio 0.5 / the same at ratio 1.0     goal <= 1.3
+    ITT (b) extra time at ratio 1.0 / the time of as many plain layer passes          goal <= 1.3
+            (a plain layer pass: the thinking_steps=0 step time / number of layers; also given with
+            the LM head's FLOP share taken out first, which makes a layer pass cheaper and (b) larger)
+    SGT     extra time as a share of the loops=0 step, next to the predicted share relative_compute - 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+LIKE = "smollm2-135m-instruct"
+DEFAULT_CHECKPOINT_DIR = Path.home() / ".cache" / "depthserve" / "bench-checkpoints"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--archs", default="sgt,itt", help="which checkpoints to sweep")
+    p.add_argument("--checkpoint-dir", type=Path, default=DEFAULT_CHECKPOINT_DIR, help="where the checkpoints are built and kept")
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--decode-steps", type=int, default=32, help="timed decode steps per setting")
+    p.add_argument("--warmup-steps", type=int, default=2, help="untimed decode steps before them")
+    p.add_argument("--rounds", type=int, default=2, help="passes over all settings, interleaved; samples pooled")
+    p.add_argument("--loops", default=None, help="SGT loop counts (default 0..max_loops)")
+    p.add_argument("--ratios", default="0,0.25,0.5,0.75,1.0", help="ITT selection ratios (every step the same)")
+    p.add_argument("--sgt-layers", default="10,15,20")
+    p.add_argument("--sgt-heads", type=int, default=2, help="heads 0..N-1 loop in every looped layer")
+    p.add_argument("--sgt-loops", type=int, default=1, help="trained loop count")
+    p.add_argument("--itt-steps", type=int, default=3)
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (CPU)")
+    p.add_argument("--kv-cache-memory-gib", type=float, default=2.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="input 16, 8 timed steps after 2 warm-up steps, 1 round, ratios 0, 0.5, 1")
+    p.add_argument("--out", default=None, help="result name under bench/results (default: depth-sweep-<device>)")
+    ns = p.parse_args(argv)
+    if ns.quick:
+        ns.input_len, ns.decode_steps, ns.warmup_steps, ns.rounds, ns.ratios = 16, 8, 2, 1, "0,0.5,1.0"
+    return ns
+
+
+# ---- checkpoints ----------------------------------------------------------------------------------
+def checkpoint_options(arch: str, ns: argparse.Namespace, num_layers: int) -> dict[str, Any]:
+    """make_tiny keyword arguments of the benchmark's SGT or ITT checkpoint."""
+    from depthserve.tiny import every_other_layer
+
+    if arch == "sgt":
+        return {"sgt_layers": [int(x) for x in ns.sgt_layers.split(",")], "sgt_heads": ns.sgt_heads,
+                "sgt_loops": ns.sgt_loops}
+    return {"itt_layers": every_other_layer(num_layers, "odd"), "itt_steps": ns.itt_steps}
+
+
+def ensure_checkpoint(arch: str, ns: argparse.Namespace) -> Path:
+    """The checkpoint directory, built with make_tiny unless one with the same options is there."""
+    from depthserve.tiny import make_tiny, num_layers_of
+
+    options = checkpoint_options(arch, ns, num_layers_of(LIKE))
+    identity = {"arch": arch, "like": LIKE, "seed": ns.seed, **options}
+    digest = hashlib.sha1(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:10]
+    path = ns.checkpoint_dir / f"{arch}-like-{LIKE}-{digest}"
+    marker = path / "bench-options.json"  # written last: a half-built checkpoint has none
+    if marker.exists() and json.loads(marker.read_text()) == identity:
+        return path
+    print(f"building the {arch} checkpoint {identity} in {path} ...", flush=True)
+    start = time.perf_counter()
+    make_tiny(arch, path, seed=ns.seed, like=LIKE, **options)
+    marker.write_text(json.dumps(identity) + "\n")
+    print(f"  built in {time.perf_counter() - start:.0f}s", flush=True)
+    return path
+
+
+# ---- one depth setting --------------------------------------------------------------------------
+@dataclass
+class Setting:
+    name: str
+    knobs: dict[str, Any]  # DepthParams fields
+    is_baseline: bool = False  # the extra depth off
+
+
+def sgt_settings(max_loops: int, loops: str | None) -> list[Setting]:
+    counts = list(range(max_loops + 1)) if loops is None else [int(x) for x in loops.split(",")]
+    counts = [0] + [k for k in counts if k != 0]  # loops=0, the baseline, first
+    return [Setting(f"loops={k}", {"loops": k}, is_baseline=(k == 0)) for k in counts]
+
+
+def itt_settings(steps: int, ratios: str) -> list[Setting]:
+    settings = [Setting("thinking_steps=0", {"thinking_steps": 0}, is_baseline=True)]
+    for r in common.parse_number_list(ratios):
+        settings.append(Setting(f"ratios={r:g}", {"selection_ratios": [r] * steps}))
+    return settings
+
+
+def measure_setting(llm, setting: Setting, prompts: list[list[int]], ns: argparse.Namespace, sync) -> dict[str, Any]:
+    """Prefill every request, then time decode steps one by one (see the module docstring)."""
+    from depthserve import DepthParams, SamplingParams
+
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=ns.warmup_steps + ns.decode_steps + 2, ignore_eos=True)
+    depth = DepthParams(**setting.knobs)
+    ids = [f"{setting.name}-{i}" for i in range(len(prompts))]
+    for request_id, prompt in zip(ids, prompts):
+        engine.add_request(request_id, prompt, params, depth)
+    latest: dict[str, Any] = {}
+
+    def step() -> None:
+        for out in engine.step():
+            latest[out.request_id] = out
+
+    def tokens() -> list[int]:
+        return [len(latest[r].token_ids) if r in latest else 0 for r in ids]
+
+    preemptions_before = engine.stats()["num_preemptions"]
+    try:
+        prefill_start = time.perf_counter()
+        while min(tokens()) < 1:
+            step()
+        prefill_s = time.perf_counter() - prefill_start
+        for _ in range(ns.warmup_steps):
+            step()
+        samples = []
+        for _ in range(ns.decode_steps):
+            before = tokens()
+            samples.append(common.timed(step, sync))
+            if [b + 1 for b in before] != tokens():
+                raise RuntimeError(f"{setting.name}: a timed step did not decode one token for every request")
+    finally:
+        for request_id in ids:
+            engine.abort_request(request_id)
+    reports = [latest[r].depth or {} for r in ids]
+    step_ms = 1000 * statistics.median(samples)
+    row = {
+        "setting": setting.name,
+        "knobs": setting.knobs,
+        "is_baseline": setting.is_baseline,
+        "concurrency": len(prompts),
+        "step_ms": step_ms,
+        "per_token_latency_ms": step_ms,
+        "decode_tok_s": len(prompts) / (step_ms / 1000),
+        "step_ms_samples": [1000 * s for s in samples],
+        "prefill_s": prefill_s,
+        "preemptions": engine.stats()["num_preemptions"] - preemptions_before,
+        "relative_compute": statistics.fmean(r.get("relative_compute", 1.0) for r in reports),
+    }
+    if reports and reports[0].get("architecture") == "itt":
+        row.update(itt_selection(reports))
+    return row
+
+
+def itt_selection(reports: list[dict]) -> dict[str, Any]:
+    """Decode-time routing of the batch: the mean selected fraction per (layer, step) and the
+    selected token-steps per decode step (summed over requests, layers and steps)."""
+    keys = sorted({k for r in reports for k in (r.get("decode_selected_fraction") or {})})
+    per_key = {}
+    for key in keys:
+        values = [r["decode_selected_fraction"][key] for r in reports
+                  if r["decode_selected_fraction"].get(key) is not None]
+        per_key[key] = statistics.fmean(values) if values else 0.0
+    return {
+        "decode_selected_fraction_mean": statistics.fmean(per_key.values()) if per_key else 0.0,
+        "selected_token_steps_per_decode_step": len(reports) * sum(per_key.values()),
+        "decode_selected_fraction": per_key,
+    }
+
+
+# ---- one checkpoint -----------------------------------------------------------------------------
+def sweep_checkpoint(arch: str, ns: argparse.Namespace) -> dict[str, Any]:
+    from depthserve import LLM
+
+    path = ensure_checkpoint(arch, ns)
+    llm = LLM(str(path), dtype=ns.dtype, device=ns.device, num_threads=ns.threads, max_num_seqs=ns.concurrency,
+              enable_prefix_caching=False, kv_cache_memory_gib=ns.kv_cache_memory_gib,
+              max_model_len=ns.input_len + ns.warmup_steps + ns.decode_steps + 16, load_progress=False)
+    engine = llm.engine
+    sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
+    model = engine.model
+    if arch == "sgt":
+        settings = sgt_settings(int(model.depth_knobs()["loops"].maximum), ns.loops)
+    else:
+        settings = itt_settings(model.spec.steps, ns.ratios)
+    prompts = common.random_prompts(ns.concurrency, ns.input_len, engine.vocab_size, ns.seed)
+    measure_setting(llm, settings[0], prompts, ns, sync)  # warm-up (allocations, kernel choice)
+    rounds: list[list[dict]] = []
+    for round_index in range(ns.rounds):  # settings interleaved: a slow spell of the machine hits all of them
+        rounds.append([measure_setting(llm, setting, prompts, ns, sync) for setting in settings])
+        for row in rounds[-1]:
+            print(f"[round {round_index + 1}/{ns.rounds}] " + format_row(arch, row), flush=True)
+    rows = [pool_rounds([r[i] for r in rounds]) for i in range(len(settings))]
+    baseline_again = measure_setting(llm, settings[0], prompts, ns, sync)  # drift check
+    cfg = model.config
+    return {
+        "arch": arch,
+        "checkpoint": str(path),
+        "depth_spec": json.loads((path / "config.json").read_text())["depth"],
+        "num_layers": cfg.num_layers,
+        "device": str(engine.device),
+        "dtype": str(engine.dtype).replace("torch.", ""),
+        "rows": rows,
+        "baseline_repeat_step_ms": baseline_again["step_ms"],
+        "derived": derive(arch, rows, cfg, model, ns.concurrency),
+    }
+
+
+def pool_rounds(rows: list[dict]) -> dict[str, Any]:
+    """One setting's rounds as one row: the median over every round's timed steps."""
+    samples = [x for row in rows for x in row["step_ms_samples"]]
+    step_ms = statistics.median(samples)
+    return {**rows[-1], "step_ms": step_ms, "per_token_latency_ms": step_ms,
+            "decode_tok_s": rows[0]["concurrency"] / (step_ms / 1000), "step_ms_samples": samples,
+            "round_step_ms": [row["step_ms"] for row in rows], "prefill_s": [row["prefill_s"] for row in rows],
+            "preemptions": sum(row["preemptions"] for row in rows)}
+
+
+def format_row(arch: str, row: dict) -> str:
+    text = (f"{arch} {row['setting']:<18} step {row['step_ms']:8.1f} ms  ({row['decode_tok_s']:7.1f} tok/s)  "
+            f"predicted compute x{row['relative_compute']:.3f}")
+    if "decode_selected_fraction_mean" in row:
+        text += f"  selected {row['decode_selected_fraction_mean']:.2f}"
+    return text
+
+
+# ---- derived figures ----------------------------------------------------------------------------
+def layer_flop_share(cfg) -> float:
+    """Share of a plain decode token's weight FLOPs spent in the decoder layers (the rest: LM head)."""
+    from depthserve.models.flops import layer_weight_flops
+
+    layers = cfg.num_layers * layer_weight_flops(cfg)
+    return layers / (layers + 2 * cfg.hidden_size * cfg.vocab_size)
+
+
+def derive(arch: str, rows: list[dict], cfg, model, concurrency: int) -> dict[str, Any]:
+    baseline = next(r for r in rows if r["is_baseline"])
+    for row in rows:
+        row["extra_step_ms"] = row["step_ms"] - baseline["step_ms"]
+        row["measured_extra_share"] = row["extra_step_ms"] / baseline["step_ms"]
+        row["predicted_extra_share"] = row["relative_compute"] - 1.0
+    if arch == "sgt":
+        return {
+            "baseline": baseline["setting"],
+            "extra_share_measured_vs_predicted": {
+                r["setting"]: {"measured": r["measured_extra_share"], "predicted": r["predicted_extra_share"]}
+                for r in rows if not r["is_baseline"]},
+        }
+    return derive_itt(rows, baseline, cfg, len(model.spec.layers) * model.spec.steps, concurrency)
+
+
+def derive_itt(rows: list[dict], baseline: dict, cfg, layer_steps: int, concurrency: int) -> dict[str, Any]:
+    by_ratio = {r["knobs"]["selection_ratios"][0]: r for r in rows if "selection_ratios" in r["knobs"]}
+    for row in by_ratio.values():
+        selected = row["selected_token_steps_per_decode_step"]
+        row["extra_ms_per_selected_token_step"] = row["extra_step_ms"] / selected if selected else None
+    out: dict[str, Any] = {
+        "baseline": baseline["setting"],
+        "method": ("extra-step time = step time - the thinking_steps=0 step time. (a): extra ms per selected "
+                   "(token, layer, step) at ratio 0.5 over the same at ratio 1.0. (b): extra ms at ratio 1.0 over "
+                   "(selected token-steps per decode step / concurrency) plain layer passes, a plain layer pass "
+                   "being the thinking_steps=0 step time / num_layers (the issue's method; it spreads the LM head "
+                   "and sampling over the layers) or, in the *_flop_adjusted figure, that step time times the "
+                   "layers' share of the plain FLOPs / num_layers."),
+        "goal": "<= 1.3 for (a) and (b)",
+        "itt_layer_steps": layer_steps,
+    }
+    half, full = by_ratio.get(0.5), by_ratio.get(1.0)
+    if half and full and half["extra_ms_per_selected_token_step"] and full["extra_ms_per_selected_token_step"]:
+        out["a_per_selected_ratio_0.5_vs_1.0"] = (half["extra_ms_per_selected_token_step"]
+                                                  / full["extra_ms_per_selected_token_step"])
+    if full:
+        layer_pass_ms = baseline["step_ms"] / cfg.num_layers
+        layer_pass_ms_adjusted = layer_pass_ms * layer_flop_share(cfg)
+        passes = full["selected_token_steps_per_decode_step"] / concurrency  # layer passes over the whole batch
+        out.update({
+            "plain_layer_pass_ms": layer_pass_ms,
+            "plain_layer_pass_ms_flop_adjusted": layer_pass_ms_adjusted,
+            "layer_flop_share": layer_flop_share(cfg),
+            "plain_layer_passes_at_ratio_1.0": passes,
+            "b_extra_at_1.0_vs_plain_layer_passes": full["extra_step_ms"] / (passes * layer_pass_ms),
+            "b_extra_at_1.0_vs_plain_layer_passes_flop_adjusted": full["extra_step_ms"] / (passes * layer_pass_ms_adjusted),
+        })
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = parse_args(argv)
+    if ns.threads:
+        torch.set_num_threads(ns.threads)
+    archs = [a.strip() for a in ns.archs.split(",") if a.strip()]
+    if not set(archs) <= {"sgt", "itt"}:
+        raise SystemExit(f"--archs takes sgt and/or itt, got {ns.archs!r}")
+    sweeps = [sweep_checkpoint(arch, ns) for arch in archs]
+    device = sweeps[0]["device"]
+    payload = {
+        "benchmark": "depth-sweep",
+        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(ns).items()},
+        "environment": common.environment(device, ns.threads),
+        "sweeps": sweeps,
+    }
+    name = ns.out or f"depth-sweep-{common.device_slug(device)}" + ("-quick" if ns.quick else "")
+    print(f"wrote {common.write_result(name, payload)}")
+    for sweep in sweeps:
+        print(format_derived(sweep))
+    return 0
+
+
+def format_derived(sweep: dict[str, Any]) -> str:
+    derived = sweep["derived"]
+    if sweep["arch"] == "sgt":
+        parts = [f"{name}: measured {v['measured']:+.3f} vs predicted {v['predicted']:+.3f}"
+                 for name, v in derived["extra_share_measured_vs_predicted"].items()]
+        return "sgt extra time / loops=0 step: " + "; ".join(parts)
+    figures = {key: derived[key] for key in ("a_per_selected_ratio_0.5_vs_1.0", "b_extra_at_1.0_vs_plain_layer_passes",
+                                             "b_extra_at_1.0_vs_plain_layer_passes_flop_adjusted") if key in derived}
+    return "itt (goal <= 1.3): " + ", ".join(f"{k} {v:.2f}" for k, v in figures.items())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,209 @@
+"""Charts of the benchmark results: every bench/results/*.json to a PNG in bench/results/plots/.
+
+    python bench/plot.py                      # all result kinds found
+    python bench/plot.py --results-dir DIR --out-dir DIR
+
+    throughput-*.json   decode and prefill tokens/s against concurrency, engine vs transformers
+    serving-*.json      TTFT and TPOT percentiles and token throughput against request rate
+    depth-sweep-*.json  decode step time against the depth setting, with the step time the
+                        setting's predicted compute implies and that compute itself on one chart
+A result kind with no files is skipped with a note.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--results-dir", type=Path, default=common.RESULTS_DIR)
+    p.add_argument("--out-dir", type=Path, default=None, help="default: <results-dir>/plots")
+    return p.parse_args(argv)
+
+
+def machine_line(payload: dict[str, Any]) -> str:
+    env = payload.get("environment", {})
+    versions = env.get("versions", {})
+    return f"{env.get('machine', '?')}, torch {versions.get('torch', '?')}, {env.get('torch_threads', '?')} threads"
+
+
+def figures(rows: list[dict[str, Any]], key: str) -> list[float]:
+    """One figure per row; a missing (None) figure becomes NaN, a gap in the line."""
+    return [float("nan") if row.get(key) is None else row[key] for row in rows]
+
+
+def save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+# ---- throughput ---------------------------------------------------------------------------------
+def plot_throughput(payload: dict[str, Any], out: Path) -> list[Path]:
+    rows = payload["rows"]
+    settings = payload["settings"]
+    x = [row["concurrency"] for row in rows]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
+    for ax, phase in zip(axes, ("decode", "prefill")):
+        ax.plot(x, figures(rows, f"engine_{phase}_tok_s"), "o-", label="depthserve engine")
+        if all(f"hf_{phase}_tok_s" in row for row in rows):
+            ax.plot(x, figures(rows, f"hf_{phase}_tok_s"), "s--", label="transformers")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(x, [str(c) for c in x])
+        ax.set_xlabel("concurrency (sequences per batch)")
+        ax.set_ylabel(f"{phase} throughput (tokens/s)")
+        ax.set_title(f"{phase.capitalize()} throughput vs concurrency")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"{settings['model']}, input {settings['input_len']} / output {settings['output_len']} tokens, "
+                 f"{payload['engine']['device']} {payload['engine']['dtype']}\n{machine_line(payload)}", fontsize=9)
+    return [save(fig, out)]
+
+
+# ---- serving ------------------------------------------------------------------------------------
+def rate_positions(rates: list[Any]) -> tuple[list[float], list[str]]:
+    """x positions and tick labels of request rates, 'inf' placed one step past the largest rate."""
+    finite = [float(r) for r in rates if r != "inf"]
+    beyond = max(finite) * 2 if finite else 1.0
+    positions = [beyond if r == "inf" else float(r) for r in rates]
+    labels = ["inf" if r == "inf" else f"{float(r):g}" for r in rates]
+    return positions, labels
+
+
+def plot_serving(payload: dict[str, Any], out: Path) -> list[Path]:
+    runs = sorted(payload["runs"], key=lambda run: float(run["request_rate"]))
+    x, labels = rate_positions([run["request_rate"] for run in runs])
+    settings = payload["settings"]
+    percentiles = ["median"] + [f"p{p}" for p in settings.get("percentiles", "90,99").split(",") if p.strip() not in ("50",)]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    for ax, metric, name in ((axes[0], "ttft_ms", "TTFT"), (axes[1], "tpot_ms", "TPOT")):
+        for stat in percentiles:
+            ax.plot(x, figures([run["summary"][metric] for run in runs], stat), "o-", label=stat)
+        ax.set_ylabel(f"{name} (ms)")
+        ax.set_title(f"{name} percentiles vs request rate")
+    ax = axes[2]
+    ax.plot(x, [run["summary"]["output_token_throughput"] for run in runs], "o-", label="output tokens/s")
+    ax.plot(x, [run["summary"]["total_token_throughput"] for run in runs], "s--", label="input + output tokens/s")
+    ax.set_ylabel("throughput (tokens/s)")
+    ax.set_title("Token throughput vs request rate")
+    for ax in axes:
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(x, labels)
+        ax.minorticks_off()
+        ax.set_xlabel("request rate (requests/s)")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    depth = f", depth {settings['depth']}" if settings.get("depth") else ""
+    concurrency = f", max concurrency {settings['max_concurrency']}" if settings.get("max_concurrency") else ""
+    fig.suptitle(f"Serving {payload['server']['model_id']}: {settings['num_prompts']} requests per rate, input "
+                 f"{settings['input_len']} / output {settings['output_len']} tokens, {settings['arrival']} arrivals"
+                 f"{concurrency}{depth}\n{machine_line(payload)}", fontsize=9)
+    return [save(fig, out)]
+
+
+# ---- depth sweep --------------------------------------------------------------------------------
+def depth_layout(spec: dict[str, Any]) -> str:
+    """A one-line description of a checkpoint's depth section."""
+    if spec.get("architecture") == "sgt":
+        body = spec["sgt"]
+        return (f"SGT loops on layers {body['looped_layers']}, heads {body['head_sets']}, "
+                f"trained loops {body['loop_counts']}")
+    if spec.get("architecture") == "itt":
+        body = spec["itt"]
+        return f"ITT on {len(body['layers'])} layers, T={body['steps']} steps, trained ratios {body['trained_ratios']}"
+    return spec.get("architecture", "?")
+
+
+def plot_depth_sweep(payload: dict[str, Any], out: Path) -> list[Path]:
+    written = []
+    for sweep in payload["sweeps"]:
+        fig, (left, right) = plt.subplots(1, 2, figsize=(14, 5))
+        plot_step_times(left, sweep["rows"])
+        plot_extra_shares(right, sweep["rows"])
+        fig.suptitle(f"{sweep['arch'].upper()} decode cost vs depth setting ({sweep['device']} {sweep['dtype']}): "
+                     f"{depth_layout(sweep.get('depth_spec', {}))}\n{machine_line(payload)}", fontsize=9)
+        written.append(save(fig, out.with_name(f"{out.stem}-{sweep['arch']}.png")))
+    return written
+
+
+def plot_step_times(ax, rows: list[dict[str, Any]]) -> None:
+    """Measured step time and the baseline step time scaled by predicted compute, on one axis."""
+    baseline = next(row for row in rows if row["is_baseline"])
+    base_ms = baseline["step_ms"]
+    x = list(range(len(rows)))
+    measured = [row["step_ms"] for row in rows]
+    predicted = [base_ms * row["relative_compute"] for row in rows]
+    ax.plot(x, measured, "o-", label="measured decode step time")
+    ax.plot(x, predicted, "s--", label=f"predicted: {baseline['setting']} step time x relative compute")
+    ax.set_xticks(x, [row["setting"] for row in rows], rotation=20)
+    ax.set_xlabel("depth setting")
+    ax.set_ylabel(f"decode step time, {baseline.get('concurrency', '?')} concurrent requests (ms)")
+    ax.set_ylim(0, 1.3 * max(measured + predicted))
+    ax.grid(True, alpha=0.3)
+    ax.legend(loc="upper left", fontsize=8)
+    # The right axis reads a point as a multiple of the baseline step (compute, for the predicted line).
+    scale = ax.secondary_yaxis("right", functions=(lambda ms: ms / base_ms, lambda rel: rel * base_ms))
+    scale.set_ylabel(f"x {baseline['setting']} step (relative compute)")
+    ax.set_title("Decode step time vs depth setting")
+
+
+def plot_extra_shares(ax, rows: list[dict[str, Any]]) -> None:
+    """Extra step time as a % of the baseline step, next to the predicted extra compute %."""
+    extra = [row for row in rows if not row["is_baseline"]]
+    baseline = next(row for row in rows if row["is_baseline"])
+    x = list(range(len(extra)))
+    width = 0.38
+    measured = [100 * (row["step_ms"] / baseline["step_ms"] - 1) for row in extra]
+    predicted = [100 * (row["relative_compute"] - 1) for row in extra]
+    ax.bar([i - width / 2 for i in x], measured, width, label="measured extra step time")
+    ax.bar([i + width / 2 for i in x], predicted, width, label="predicted extra compute (relative_compute - 1)")
+    ax.axhline(0, color="black", linewidth=0.8)
+    ax.set_xticks(x, [row["setting"] for row in extra], rotation=20)
+    ax.set_xlabel("depth setting")
+    ax.set_ylabel(f"extra over {baseline['setting']} (% of its step)")
+    ax.set_title("Extra decode time vs predicted extra compute")
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
+
+
+PLOTTERS: dict[str, Callable[[dict[str, Any], Path], list[Path]]] = {
+    "throughput": plot_throughput,
+    "serving": plot_serving,
+    "depth-sweep": plot_depth_sweep,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = parse_args(argv)
+    out_dir = ns.out_dir or ns.results_dir / "plots"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for kind, plotter in PLOTTERS.items():
+        results = common.load_results(kind, ns.results_dir)
+        if not results:
+            print(f"no {kind} results in {ns.results_dir}: skipped")
+            continue
+        for path, payload in results:
+            try:
+                for written in plotter(payload, out_dir / f"{path.stem}.png"):
+                    print(f"wrote {written}")
+            except (KeyError, ValueError, TypeError, StopIteration) as exc:
+                print(f"{path.name}: not plotted ({type(exc).__name__}: {exc})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,427 @@
+"""Online serving benchmark: streaming completions over HTTP against `depthserve serve`.
+
+    python bench/serving.py --launch --quick                          # start a server, a fast smoke run
+    python bench/serving.py --launch --server-args "--num-threads 2" --request-rate 1,2,4,inf
+    python bench/serving.py --base-url http://127.0.0.1:8000 --max-concurrency 8 --num-prompts 64
+    python bench/serving.py --launch --model DIR --depth '{"loops": 2}' --goodput ttft:500 tpot:100
+
+Workload: `--num-prompts` prompts of exactly `--input-len` tokens, sent as token ids to
+/v1/completions: the first tokens of the documents of the C4 sample (`--dataset`, tokenized by
+the server's /tokenize) or uniformly random token ids (`--random-prompts`). Every request asks
+for exactly `--output-len` tokens (greedy, `ignore_eos`), streamed back over SSE.
+
+Arrivals: for each rate R of `--request-rate` (requests/s; 'inf' sends everything at once),
+inter-arrival gaps are exponential (`--arrival poisson`, the default) or exactly 1/R
+(`--arrival constant`). `--max-concurrency C` caps the requests in flight (with rate inf:
+a fixed-concurrency run). One warm-up request runs before the measurements.
+
+Per request (times from the moment the request is sent):
+    TTFT  time to the first streamed chunk that carries text
+    ITL   gaps between successive text-carrying chunks (one chunk may hold more than one token
+          when the detokenizer holds text back, as in other servers' benchmarks)
+    E2EL  end-to-end latency, until the stream's [DONE]
+    TPOT  (E2EL - TTFT) / (output tokens - 1), output tokens from the stream's usage chunk
+Summary per rate: mean, std, median and `--percentiles` of each; request throughput and
+output / total token throughput over the run's wall time (first send to last completion);
+goodput = requests/s that met every SLO of `--goodput`. Result: bench/results/serving-<label>.json
+with the settings, machine and library versions, the summaries and every request's raw figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import random
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+SLO_METRICS = ("ttft", "tpot", "e2el")
+
+
+# ---- settings -------------------------------------------------------------------------------------
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    server = p.add_argument_group("server")
+    server.add_argument("--base-url", default="http://127.0.0.1:8000", help="a running server (ignored with --launch)")
+    server.add_argument("--launch", action="store_true", help="start `depthserve serve` on a free loopback port, stop it at the end")
+    server.add_argument("--model", default="smollm2-135m-instruct", help="the model to launch (with --launch)")
+    server.add_argument("--server-args", default="", help="extra `depthserve serve` arguments (with --launch), one string")
+    server.add_argument("--server-start-timeout", type=float, default=600.0, help="seconds to wait for /health")
+    server.add_argument("--served-model", default=None, help="model id in requests (default: the server's first)")
+    server.add_argument("--api-key", default=None)
+    load = p.add_argument_group("workload")
+    load.add_argument("--num-prompts", type=int, default=64, help="requests per request rate")
+    load.add_argument("--input-len", type=int, default=128)
+    load.add_argument("--output-len", type=int, default=64)
+    load.add_argument("--dataset", type=Path, default=common.C4_SAMPLE, help="JSON lines with a 'text' field")
+    load.add_argument("--random-prompts", action="store_true", help="random token ids instead of --dataset")
+    load.add_argument("--request-rate", default="inf", help="requests/s, comma-separated to sweep, e.g. 1,2,4,inf")
+    load.add_argument("--arrival", default="poisson", choices=["poisson", "constant"])
+    load.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
+    load.add_argument("--depth", default=None, help='depth knobs as JSON, sent as the request\'s "depth", e.g. \'{"loops": 2}\'')
+    load.add_argument("--warmup-requests", type=int, default=1)
+    load.add_argument("--seed", type=int, default=0)
+    report = p.add_argument_group("report")
+    report.add_argument("--goodput", nargs="+", default=None, metavar="METRIC:MS",
+                        help="SLOs for goodput, e.g. ttft:500 tpot:100 e2el:5000 (milliseconds)")
+    report.add_argument("--percentiles", default="50,90,99")
+    report.add_argument("--label", default=None, help="result name: serving-<label>.json (default: <model>-<device>)")
+    report.add_argument("--no-progress", action="store_true")
+    report.add_argument("--quick", action="store_true", help="8 prompts, input 64, output 16, rates 2 and inf")
+    ns = p.parse_args(argv)
+    if ns.quick:
+        ns.num_prompts, ns.input_len, ns.output_len, ns.request_rate = 8, 64, 16, "2,inf"
+    ns.rates = common.parse_number_list(ns.request_rate)
+    ns.slos_ms = parse_slos(ns.goodput) if ns.goodput else {}
+    ns.depth_knobs = json.loads(ns.depth) if ns.depth else None
+    if ns.depth_knobs is not None and not isinstance(ns.depth_knobs, dict):
+        p.error("--depth must be a JSON object")
+    if any(r <= 0 for r in ns.rates):
+        p.error("--request-rate values must be positive (or inf)")
+    return ns
+
+
+def parse_slos(items: list[str]) -> dict[str, float]:
+    """['ttft:500', 'tpot:100'] -> {'ttft': 500.0, 'tpot': 100.0} (milliseconds)."""
+    slos = {}
+    for item in items:
+        name, _, value = item.partition(":")
+        if name not in SLO_METRICS or not value:
+            raise SystemExit(f"--goodput takes METRIC:MS with METRIC one of {SLO_METRICS}, got {item!r}")
+        slos[name] = float(value)
+    return slos
+
+
+# ---- the server -----------------------------------------------------------------------------------
+@contextlib.contextmanager
+def launched_server(model: str, server_args: str, timeout: float) -> Iterator[str]:
+    """`depthserve serve` on a free loopback port; yields its base URL; stops it on exit."""
+    port = common.free_port()
+    exe = Path(sys.executable).with_name("depthserve")
+    command = [str(exe) if exe.exists() else "depthserve", "serve", "--model", model, "--host", "127.0.0.1",
+               "--port", str(port), "--log-level", "warning", *shlex.split(server_args)]
+    log = tempfile.NamedTemporaryFile("w+", prefix="depthserve-bench-", suffix=".log", delete=False)
+    print(f"launching: {shlex.join(command)} (log: {log.name})", flush=True)
+    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until_healthy(base_url, proc, timeout, Path(log.name))
+        yield base_url
+    except BaseException:
+        print(f"the server's log is kept: {log.name}", file=sys.stderr)
+        raise
+    else:
+        Path(log.name).unlink(missing_ok=True)
+    finally:
+        stop_process(proc)
+        log.close()
+
+
+def wait_until_healthy(base_url: str, proc: subprocess.Popen, timeout: float, log: Path) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"the server exited with code {proc.returncode} during start-up:\n{log.read_text()[-3000:]}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{base_url}/health", timeout=2.0).status_code == 200:
+                return
+        time.sleep(0.5)
+    raise SystemExit(f"the server did not become healthy within {timeout:.0f}s (log: {log})")
+
+
+def stop_process(proc: subprocess.Popen) -> None:
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def server_arg(server_args: str, name: str) -> str | None:
+    """The value of `--name VALUE` or `--name=VALUE` in a server argument string, else None."""
+    args = shlex.split(server_args)
+    for i, arg in enumerate(args):
+        if arg == name and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith(name + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+# ---- prompts --------------------------------------------------------------------------------------
+async def dataset_prompts(client: httpx.AsyncClient, path: Path, count: int, length: int) -> list[list[int]]:
+    """Prompts of `length` tokens from the documents of `path`, tokenized by the server itself."""
+    documents = []
+    for text in common.read_jsonl_texts(path):
+        reply = await client.post("/tokenize", json={"prompt": text, "add_special_tokens": False})
+        reply.raise_for_status()
+        documents.append(reply.json()["tokens"])
+    windows = common.token_windows(documents, length, count)
+    distinct = len({tuple(w) for w in windows})
+    if distinct < count:
+        print(f"note: {path.name} holds {distinct} distinct {length}-token prompts; {count - distinct} requests "
+              "repeat one (prefix caching makes those cheaper)", flush=True)
+    return windows
+
+
+async def probe_vocab_size(client: httpx.AsyncClient) -> int:
+    """The server's vocabulary size, by bisection on which token ids /detokenize accepts."""
+    async def accepted(token_id: int) -> bool:
+        return (await client.post("/detokenize", json={"tokens": [token_id]})).status_code == 200
+
+    low, high = 0, 1 << 22  # ids < low are accepted; id high is not
+    if not await accepted(low):
+        raise SystemExit("the server's /detokenize rejects token id 0; pass --dataset prompts instead")
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if await accepted(mid) else (low, mid)
+    return low + 1
+
+
+# ---- one request ----------------------------------------------------------------------------------
+@dataclass
+class RequestResult:
+    ok: bool
+    prompt_tokens: int
+    sent_at_s: float = 0.0  # since the start of the run
+    ttft_s: float | None = None
+    e2el_s: float | None = None
+    output_tokens: int = 0
+    itl_s: list[float] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def tpot_s(self) -> float | None:
+        if not self.ok or self.output_tokens < 2 or self.ttft_s is None or self.e2el_s is None:
+            return None
+        return (self.e2el_s - self.ttft_s) / (self.output_tokens - 1)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "tpot_s": self.tpot_s}
+
+
+def completion_body(model: str, prompt: list[int], output_len: int, depth: dict | None) -> dict[str, Any]:
+    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    if depth is not None:
+        body["depth"] = depth
+    return body
+
+
+async def sse_events(response: httpx.Response) -> AsyncIterator[dict]:
+    """The JSON payloads of an SSE stream, until [DONE]."""
+    async for line in response.aiter_lines():
+        if not line.startswith("data:"):
+            continue
+        data = line[len("data:"):].strip()
+        if data == "[DONE]":
+            return
+        yield json.loads(data)
+
+
+async def send_streaming_request(client: httpx.AsyncClient, body: dict, run_start: float) -> RequestResult:
+    result = RequestResult(ok=False, prompt_tokens=len(body["prompt"]))
+    start = time.perf_counter()
+    result.sent_at_s = start - run_start
+    last_chunk = start
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                result.error = f"HTTP {response.status_code}: {(await response.aread()).decode(errors='replace')[:300]}"
+                return result
+            async for event in sse_events(response):
+                now = time.perf_counter()
+                if event.get("usage"):
+                    result.output_tokens = event["usage"]["completion_tokens"]
+                if not any(choice.get("text") for choice in event.get("choices", [])):
+                    continue
+                if result.ttft_s is None:
+                    result.ttft_s = now - start
+                else:
+                    result.itl_s.append(now - last_chunk)
+                last_chunk = now
+        result.e2el_s = time.perf_counter() - start
+        result.ok = result.ttft_s is not None
+        if not result.ok:
+            result.error = "the stream carried no text"
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+    return result
+
+
+# ---- one run at one request rate ----------------------------------------------------------------
+def arrival_offsets(count: int, rate: float, kind: str, seed: int) -> list[float]:
+    """Send times (seconds from the start) of `count` requests at `rate` requests/s."""
+    if rate == float("inf"):
+        return [0.0] * count
+    rng = random.Random(seed)
+    offsets, now = [], 0.0
+    for _ in range(count):
+        offsets.append(now)
+        now += rng.expovariate(rate) if kind == "poisson" else 1.0 / rate
+    return offsets
+
+
+async def run_at_rate(client: httpx.AsyncClient, bodies: list[dict], rate: float, ns: argparse.Namespace
+                      ) -> tuple[list[RequestResult], float]:
+    """All requests at one rate; returns their results (in prompt order) and the run's wall seconds."""
+    from tqdm.auto import tqdm
+
+    offsets = arrival_offsets(len(bodies), rate, ns.arrival, ns.seed)
+    limit = asyncio.Semaphore(ns.max_concurrency) if ns.max_concurrency else None
+    bar = tqdm(total=len(bodies), desc=f"rate {rate:g} req/s", disable=ns.no_progress, leave=False)
+    run_start = time.perf_counter()
+
+    async def one(body: dict, offset: float) -> RequestResult:
+        await asyncio.sleep(max(0.0, run_start + offset - time.perf_counter()))
+        async with limit or contextlib.nullcontext():
+            result = await send_streaming_request(client, body, run_start)
+        bar.update(1)
+        return result
+
+    results = await asyncio.gather(*(one(b, o) for b, o in zip(bodies, offsets)))
+    duration = time.perf_counter() - run_start
+    bar.close()
+    return list(results), duration
+
+
+def summarize_run(results: list[RequestResult], duration: float, ns: argparse.Namespace) -> dict[str, Any]:
+    percentiles = common.parse_number_list(ns.percentiles)
+    done = [r for r in results if r.ok]
+    output_tokens = sum(r.output_tokens for r in done)
+    input_tokens = sum(r.prompt_tokens for r in done)
+
+    def ms(values) -> dict[str, float | None]:
+        return {k: (None if v is None else 1000 * v) for k, v in common.summarize(values, percentiles).items()}
+
+    summary: dict[str, Any] = {
+        "completed": len(done),
+        "failed": len(results) - len(done),
+        "duration_s": duration,
+        "total_input_tokens": input_tokens,
+        "total_output_tokens": output_tokens,
+        "request_throughput": len(done) / duration,
+        "output_token_throughput": output_tokens / duration,
+        "total_token_throughput": (input_tokens + output_tokens) / duration,
+        "ttft_ms": ms(r.ttft_s for r in done),
+        "tpot_ms": ms(r.tpot_s for r in done if r.tpot_s is not None),
+        "itl_ms": ms(gap for r in done for gap in r.itl_s),
+        "e2el_ms": ms(r.e2el_s for r in done),
+    }
+    if ns.slos_ms:
+        good = [r for r in done if meets_slos(r, ns.slos_ms)]
+        summary["goodput_slos_ms"] = ns.slos_ms
+        summary["good_requests"] = len(good)
+        summary["goodput"] = len(good) / duration
+    errors = sorted({r.error for r in results if r.error})
+    if errors:
+        summary["errors"] = errors[:10]
+    return summary
+
+
+def meets_slos(result: RequestResult, slos_ms: dict[str, float]) -> bool:
+    measured = {"ttft": result.ttft_s, "tpot": result.tpot_s, "e2el": result.e2el_s}
+    for name, limit_ms in slos_ms.items():
+        if measured[name] is None:
+            if name == "tpot":
+                continue  # one output token: no TPOT, so that SLO cannot fail
+            return False
+        if 1000 * measured[name] > limit_ms:
+            return False
+    return True
+
+
+# ---- the whole benchmark ------------------------------------------------------------------------
+async def benchmark(base_url: str, ns: argparse.Namespace) -> dict[str, Any]:
+    headers = {"Authorization": f"Bearer {ns.api_key}"} if ns.api_key else {}
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=httpx.Timeout(None), limits=limits) as client:
+        models = (await client.get("/v1/models")).raise_for_status().json()["data"]
+        model_id = ns.served_model or models[0]["id"]
+        if ns.random_prompts:
+            vocab = await probe_vocab_size(client)
+            prompts = common.random_prompts(ns.num_prompts, ns.input_len, vocab, ns.seed)
+        else:
+            prompts = await dataset_prompts(client, ns.dataset, ns.num_prompts, ns.input_len)
+        bodies = [completion_body(model_id, p, ns.output_len, ns.depth_knobs) for p in prompts]
+        for body in bodies[: ns.warmup_requests]:
+            warm = await send_streaming_request(client, body, time.perf_counter())
+            if not warm.ok:
+                raise SystemExit(f"the warm-up request failed: {warm.error}")
+        runs = []
+        for rate in ns.rates:
+            results, duration = await run_at_rate(client, bodies, rate, ns)
+            summary = summarize_run(results, duration, ns)
+            print(format_summary(rate, summary), flush=True)
+            runs.append({"request_rate": rate if rate != float("inf") else "inf", "summary": summary,
+                         "requests": [r.as_dict() for r in results]})
+    server = next((m for m in models if m["id"] == model_id), models[0])
+    return {"model_id": model_id, "server_model": server, "runs": runs}
+
+
+def format_summary(rate: float, s: dict[str, Any]) -> str:
+    def value(metric: str, stat: str) -> str:
+        v = s[metric].get(stat)
+        return "-" if v is None else f"{v:.1f}"
+
+    text = (f"rate {rate:>5g} req/s: {s['completed']} ok, {s['failed']} failed in {s['duration_s']:.1f}s | "
+            f"{s['request_throughput']:.2f} req/s, {s['output_token_throughput']:.1f} out tok/s | "
+            f"TTFT ms median {value('ttft_ms', 'median')} p99 {value('ttft_ms', 'p99')} | "
+            f"TPOT ms median {value('tpot_ms', 'median')} p99 {value('tpot_ms', 'p99')} | "
+            f"E2EL ms median {value('e2el_ms', 'median')}")
+    if "goodput" in s:
+        text += f" | goodput {s['goodput']:.2f} req/s"
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = parse_args(argv)
+    if not ns.random_prompts and not ns.dataset.exists():
+        print(f"skipping the serving benchmark: the prompt data set {ns.dataset} is absent "
+              "(pass --dataset PATH, or --random-prompts for random token ids)")
+        return 0
+    if ns.launch:
+        with launched_server(ns.model, ns.server_args, ns.server_start_timeout) as base_url:
+            outcome = asyncio.run(benchmark(base_url, ns))
+        device = common.resolve_device(server_arg(ns.server_args, "--device") or "auto")
+        threads = server_arg(ns.server_args, "--num-threads")
+    else:
+        outcome = asyncio.run(benchmark(ns.base_url, ns))
+        device, threads = common.resolve_device("auto"), None
+    settings = {k: v for k, v in vars(ns).items() if k not in ("rates", "slos_ms", "depth_knobs")}
+    settings["dataset"] = None if ns.random_prompts else str(ns.dataset)
+    payload = {
+        "benchmark": "serving",
+        "settings": settings,
+        "server": {"base_url": "launched" if ns.launch else ns.base_url, "model_id": outcome["model_id"],
+                   "model": outcome["server_model"], "device": device},
+        # With a remote --base-url this describes the client's machine, not the server's.
+        "environment": {**common.environment(device, int(threads) if threads else None),
+                        "describes": "the server's machine" if ns.launch else "the client's machine"},
+        "runs": outcome["runs"],
+    }
+    label = ns.label or f"{common.slug(Path(outcome['model_id']).name)}-{common.device_slug(device)}"
+    label += "-quick" if ns.quick and not ns.label else ""
+    print(f"wrote {common.write_result(f'serving-{label}', payload)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,99 @@
+"""The benchmark scripts' pure parts: statistics, prompt windows, arrivals, SLOs, plots; make-tiny's
+depth-layout options."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+sys.path.insert(0, str(BENCH))
+
+import common  # noqa: E402
+import serving  # noqa: E402
+
+from depthserve import tiny  # noqa: E402
+
+
+def test_summarize_and_percentiles():
+    s = common.summarize([4.0, 1.0, 3.0, 2.0], percentiles=(50, 90, 99))
+    assert s["mean"] == 2.5 and s["median"] == 2.5 and s["p50"] == 2.5
+    assert s["p90"] == pytest.approx(3.7) and s["p99"] == pytest.approx(3.97)
+    assert common.summarize([], (90,)) == {"mean": None, "std": None, "median": None, "p90": None}
+    assert common.percentile([7.0], 99) == 7.0
+
+
+def test_token_windows_take_document_starts_first_then_later_windows():
+    docs = [list(range(10)), list(range(100, 104)), list(range(200, 206))]
+    assert common.token_windows(docs, 4, 3) == [[0, 1, 2, 3], [100, 101, 102, 103], [200, 201, 202, 203]]
+    assert common.token_windows(docs, 4, 5)[3:] == [[4, 5, 6, 7]] + [[0, 1, 2, 3]]  # then cycles
+    with pytest.raises(ValueError):
+        common.token_windows(docs, 11, 1)
+
+
+def test_parse_number_list_and_slug():
+    assert common.parse_number_list("1, 2.5,inf") == [1.0, 2.5, math.inf]
+    assert common.slug("HuggingFaceTB/SmolLM2 135M") == "huggingfacetb-smollm2-135m"
+
+
+def test_arrivals():
+    assert serving.arrival_offsets(3, math.inf, "poisson", 0) == [0.0, 0.0, 0.0]
+    assert serving.arrival_offsets(3, 4.0, "constant", 0) == [0.0, 0.25, 0.5]
+    gaps = serving.arrival_offsets(2000, 10.0, "poisson", 1)
+    assert gaps == sorted(gaps) and gaps[-1] / 1999 == pytest.approx(0.1, rel=0.1)
+
+
+def test_tpot_and_goodput_slos():
+    r = serving.RequestResult(ok=True, prompt_tokens=8, ttft_s=0.2, e2el_s=1.2, output_tokens=11)
+    assert r.tpot_s == pytest.approx(0.1)
+    assert serving.meets_slos(r, {"ttft": 250, "tpot": 100.001, "e2el": 1300})
+    assert not serving.meets_slos(r, {"tpot": 90})
+    one = serving.RequestResult(ok=True, prompt_tokens=8, ttft_s=0.2, e2el_s=0.2, output_tokens=1)
+    assert one.tpot_s is None and serving.meets_slos(one, {"tpot": 1})
+    assert serving.parse_slos(["ttft:500", "e2el:2000"]) == {"ttft": 500.0, "e2el": 2000.0}
+    with pytest.raises(SystemExit):
+        serving.parse_slos(["latency:5"])
+
+
+def test_server_arg():
+    assert serving.server_arg("--num-threads 2 --device=cpu", "--device") == "cpu"
+    assert serving.server_arg("--num-threads 2", "--num-threads") == "2"
+    assert serving.server_arg("", "--device") is None
+
+
+def test_make_tiny_depth_layout_options():
+    sgt = tiny._sgt_spec(30, 9, [10, 15, 20], 2, 1)
+    assert [(s.layer, s.heads, s.loops) for s in sgt.layers] == [(10, (0, 1), 1), (15, (0, 1), 1), (20, (0, 1), 1)]
+    assert sgt.max_loops == 3
+    itt = tiny._itt_spec(30, tiny.every_other_layer(30, "odd"), 3)
+    assert itt.layers == tuple(range(1, 30, 2)) and itt.steps == 3
+    assert itt.alphas == (1.0, 0.5, 0.25) and itt.trained_ratios == (0.5, 0.3, 0.1)
+    # The defaults are unchanged by the new options.
+    assert tiny._itt_spec(4) == tiny._itt_spec(4, None, None)
+    assert tiny._itt_spec(4).alphas == (1.0, 0.5) and tiny._itt_spec(4).trained_ratios == (0.5, 0.3)
+    assert [(s.layer, s.heads, s.loops) for s in tiny._sgt_spec(4, 4).layers] == [
+        (1, (3, 0), 2), (2, (1, 2, 3), 1), (3, (1, 0), 1)]
+    with pytest.raises(ValueError):
+        tiny._sgt_spec(30, 9, [10], [[0], [1]])
+    with pytest.raises(ValueError):
+        tiny.make_tiny("sgt", "/nonexistent", itt_steps=3)
+
+
+def test_plot_skips_missing_kinds_and_draws_a_depth_sweep(tmp_path, capsys):
+    import plot
+
+    row = {"knobs": {}, "concurrency": 4, "relative_compute": 1.0, "step_ms": 10.0}
+    payload = {"benchmark": "depth-sweep", "environment": {}, "sweeps": [{
+        "arch": "sgt", "device": "cpu", "dtype": "float32", "depth_spec": {"architecture": "sgt", "sgt": {
+            "looped_layers": [1], "head_sets": [[0, 1]], "loop_counts": [1]}},
+        "rows": [{**row, "setting": "loops=0", "is_baseline": True},
+                 {**row, "setting": "loops=1", "is_baseline": False, "relative_compute": 1.1, "step_ms": 11.5}]}]}
+    (tmp_path / "depth-sweep-test.json").write_text(json.dumps(payload))
+    assert plot.main(["--results-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "no throughput results" in out and "no serving results" in out
+    assert (tmp_path / "plots" / "depth-sweep-test-sgt.png").stat().st_size > 0
