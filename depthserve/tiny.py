@@ -166,7 +166,6 @@ def make_tiny(arch: str, out: str | Path, seed: int = 0, like: str | None = None
     The sgt_* and itt_* arguments override the depth layout of `_sgt_spec` / `_itt_spec`
     (None keeps the defaults); they are an error for another architecture."""
     import torch
-    from safetensors.torch import save_file
 
     from depthserve.architectures import ARCHITECTURE_MODULES, architecture_module
 
@@ -175,48 +174,66 @@ def make_tiny(arch: str, out: str | Path, seed: int = 0, like: str | None = None
                                                    tokenizer or load_default_tokenizer())
     if arch not in ("llama", "sgt", "itt"):
         raise ValueError(f"--arch must be one of {TINY_ARCHITECTURES}, got {arch!r}")
-    if like and like not in LIKE:
-        raise ValueError(f"--like must be one of {sorted(LIKE)}")
     overrides = {"sgt": (sgt_layers, sgt_heads, sgt_loops), "itt": (itt_layers, itt_steps)}
     for other, values in overrides.items():
         if other != arch and any(v is not None for v in values):
             raise ValueError(f"{other}_* options apply to --arch {other} only, not {arch}")
+    shapes = model_shapes(like, num_kv_heads)
+    tokenizer = tokenizer or load_default_tokenizer()
+    out = Path(out)
+    gen = torch.Generator().manual_seed(seed)
+    cfg = base_config(tokenizer, shapes, tied=bool(like))
+    spec = {"llama": lambda: LlamaSpec(),
+            "sgt": lambda: _sgt_spec(cfg["num_hidden_layers"], cfg["num_attention_heads"],
+                                     sgt_layers, sgt_heads, sgt_loops),
+            "itt": lambda: _itt_spec(cfg["num_hidden_layers"], itt_layers, itt_steps)}[arch]()
+    cfg["depth"] = depth_section(spec)
+    write_checkpoint(out, cfg, random_weights(cfg, spec, gen), tokenizer)
+    if arch == "itt":
+        streams = synthetic_streams(cfg["vocab_size"], calibrate_windows, calibrate_window, seed)
+        calibrate_tokens(out, streams, {"source": "synthetic token streams (make-tiny)", "seed": seed})
+    return out
+
+
+def model_shapes(like: str | None, num_kv_heads: int | None = None) -> dict[str, Any]:
+    """The Llama shape fields of a tiny model, or of a real model (`like`), with optional GQA override."""
+    if like and like not in LIKE:
+        raise ValueError(f"--like must be one of {sorted(LIKE)}")
     shapes = dict(LIKE[like]) if like else dict(TINY)
     if num_kv_heads is not None:
         if shapes["num_attention_heads"] % num_kv_heads:
             raise ValueError("--num-kv-heads must divide the number of attention heads")
         shapes["num_key_value_heads"] = num_kv_heads
-    tokenizer = tokenizer or load_default_tokenizer()
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    gen = torch.Generator().manual_seed(seed)
-    cfg = {
+    return shapes
+
+
+def base_config(tokenizer, shapes: dict[str, Any], tied: bool) -> dict[str, Any]:
+    """config.json of a random checkpoint: HF Llama fields (the `depth` section is added by the caller)."""
+    return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "vocab_size": len(tokenizer),
         **shapes,
         "rms_norm_eps": 1e-5,
-        "tie_word_embeddings": bool(like),
+        "tie_word_embeddings": tied,
         "attention_bias": False,
         "hidden_act": "silu",
         "bos_token_id": tokenizer.bos_token_id,
         "eos_token_id": tokenizer.eos_token_id,
         "torch_dtype": "float32",
     }
-    spec = {"llama": lambda: LlamaSpec(),
-            "sgt": lambda: _sgt_spec(cfg["num_hidden_layers"], cfg["num_attention_heads"],
-                                     sgt_layers, sgt_heads, sgt_loops),
-            "itt": lambda: _itt_spec(cfg["num_hidden_layers"], itt_layers, itt_steps)}[arch]()
-    cfg["depth"] = depth_section(spec)
-    weights = random_weights(cfg, spec, gen)
+
+
+def write_checkpoint(out: Path, cfg: dict[str, Any], weights: dict, tokenizer) -> Path:
+    """Write config.json, model.safetensors (replacing any older weight files) and the tokenizer."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
     for stale in out.glob("*.safetensors"):
         stale.unlink()
     save_file(weights, str(out / "model.safetensors"))
     write_config(out, cfg)
     tokenizer.save_pretrained(str(out))
-    if arch == "itt":
-        streams = synthetic_streams(cfg["vocab_size"], calibrate_windows, calibrate_window, seed)
-        calibrate_tokens(out, streams, {"source": "synthetic token streams (make-tiny)", "seed": seed})
     return out
 
 
