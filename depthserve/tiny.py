@@ -160,20 +160,23 @@ def make_tiny(arch: str, out: str | Path, seed: int = 0, like: str | None = None
               tokenizer=None, calibrate_windows: int = 16, calibrate_window: int = 128, *,
               sgt_layers: Sequence[int] | None = None, sgt_heads: int | Sequence[Sequence[int]] | None = None,
               sgt_loops: int | None = None, itt_layers: Sequence[int] | None = None,
-              itt_steps: int | None = None) -> Path:
-    """Write a random-initialised checkpoint of `arch` ("llama", "sgt", "itt") to `out`.
+              itt_steps: int | None = None, arch_options: dict[str, Any] | None = None) -> Path:
+    """Write a random-initialised checkpoint of `arch` (one of TINY_ARCHITECTURES) to `out`.
 
     The sgt_* and itt_* arguments override the depth layout of `_sgt_spec` / `_itt_spec`
-    (None keeps the defaults); they are an error for another architecture."""
+    (None keeps the defaults); they are an error for another architecture. `arch_options` go to
+    the make_tiny of an architecture with its own module (dreamer, put, saobp)."""
     import torch
 
     from depthserve.architectures import ARCHITECTURE_MODULES, architecture_module
 
     if arch in ARCHITECTURE_MODULES:  # an architecture with its own module writes its own tiny checkpoint
         return architecture_module(arch).make_tiny(Path(out), seed, like, num_kv_heads,
-                                                   tokenizer or load_default_tokenizer())
+                                                   tokenizer or load_default_tokenizer(), **(arch_options or {}))
     if arch not in ("llama", "sgt", "itt"):
         raise ValueError(f"--arch must be one of {TINY_ARCHITECTURES}, got {arch!r}")
+    if arch_options:
+        raise ValueError(f"--option applies to {sorted(ARCHITECTURE_MODULES)} only, not {arch}")
     overrides = {"sgt": (sgt_layers, sgt_heads, sgt_loops), "itt": (itt_layers, itt_steps)}
     for other, values in overrides.items():
         if other != arch and any(v is not None for v in values):
@@ -298,7 +301,7 @@ def calibrate(model_dir: str | Path, text_file: str | Path, max_len: int = 512,
 
 # ---- command line ------------------------------------------------------------------------------------
 def add_subcommands(sub) -> None:
-    p = sub.add_parser("make-tiny", help="write a small random checkpoint (llama, sgt or itt) in the native format")
+    p = sub.add_parser("make-tiny", help="write a small random checkpoint of any served architecture in the native format")
     p.add_argument("--arch", required=True, choices=TINY_ARCHITECTURES)
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--seed", type=int, default=0)
@@ -311,6 +314,10 @@ def add_subcommands(sub) -> None:
     p.add_argument("--itt-layers", type=_layer_selection, default=None,
                    help="ITT layers: a list (e.g. 1,3,5), 'odd' or 'even' (every other layer)")
     p.add_argument("--itt-steps", type=int, default=None, help="ITT extra steps T (default 2)")
+    p.add_argument("--option", dest="arch_options", type=_key_value, action="append", default=[], metavar="KEY=VALUE",
+                   help="layout option of dreamer (depth, attn_experts, da_rope, num_experts, top_k), "
+                        "put (n_prefix, n_core, n_suffix, steps, conv_kernel) or saobp (lam, variant, "
+                        "self_message, layers, max_position_embeddings); VALUE is read as JSON, else as a string")
     p.set_defaults(func=_cmd_make_tiny)
 
     c = sub.add_parser("calibrate", help="write an ITT checkpoint's router-score calibration table")
@@ -326,6 +333,16 @@ def _int_list(text: str) -> list[int]:
         return [int(x) for x in text.split(",") if x.strip()]
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from exc
+
+
+def _key_value(text: str) -> tuple[str, Any]:
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        return key.strip(), json.loads(value)
+    except json.JSONDecodeError:
+        return key.strip(), value
 
 
 def _head_sets(text: str) -> int | list[list[int]]:
@@ -352,8 +369,8 @@ def _cmd_make_tiny(ns: argparse.Namespace) -> int:
     try:
         path = make_tiny(ns.arch, ns.out, ns.seed, ns.like, ns.num_kv_heads, sgt_layers=ns.sgt_layers,
                          sgt_heads=ns.sgt_heads, sgt_loops=ns.sgt_loops, itt_layers=itt_layers,
-                         itt_steps=ns.itt_steps)
-    except ValueError as exc:
+                         itt_steps=ns.itt_steps, arch_options=dict(ns.arch_options))
+    except (ValueError, TypeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(f"wrote a random {ns.arch} checkpoint to {path}")

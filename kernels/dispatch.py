@@ -26,8 +26,12 @@ OP_NAMES = (
     "itt_route",
     "itt_update",
     "depth_attention",
+    "saobp_decode_attention",
+    "saobp_bias_update",
+    "saobp_prefill_attention",
 )
-_TRITON_OPS = frozenset(OP_NAMES) - {"paged_prefill_attention"}  # the varlen kernel covers single prompts
+# paged_prefill_attention: the varlen kernel covers single prompts; saobp_prefill_attention: torch only
+_TRITON_OPS = frozenset(OP_NAMES) - {"paged_prefill_attention", "saobp_prefill_attention"}
 
 _force_triton = os.environ.get("DEPTHSERVE_FORCE_TRITON", "") == "1"
 

@@ -177,3 +177,31 @@ def test_make_tiny_command_line(tmp_path):
     assert main(["make-tiny", "--arch", "sgt", "--out", str(tmp_path / "m"), "--seed", "7", "--num-kv-heads", "4"]) == 0
     cfg = json.loads((tmp_path / "m" / "config.json").read_text())
     assert cfg["num_key_value_heads"] == 4 and cfg["depth"]["architecture"] == "sgt"
+
+
+@pytest.mark.parametrize("arch, options, section, expected", [
+    ("dreamer", ["depth=3", "attn_experts=0"], "dreamer", {"depth": 3, "attn_experts": 0}),
+    ("put", ["steps=2", "conv_kernel=3"], "put", {"T": 2, "conv_kernel": 3}),
+    ("saobp", ["variant=low", "self_message=true", "lam=0.5"], "saobp", {"variant": "low", "self_message": True}),
+])
+def test_make_tiny_options_reach_the_architecture(tmp_path, arch, options, section, expected):
+    from depthserve.cli import main
+
+    argv = ["make-tiny", "--arch", arch, "--out", str(tmp_path / "m")]
+    for option in options:
+        argv += ["--option", option]
+    assert main(argv) == 0
+    depth = json.loads((tmp_path / "m" / "config.json").read_text())["depth"]
+    assert depth["architecture"] == arch
+    assert {key: depth[section][key] for key in expected} == expected
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--arch", "llama", "--option", "depth=2"], "applies to"),
+    (["--arch", "put", "--option", "bogus=1"], "bogus"),
+])
+def test_make_tiny_refuses_options_it_cannot_use(tmp_path, capsys, argv, message):
+    from depthserve.cli import main
+
+    assert main(["make-tiny", "--out", str(tmp_path / "m"), *argv]) == 2
+    assert message in capsys.readouterr().err

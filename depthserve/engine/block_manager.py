@@ -16,6 +16,12 @@ list of page rows (one per `block_size` selected tokens) and a committed length.
 after it, `commit_routed` adds the tokens actually selected and returns the pages beyond them.
 Which tokens a step selects depends on the whole prefix, so a sequence with routed slots
 neither uses nor feeds the prefix cache.
+
+Per-sequence state (SlotKind.SEQ_STATE, `CacheLayout.state_bytes`, e.g. the PUT conv state) is
+accounted in bytes and held as ceil(state_bytes / page_bytes) pages of the same pool, taken with
+the sequence's first pages and freed with them (finish, abort, preemption: `free`). The model
+stores the state in those pages, so it lives exactly as long as the sequence holds pages. A
+sequence with state neither uses nor feeds the prefix cache.
 """
 
 from __future__ import annotations
@@ -45,6 +51,10 @@ class _SeqPages:
     num_rows: int = 0
     block_hashes: list[int] = field(default_factory=list)  # of the leading full, computed rows
     routed: dict[str, _RoutedPages] = field(default_factory=dict)
+    state: np.ndarray | None = None  # pages holding the per-sequence state (None: not taken yet)
+
+    def state_pages(self) -> int:
+        return 0 if self.state is None else len(self.state)
 
     def routed_pages(self) -> int:
         return sum(len(r.rows) * r.num_heads for r in self.routed.values())
@@ -62,10 +72,12 @@ class _SeqPages:
 
 
 class BlockManager:
-    def __init__(self, num_pages: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_pages: int, block_size: int, enable_prefix_caching: bool = True,
+                 page_bytes: int | None = None):
         if num_pages < 1 or block_size < 1:
             raise ValueError("num_pages and block_size must be positive")
         self.num_pages = num_pages
+        self.page_bytes = page_bytes  # bytes of one page (per-sequence state is priced with it)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self._free: list[int] = list(range(num_pages - 1, -1, -1))  # pop() gives low ids first
@@ -90,9 +102,17 @@ class BlockManager:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def state_pages_for(self, layout: CacheLayout) -> int:
+        """Pages that hold a sequence's per-sequence state (SlotKind.SEQ_STATE)."""
+        if not layout.state_bytes:
+            return 0
+        if not self.page_bytes:
+            raise ValueError("a layout with per-sequence state needs a BlockManager with page_bytes")
+        return -(-layout.state_bytes // self.page_bytes)
+
     def pages_for(self, layout: CacheLayout, num_tokens: int) -> int:
-        """Pages of a sequence of `num_tokens` tokens, routed slots at their worst case."""
-        return self.blocks_for(num_tokens) * (layout.row_width + layout.routed_width)
+        """Pages of a sequence of `num_tokens` tokens, routed slots at their worst case, plus its state."""
+        return self.blocks_for(num_tokens) * (layout.row_width + layout.routed_width) + self.state_pages_for(layout)
 
     def fits_ever(self, layout: CacheLayout, num_tokens: int) -> bool:
         return self.pages_for(layout, num_tokens) <= self.num_pages
@@ -107,7 +127,8 @@ class BlockManager:
 
     def pages_held(self, seq: Sequence) -> int:
         entry = self._seqs.get(seq.seq_id)
-        return 0 if entry is None else entry.num_rows * entry.layout.row_width + entry.routed_pages()
+        return 0 if entry is None else entry.num_rows * entry.layout.row_width + entry.routed_pages() \
+            + entry.state_pages()
 
     def routed_table(self, seq: Sequence, name: str) -> tuple[np.ndarray, int]:
         """([reserved_blocks, num_heads] page ids, committed length) of one routed slot."""
@@ -115,6 +136,11 @@ class BlockManager:
         if not routed.rows:
             return np.zeros((0, routed.num_heads), dtype=np.int32), routed.length
         return np.stack(routed.rows), routed.length
+
+    def state_table(self, seq: Sequence) -> np.ndarray | None:
+        """Page ids holding the sequence's per-sequence state (None when its layout has none)."""
+        entry = self._seqs.get(seq.seq_id)
+        return None if entry is None else entry.state
 
     def used_pages_by_kind(self) -> dict[SlotKind, int]:
         """Pages referenced by live sequences, by slot kind (shared rows counted once)."""
@@ -130,6 +156,8 @@ class BlockManager:
                     counts[kind] = counts.get(kind, 0) + n
             if entry.routed:
                 counts[SlotKind.ROUTED] = counts.get(SlotKind.ROUTED, 0) + entry.routed_pages()
+            if entry.state_pages():
+                counts[SlotKind.SEQ_STATE] = counts.get(SlotKind.SEQ_STATE, 0) + entry.state_pages()
         return counts
 
     # ---- allocation -------------------------------------------------------------------
@@ -147,12 +175,16 @@ class BlockManager:
             routed = None if entry is None else entry.routed.get(slot.name)
             length, rows = (0, 0) if routed is None else (routed.length, len(routed.rows))
             need += max(self.blocks_for(length + extra) - rows, 0) * slot.num_heads
+        if entry is None or entry.state is None:
+            need += self.state_pages_for(seq.layout)
         return need <= self.num_free_pages - reserve_pages
 
     def grow(self, seq: Sequence, num_tokens: int) -> None:
         """Extend the sequence's page table to cover `num_tokens` tokens, and reserve its routed
         slots' worst case for the tokens from `seq.num_computed_tokens` to `num_tokens`."""
         entry = self._entry(seq)
+        if entry.state is None and entry.layout.state_bytes:
+            entry.state = self._take_pages(self.state_pages_for(entry.layout))
         while entry.num_rows < self.blocks_for(num_tokens):
             entry.append(self._take_pages(entry.layout.row_width))
         extra = max(num_tokens - seq.num_computed_tokens, 0)
@@ -180,7 +212,7 @@ class BlockManager:
         logits of the last prompt token.
         """
         entry = self._entry(seq)
-        if not self.enable_prefix_caching or entry.num_rows or entry.layout.routed_slots:
+        if not self.enable_prefix_caching or entry.num_rows or not entry.layout.uses_prefix_cache:
             return 0
         tokens = seq.all_token_ids
         max_blocks = (len(tokens) - 1) // self.block_size
@@ -205,7 +237,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         entry = self._seqs.get(seq.seq_id)
-        if entry is None or entry.layout.routed_slots:
+        if entry is None or not entry.layout.uses_prefix_cache:
             return
         full = min(seq.num_computed_tokens // self.block_size, entry.num_rows)
         if len(entry.block_hashes) >= full:
@@ -227,6 +259,9 @@ class BlockManager:
         entry = self._seqs.pop(seq.seq_id, None)
         if entry is None:
             return
+        if entry.state is not None:
+            self._refs[entry.state] -= 1
+            self._free.extend(int(p) for p in entry.state[::-1])
         for routed in entry.routed.values():
             for pages in routed.rows[::-1]:
                 self._refs[pages] -= 1

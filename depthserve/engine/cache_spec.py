@@ -48,12 +48,25 @@ class CacheLayout:
 
     slots: tuple[SlotSpec, ...]
     routed_slots: tuple[SlotSpec, ...] = ()
+    # How many leading slots form the base that every request of the model shares (None: every
+    # leading dense slot). A model whose dense slots depend on the request's depth (PUT core
+    # steps) puts the slots common to all requests first and says how many they are.
+    base_slots: int | None = None
+    # Per-sequence state of constant size outside the token-covering slots (SlotKind.SEQ_STATE,
+    # e.g. the PUT conv state), in bytes. The block manager holds ceil(state_bytes / page_bytes)
+    # pages of the pool for it while the sequence holds pages; such sequences never use or feed
+    # the prefix cache (the state is not part of any block).
+    state_bytes: int = 0
 
     def __post_init__(self) -> None:
         if any(slot.kind is SlotKind.ROUTED for slot in self.slots):
             raise ValueError("routed slots go in routed_slots, not in the token-covering table")
         if any(slot.kind is not SlotKind.ROUTED for slot in self.routed_slots):
             raise ValueError("routed_slots may only hold ROUTED slots")
+        if self.base_slots is not None and not 0 <= self.base_slots <= len(self.slots):
+            raise ValueError("base_slots must lie in 0..len(slots)")
+        if self.state_bytes < 0:
+            raise ValueError("state_bytes must be >= 0")
 
     @property
     def row_width(self) -> int:
@@ -62,6 +75,8 @@ class CacheLayout:
     @property
     def base_width(self) -> int:
         """Columns of the leading dense slots (the same for every request of a model)."""
+        if self.base_slots is not None:
+            return sum(slot.num_heads for slot in self.slots[: self.base_slots])
         width = 0
         for slot in self.slots:
             if slot.kind is not SlotKind.DENSE:
@@ -73,6 +88,16 @@ class CacheLayout:
     def routed_width(self) -> int:
         """Pages per block of selected tokens, summed over the routed slots."""
         return sum(slot.num_heads for slot in self.routed_slots)
+
+    @property
+    def uses_prefix_cache(self) -> bool:
+        """Whether this layout's blocks may be shared through the prefix cache. Not with routed
+        slots (what a step selects depends on the whole prefix) nor with state outside the KV
+        blocks that changes for cached keys (SAOBP per-key bias, PUT conv state): such a sequence
+        neither uses nor feeds the prefix cache, and its forks compute their own copy."""
+        if self.routed_slots or self.state_bytes:
+            return False
+        return not any(slot.kind in (SlotKind.PER_KEY_BIAS, SlotKind.SEQ_STATE) for slot in self.slots)
 
     def columns(self, index: int) -> slice:
         start = sum(slot.num_heads for slot in self.slots[:index])

@@ -83,7 +83,7 @@ class LLMEngine:
 
         page_bytes = ModelRunner.page_bytes(args.block_size, self.model.head_dim, self.dtype)
         num_pages = int(self._kv_cache_bytes() // page_bytes)
-        self.block_manager = BlockManager(num_pages, args.block_size, args.enable_prefix_caching)
+        self.block_manager = BlockManager(num_pages, args.block_size, args.enable_prefix_caching, page_bytes)
         base_layout = self._plan(DepthParams()).layout
         if not self.block_manager.fits_ever(base_layout, self.max_model_len):
             raise CacheCapacityError(
@@ -226,7 +226,7 @@ class LLMEngine:
         """Counters and gauges for metrics and health pages."""
         bm = self.block_manager
         page_bytes = ModelRunner.page_bytes(self.args.block_size, self.model.head_dim, self.dtype)
-        return {
+        stats = {
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "num_preemptions": self.scheduler.num_preemptions,
@@ -236,6 +236,13 @@ class LLMEngine:
             "prefix_cache_queries": bm.prefix_queries,
             "prefix_cache_hits": bm.prefix_hits,
         }
+        if hasattr(self.model, "step_cache_bytes"):
+            # Caches that live only during one step, outside the page pool (Dreamer's per-token
+            # depth cache, SlotKind.TOKEN_DEPTH): held now (0 between steps) and the last step's peak.
+            now, last = self.model.step_cache_bytes()
+            stats["step_cache_bytes_by_kind"] = {kind.value: n for kind, n in now.items()}
+            stats["last_step_cache_bytes_by_kind"] = {kind.value: n for kind, n in last.items()}
+        return stats
 
     # ---- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -84,7 +84,8 @@ class ModelRunner:
             if depth_model:
                 routed = {slot.name: self.block_manager.routed_table(item.seq, slot.name)
                           for slot in item.seq.layout.routed_slots}
-                items.append(BatchItem(item.seq, item.start, item.num_tokens, row, full_table, routed))
+                items.append(BatchItem(item.seq, item.start, item.num_tokens, row, full_table, routed,
+                                       self.block_manager.state_table(item.seq)))
             positions = np.arange(item.start, item.end)
             ids.extend(item.seq.token_ids(item.start, item.end))
             pos_chunks.append(positions)

@@ -26,6 +26,7 @@ class BatchItem:
     row: int  # its first row in the packed batch
     table: np.ndarray  # [blocks, row_width] token-covering page table
     routed: dict[str, tuple[np.ndarray, int]] = field(default_factory=dict)  # name -> (pages, committed length)
+    state: np.ndarray | None = None  # pages holding the sequence's per-sequence state (SEQ_STATE), if any
 
     @property
     def end(self) -> int:

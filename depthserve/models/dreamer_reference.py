@@ -1,0 +1,205 @@
+"""Reference forward of Dreamer (depth-semantics.md section 3), the test oracle.
+
+Plain full-sequence equations in float64: no cache, no paging, no batching, no grouping, and
+nothing of the engine's model code or kernels (it shares only the checkpoint reader of
+depthserve/models/dreamer.py: read_spec, read_weights). For depth index d = 0..depth-1:
+
+    y       = x_d + DA(x_0..x_d) + SA(x_d)
+    y       = y + EA(y)
+    x_{d+1} = RMSNorm_out(y)                   logits = W_lm x_depth
+
+    logits = forward(model_dir, ids, depth=None)
+    logits, decisions = forward(model_dir, ids, depth, return_decisions=True)
+    logits = forward(model_dir, ids, depth, force={("ea", d): int[n, k], ("attn", d): int[n]})
+
+Decisions: {("ea", d): {"choice": int[n, k] (sorted ids), "margin": float[n]},
+            ("attn", d): {"choice": int[n], "margin": float[n]}} where the margin is the gap between
+the k-th and (k+1)-th biased score (logit + b): a choice may flip under rounding only where it is
+small. With `force`, the forced choices replace the rule (teacher forcing) and the gates are
+those of the forced experts.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from depthserve.loading.hf_loader import load_hf_dir
+from depthserve.models.dreamer import P, read_spec, read_weights
+
+NO_MARGIN = float("inf")
+
+
+@functools.lru_cache(maxsize=4)
+def _load(path: str, stamp: int, dtype: torch.dtype):
+    cfg, weights = load_hf_dir(Path(path), progress=False)
+    spec = read_spec(cfg["depth"], cfg)
+    w = {k: v.to(dtype) for k, v in read_weights(cfg, spec, weights, path).items()}
+    return cfg, spec, w
+
+
+def load(model_dir, dtype=torch.float64):
+    path = Path(model_dir)
+    stamp = max(os.stat(f).st_mtime_ns for f in [path / "config.json", *path.glob("*.safetensors")])
+    return _load(str(path.resolve()), stamp, dtype)
+
+
+def rms_norm(x, weight, eps):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def rotate(x, angle):
+    """Half-split rotary embedding of x [..., dim] by angles [..., dim/2] (broadcast)."""
+    half = x.shape[-1] // 2
+    cos, sin = angle.cos(), angle.sin()
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def inv_freq(dim: int, theta: float) -> torch.Tensor:
+    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+
+
+def depth_angle(dim: int, d: int, D: int, theta: float, mode: str) -> torch.Tensor:
+    """Angles of depth index d: every pair at d ("depth"); "reversed_half": pairs in the second
+    half of the frequency pairs at D - 1 - d."""
+    pos = torch.full((dim // 2,), float(d), dtype=torch.float64)
+    if mode == "reversed_half":
+        pos[dim // 4:] = float(D - 1 - d)
+    return pos * inv_freq(dim, theta)
+
+
+def router_logits(w, name: str, h, d: int, spec) -> torch.Tensor:
+    """logit_e = RoPE_d(W_q h) . k_e / sqrt(r) (keys unrotated). [n, experts]"""
+    r = spec.expert_rank
+    q = h @ w[P + f"{name}.router.query.weight"].T
+    q = rotate(q, depth_angle(r, d, spec.depth, spec.router_rope_theta, "depth").to(q.dtype))
+    return q @ w[P + f"{name}.router.keys"].T / math.sqrt(r)
+
+
+def choose(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, np.ndarray]:
+    """Top-k ids of the biased scores (sorted ids) and the margin between the k-th and (k+1)-th."""
+    ordered = scores.sort(dim=-1, descending=True)
+    ids = ordered.indices[:, :k].sort(dim=-1).values
+    if scores.shape[-1] > k:
+        margin = (ordered.values[:, k - 1] - ordered.values[:, k]).double().numpy()
+    else:
+        margin = np.full(scores.shape[0], NO_MARGIN)
+    return ids, margin
+
+
+def _knob_depth(depth: Any, D: int) -> int:
+    if depth is None:
+        return D
+    value = depth.get("depth") if isinstance(depth, dict) else getattr(depth, "depth", None)
+    if value is None:
+        return D
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= D:
+        raise ValueError(f"depth must be an integer in 1..{D}, got {value!r}")
+    return value
+
+
+@torch.no_grad()
+def forward(model_dir, token_ids, depth=None, *, return_decisions: bool = False, force: dict | None = None,
+            dtype: torch.dtype = torch.float64):
+    cfg, spec, w = load(model_dir, dtype)
+    D = spec.depth
+    depth = _knob_depth(depth, D)
+    force = force or {}
+    ids = torch.as_tensor(list(token_ids), dtype=torch.long)
+    n = len(ids)
+    dm = cfg["hidden_size"]
+    H = cfg["num_attention_heads"]
+    H_kv = cfg.get("num_key_value_heads", H)
+    hd = cfg.get("head_dim") or dm // H
+    eps = float(cfg.get("rms_norm_eps", 1e-5))
+    theta = float(cfg.get("rope_theta", 10000.0))
+    positions = torch.arange(n, dtype=torch.float64)
+    pos_angle = (positions[:, None] * inv_freq(hd, theta)[None, :]).to(dtype)  # [n, hd/2]
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    dh = spec.da_head_dim
+    decisions: dict = {}
+
+    x = w["model.embed_tokens.weight"][ids]
+    states = [x]  # x_0 .. x_d of every token
+    for d in range(depth):
+        # ---- DA: each token over its own states x_0..x_d (one or more heads), RoPE over depth ----
+        h_da = rms_norm(x, w[P + "da_norm.weight"], eps)
+        q = (h_da @ w[P + "da.q_proj.weight"].T).view(n, spec.da_heads, dh)
+        q = rotate(q, depth_angle(dh, d, D, spec.da_rope_theta, spec.da_rope).to(dtype))
+        keys, values = [], []
+        for j, s in enumerate(states):
+            hj = rms_norm(s, w[P + "da_norm.weight"], eps)
+            kj = (hj @ w[P + "da.k_proj.weight"].T).view(n, spec.da_heads, dh)
+            keys.append(rotate(kj, depth_angle(dh, j, D, spec.da_rope_theta, spec.da_rope).to(dtype)))
+            values.append((hj @ w[P + "da.v_proj.weight"].T).view(n, spec.da_heads, dh))
+        K, Vd = torch.stack(keys, 2), torch.stack(values, 2)  # [n, heads, d+1, dh]
+        p = torch.softmax(torch.einsum("nhc,nhjc->nhj", q, K) / math.sqrt(dh), dim=-1)
+        da = torch.einsum("nhj,nhjc->nhc", p, Vd).reshape(n, spec.da_dim) @ w[P + "da.o_proj.weight"].T
+
+        # ---- SA: causal over tokens, QK-norm then RoPE over positions; projections maybe top-1 experts ----
+        h = rms_norm(x, w[P + "sa_norm.weight"], eps)
+        if spec.attn_experts:
+            logits = router_logits(w, "sa", h, d, spec)
+            chosen, margin = choose(logits + w[P + "sa.router.bias"], 1)
+            chosen = chosen[:, 0]
+            if ("attn", d) in force:
+                chosen = torch.as_tensor(np.asarray(force[("attn", d)]), dtype=torch.long)
+            decisions[("attn", d)] = {"choice": chosen.numpy().copy(), "margin": margin}
+            sigma = torch.sigmoid(logits.gather(1, chosen[:, None]))  # [n, 1]
+
+            def project(inp, name):  # Eq. 7 at inference: sigma x W_e + sigma x W_shared
+                we = w[P + f"sa.experts.{name}_proj.weight"][chosen]  # [n, out, in]
+                return sigma * torch.einsum("ni,noi->no", inp, we) + sigma * (
+                    inp @ w[P + f"sa.shared_expert.{name}_proj.weight"].T)
+        else:
+            def project(inp, name):
+                return inp @ w[P + f"sa.{name}_proj.weight"].T
+        q = project(h, "q").view(n, H, hd).transpose(0, 1)  # [H, n, hd]
+        k = project(h, "k").view(n, H_kv, hd).transpose(0, 1)
+        v = project(h, "v").view(n, H_kv, hd).transpose(0, 1)
+        q = rotate(rms_norm(q, w[P + "sa.q_norm.weight"], spec.qk_norm_eps), pos_angle)
+        k = rotate(rms_norm(k, w[P + "sa.k_norm.weight"], spec.qk_norm_eps), pos_angle)
+        group = H // H_kv
+        k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
+        scores = (q @ k.transpose(-1, -2)) / math.sqrt(hd)
+        attn = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1) @ v  # [H, n, hd]
+        sa = project(attn.transpose(0, 1).reshape(n, H * hd), "o")
+
+        y = x + da + sa
+
+        # ---- EA: sigmoid-gated top-k of SwiGLU experts, top-k on logit + b ----
+        h = rms_norm(y, w[P + "ea_norm.weight"], eps)
+        logits = router_logits(w, "ea", h, d, spec)
+        top, margin = choose(logits + w[P + "ea.router.bias"], spec.top_k)
+        if ("ea", d) in force:
+            top = torch.as_tensor(np.asarray(force[("ea", d)]), dtype=torch.long).sort(dim=-1).values
+        decisions[("ea", d)] = {"choice": top.numpy().copy(), "margin": margin}
+        gates = torch.sigmoid(logits.gather(1, top))
+        weights = gates / gates.sum(-1, keepdim=True)
+        ea = torch.zeros_like(y)
+        for slot in range(spec.top_k):
+            for e in top[:, slot].unique().tolist():
+                mask = top[:, slot] == e
+                he = h[mask]
+                gate = he @ w[P + "ea.experts.gate_proj.weight"][e].T
+                up = he @ w[P + "ea.experts.up_proj.weight"][e].T
+                out = (torch.nn.functional.silu(gate) * up) @ w[P + "ea.experts.down_proj.weight"][e].T
+                ea[mask] += weights[mask, slot, None] * out
+        x = rms_norm(y + ea, w[P + "out_norm.weight"], eps)
+        states.append(x)
+
+    head = w.get("lm_head.weight") if not cfg.get("tie_word_embeddings", False) else None
+    logits = x @ (w["model.embed_tokens.weight"] if head is None else head).T
+    return (logits, decisions) if return_decisions else logits
+
+
+def config_of(model_dir) -> dict:
+    return json.loads((Path(model_dir) / "config.json").read_text())
