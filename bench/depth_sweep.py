@@ -1,5 +1,5 @@
-"""Depth sweep: decode step time of SGT and ITT checkpoints against their depth knobs, next to
-the compute those settings predict.
+"""Depth sweep: decode step time of SGT, ITT, Dreamer and PUT checkpoints against their depth
+knobs, next to the compute those settings predict.
 
     python bench/depth_sweep.py --quick                 # a fast smoke version (make bench)
     python bench/depth_sweep.py --threads 2             # the full sweep on CPU
@@ -9,6 +9,8 @@ Checkpoints: random weights with SmolLM2-135M's shapes (`depthserve.tiny.make_ti
 like="smollm2-135m-instruct")`), built once into --checkpoint-dir and reused:
     SGT  trained loops=1 on heads 0,1 (one KV group) of 3 layers (10, 15, 20), loops knob 0..max_loops
     ITT  every other layer (1, 3, ..., 29) with T=3 extra steps, calibrated on synthetic streams
+    Dreamer  one shared block, trained depth D=4 (32 experts, top-2; depth attention d=64), depth knob 1..D
+    PUT  3 prefix, 8 core, 3 suffix layers, T=3 core passes, conv kernel 2, loops knob 1..T
 
 Method: for each depth setting, `--concurrency` requests of `--input-len` random tokens (greedy,
 EOS ignored, prefix caching off) are added to the engine and stepped until every request has its
@@ -20,12 +22,13 @@ Predicted compute: the mean `relative_compute` of the requests' depth reports (F
 setting / FLOPs of the plain model over the same tokens; depthserve/models/flops.py).
 
 Derived figures (extra-step time = step time - the step time with the extra depth off, i.e.
-thinking_steps=0 for ITT and loops=0 for SGT):
+thinking_steps=0 for ITT, loops=0 for SGT, depth=1 for Dreamer, loops=1 for PUT; predicted extra
+share = relative compute of the setting / that of the baseline - 1):
     ITT (a) extra time per selected token-step at ratio 0.5 / the same at ratio 1.0     goal <= 1.3
     ITT (b) extra time at ratio 1.0 / the time of as many plain layer passes          goal <= 1.3
             (a plain layer pass: the thinking_steps=0 step time / number of layers; also given with
             the LM head's FLOP share taken out first, which makes a layer pass cheaper and (b) larger)
-    SGT     extra time as a share of the loops=0 step, next to the predicted share relative_compute - 1
+    SGT, Dreamer, PUT  extra time as a share of the baseline step, next to the predicted extra share
 """
 
 from __future__ import annotations
@@ -46,12 +49,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 LIKE = "smollm2-135m-instruct"
+ARCHS = ("sgt", "itt", "dreamer", "put")
 DEFAULT_CHECKPOINT_DIR = Path.home() / ".cache" / "depthserve" / "bench-checkpoints"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--archs", default="sgt,itt", help="which checkpoints to sweep")
+    p.add_argument("--archs", default=",".join(ARCHS), help="which checkpoints to sweep (of sgt, itt, dreamer, put)")
     p.add_argument("--checkpoint-dir", type=Path, default=DEFAULT_CHECKPOINT_DIR, help="where the checkpoints are built and kept")
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--input-len", type=int, default=128)
@@ -79,13 +83,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 # ---- checkpoints ----------------------------------------------------------------------------------
 def checkpoint_options(arch: str, ns: argparse.Namespace, num_layers: int) -> dict[str, Any]:
-    """make_tiny keyword arguments of the benchmark's SGT or ITT checkpoint."""
+    """make_tiny keyword arguments of the benchmark's checkpoint (Dreamer and PUT: the --like layout)."""
     from depthserve.tiny import every_other_layer
 
     if arch == "sgt":
         return {"sgt_layers": [int(x) for x in ns.sgt_layers.split(",")], "sgt_heads": ns.sgt_heads,
                 "sgt_loops": ns.sgt_loops}
-    return {"itt_layers": every_other_layer(num_layers, "odd"), "itt_steps": ns.itt_steps}
+    if arch == "itt":
+        return {"itt_layers": every_other_layer(num_layers, "odd"), "itt_steps": ns.itt_steps}
+    return {}
 
 
 def ensure_checkpoint(arch: str, ns: argparse.Namespace) -> Path:
@@ -119,6 +125,11 @@ def sgt_settings(max_loops: int, loops: str | None) -> list[Setting]:
     counts = list(range(max_loops + 1)) if loops is None else [int(x) for x in loops.split(",")]
     counts = [0] + [k for k in counts if k != 0]  # loops=0, the baseline, first
     return [Setting(f"loops={k}", {"loops": k}, is_baseline=(k == 0)) for k in counts]
+
+
+def range_settings(knob: str, minimum: int, maximum: int) -> list[Setting]:
+    """Every value of an integer knob, its minimum (the baseline) first: Dreamer depth, PUT loops."""
+    return [Setting(f"{knob}={k}", {knob: k}, is_baseline=(k == minimum)) for k in range(minimum, maximum + 1)]
 
 
 def itt_settings(steps: int, ratios: str) -> list[Setting]:
@@ -162,8 +173,10 @@ def measure_setting(llm, setting: Setting, prompts: list[list[int]], ns: argpars
             if [b + 1 for b in before] != tokens():
                 raise RuntimeError(f"{setting.name}: a timed step did not decode one token for every request")
     finally:
-        for request_id in ids:
-            engine.abort_request(request_id)
+        for request_id in ids:  # the abort's output carries the request's depth report
+            aborted = engine.abort_request(request_id)
+            if aborted is not None:
+                latest[request_id] = aborted
     reports = [latest[r].depth or {} for r in ids]
     step_ms = 1000 * statistics.median(samples)
     row = {
@@ -213,8 +226,11 @@ def sweep_checkpoint(arch: str, ns: argparse.Namespace) -> dict[str, Any]:
     model = engine.model
     if arch == "sgt":
         settings = sgt_settings(int(model.depth_knobs()["loops"].maximum), ns.loops)
-    else:
+    elif arch == "itt":
         settings = itt_settings(model.spec.steps, ns.ratios)
+    else:
+        (name, knob), = model.depth_knobs().items()
+        settings = range_settings(name, int(knob.minimum), int(knob.maximum))
     prompts = common.random_prompts(ns.concurrency, ns.input_len, engine.vocab_size, ns.seed)
     measure_setting(llm, settings[0], prompts, ns, sync)  # warm-up (allocations, kernel choice)
     rounds: list[list[dict]] = []
@@ -229,7 +245,7 @@ def sweep_checkpoint(arch: str, ns: argparse.Namespace) -> dict[str, Any]:
         "arch": arch,
         "checkpoint": str(path),
         "depth_spec": json.loads((path / "config.json").read_text())["depth"],
-        "num_layers": cfg.num_layers,
+        "num_layers": getattr(cfg, "num_layers", None),
         "device": str(engine.device),
         "dtype": str(engine.dtype).replace("torch.", ""),
         "rows": rows,
@@ -270,8 +286,8 @@ def derive(arch: str, rows: list[dict], cfg, model, concurrency: int) -> dict[st
     for row in rows:
         row["extra_step_ms"] = row["step_ms"] - baseline["step_ms"]
         row["measured_extra_share"] = row["extra_step_ms"] / baseline["step_ms"]
-        row["predicted_extra_share"] = row["relative_compute"] - 1.0
-    if arch == "sgt":
+        row["predicted_extra_share"] = row["relative_compute"] / baseline["relative_compute"] - 1.0
+    if arch != "itt":
         return {
             "baseline": baseline["setting"],
             "extra_share_measured_vs_predicted": {
@@ -321,8 +337,8 @@ def main(argv: list[str] | None = None) -> int:
     if ns.threads:
         torch.set_num_threads(ns.threads)
     archs = [a.strip() for a in ns.archs.split(",") if a.strip()]
-    if not set(archs) <= {"sgt", "itt"}:
-        raise SystemExit(f"--archs takes sgt and/or itt, got {ns.archs!r}")
+    if not archs or not set(archs) <= set(ARCHS):
+        raise SystemExit(f"--archs takes some of {', '.join(ARCHS)}, got {ns.archs!r}")
     sweeps = [sweep_checkpoint(arch, ns) for arch in archs]
     device = sweeps[0]["device"]
     payload = {
@@ -340,10 +356,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def format_derived(sweep: dict[str, Any]) -> str:
     derived = sweep["derived"]
-    if sweep["arch"] == "sgt":
+    if sweep["arch"] != "itt":
         parts = [f"{name}: measured {v['measured']:+.3f} vs predicted {v['predicted']:+.3f}"
                  for name, v in derived["extra_share_measured_vs_predicted"].items()]
-        return "sgt extra time / loops=0 step: " + "; ".join(parts)
+        return f"{sweep['arch']} extra time / {derived['baseline']} step: " + "; ".join(parts)
     figures = {key: derived[key] for key in ("a_per_selected_ratio_0.5_vs_1.0", "b_extra_at_1.0_vs_plain_layer_passes",
                                              "b_extra_at_1.0_vs_plain_layer_passes_flop_adjusted") if key in derived}
     return "itt (goal <= 1.3): " + ", ".join(f"{k} {v:.2f}" for k, v in figures.items())

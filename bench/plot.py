@@ -125,6 +125,14 @@ def depth_layout(spec: dict[str, Any]) -> str:
     if spec.get("architecture") == "itt":
         body = spec["itt"]
         return f"ITT on {len(body['layers'])} layers, T={body['steps']} steps, trained ratios {body['trained_ratios']}"
+    if spec.get("architecture") == "dreamer":
+        body = spec["dreamer"]
+        return (f"Dreamer, trained depth {body['depth']}, {body['num_experts']} experts top-{body['top_k']}, "
+                f"depth attention d={body['da_dim']}")
+    if spec.get("architecture") == "put":
+        body = spec["put"]
+        return (f"PUT, {body['n_prefix']} prefix + {body['n_core']} core x T={body['T']} + {body['n_suffix']} "
+                f"suffix layers, conv kernel {body['conv_kernel']}")
     return spec.get("architecture", "?")
 
 
@@ -146,7 +154,7 @@ def plot_step_times(ax, rows: list[dict[str, Any]]) -> None:
     base_ms = baseline["step_ms"]
     x = list(range(len(rows)))
     measured = [row["step_ms"] for row in rows]
-    predicted = [base_ms * row["relative_compute"] for row in rows]
+    predicted = [base_ms * row["relative_compute"] / baseline["relative_compute"] for row in rows]
     ax.plot(x, measured, "o-", label="measured decode step time")
     ax.plot(x, predicted, "s--", label=f"predicted: {baseline['setting']} step time x relative compute")
     ax.set_xticks(x, [row["setting"] for row in rows], rotation=20)
@@ -168,9 +176,9 @@ def plot_extra_shares(ax, rows: list[dict[str, Any]]) -> None:
     x = list(range(len(extra)))
     width = 0.38
     measured = [100 * (row["step_ms"] / baseline["step_ms"] - 1) for row in extra]
-    predicted = [100 * (row["relative_compute"] - 1) for row in extra]
+    predicted = [100 * (row["relative_compute"] / baseline["relative_compute"] - 1) for row in extra]
     ax.bar([i - width / 2 for i in x], measured, width, label="measured extra step time")
-    ax.bar([i + width / 2 for i in x], predicted, width, label="predicted extra compute (relative_compute - 1)")
+    ax.bar([i + width / 2 for i in x], predicted, width, label="predicted extra compute (relative compute / baseline's - 1)")
     ax.axhline(0, color="black", linewidth=0.8)
     ax.set_xticks(x, [row["setting"] for row in extra], rotation=20)
     ax.set_xlabel("depth setting")

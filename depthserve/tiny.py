@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -121,21 +121,31 @@ def _itt_spec(num_layers: int, layers: Sequence[int] | None = None, steps: int |
     return ITTSpec(layers=layers, steps=steps, alphas=alphas, trained_ratios=ratios, skip_rule="paper")
 
 
-def random_weights(cfg: dict[str, Any], spec, gen: torch.Generator) -> dict[str, torch.Tensor]:
+def normal_sampler(gen: torch.Generator) -> Callable[..., torch.Tensor]:
+    """normal(*shape, std=1.0): contiguous Gaussian draws from `gen`."""
     import torch
 
+    def normal(*shape: int, std: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * std).contiguous()
+
+    return normal
+
+
+def llama_weights(cfg: dict[str, Any], gen: torch.Generator, layer_prefixes: Sequence[str] | None = None
+                  ) -> dict[str, torch.Tensor]:
+    """Random Llama weights (embeddings, final norm, untied head, and the layers under
+    `layer_prefixes`, default model.layers.0..L-1), scaled so that output distributions are peaked."""
     d, ffn, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     H, H_kv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
-
-    def normal(*shape, std=1.0):
-        return (torch.randn(*shape, generator=gen) * std).contiguous()
+    normal = normal_sampler(gen)
 
     w = {"model.embed_tokens.weight": normal(V, d, std=EMBED_STD),
          "model.norm.weight": 1 + normal(d, std=0.1)}
     if not cfg["tie_word_embeddings"]:
         w["lm_head.weight"] = normal(V, d, std=LOGIT_STD / d**0.5)  # peaked output distributions
-    for i in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{i}."
+    if layer_prefixes is None:
+        layer_prefixes = [f"model.layers.{i}." for i in range(cfg["num_hidden_layers"])]
+    for p in layer_prefixes:
         w[p + "self_attn.q_proj.weight"] = normal(H * hd, d, std=QK_STD / d**0.5)
         w[p + "self_attn.k_proj.weight"] = normal(H_kv * hd, d, std=QK_STD / d**0.5)
         w[p + "self_attn.v_proj.weight"] = normal(H_kv * hd, d, std=1.0 / d**0.5)
@@ -145,6 +155,17 @@ def random_weights(cfg: dict[str, Any], spec, gen: torch.Generator) -> dict[str,
         w[p + "mlp.down_proj.weight"] = normal(d, ffn, std=1.0 / ffn**0.5)
         w[p + "input_layernorm.weight"] = 1 + normal(d, std=0.1)
         w[p + "post_attention_layernorm.weight"] = 1 + normal(d, std=0.1)
+    return w
+
+
+def random_weights(cfg: dict[str, Any], spec, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """llama_weights plus the ITT routers and step encodings where `spec` is ITT."""
+    import torch
+
+    d = cfg["hidden_size"]
+    normal = normal_sampler(gen)
+
+    w = llama_weights(cfg, gen)
     if isinstance(spec, ITTSpec):
         T = spec.steps
         for layer in spec.layers:

@@ -70,14 +70,18 @@ class LlamaAttention(nn.Module):
         self.scale = cfg.head_dim**-0.5
         self.slot = slot
 
-    def forward(self, x, cos, sin, pool: KVPool, meta: AttentionMetadata, columns: slice) -> torch.Tensor:
+    def qkv(self, x, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries [n, H, hd] and keys [n, H_kv, hd] with RoPE applied, values [n, H_kv, hd]."""
         n = x.shape[0]
         qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         qk = apply_rope(qk.reshape(n, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        v = v.view(n, self.num_kv_heads, self.head_dim)
+        return q, k, v.view(n, self.num_kv_heads, self.head_dim)
+
+    def forward(self, x, cos, sin, pool: KVPool, meta: AttentionMetadata, columns: slice) -> torch.Tensor:
+        q, k, v = self.qkv(x, cos, sin)
         out = paged_attention(q, k, v, pool, meta, columns, self.scale)
-        return self.o_proj(out.reshape(n, self.q_size))
+        return self.o_proj(out.reshape(x.shape[0], self.q_size))
 
 
 class LlamaMLP(nn.Module):

@@ -37,7 +37,7 @@ from depthserve.depth import DepthParams, KnobSpec
 from depthserve.engine.cache_spec import CacheLayout, SlotKind, SlotSpec
 from depthserve.layers.attention import AttentionMetadata, KVPool, paged_attention
 from depthserve.layers.norm import RMSNorm
-from depthserve.layers.rotary import apply_rope, rope_tables
+from depthserve.layers.rotary import rope_tables
 from depthserve.loading.checkpoint import FORMAT_VERSION, CheckpointFormatError
 from depthserve.models.flops import attention_flops, layer_weight_flops, plain_flops
 from depthserve.models.llama import LlamaAttention, LlamaConfig, LlamaDecoderLayer
@@ -132,8 +132,8 @@ def make_tiny(out: Path, seed: int = 0, like: str | None = None, num_kv_heads: i
               **layout: int) -> Path:
     """A random PUT checkpoint: TINY shapes (or `like`'s) with TINY_LAYOUT (or LIKE_LAYOUT[like]);
     `layout` overrides any of n_prefix, n_core, n_suffix, steps, conv_kernel."""
-    from depthserve.tiny import EMBED_STD, LOGIT_STD, QK_STD, base_config, load_default_tokenizer, model_shapes, \
-        write_checkpoint
+    from depthserve.tiny import (base_config, llama_weights, load_default_tokenizer, model_shapes, normal_sampler,
+                                 write_checkpoint)
 
     if like and like not in LIKE_LAYOUT:
         raise ValueError(f"--like must be one of {sorted(LIKE_LAYOUT)}")
@@ -144,25 +144,10 @@ def make_tiny(out: Path, seed: int = 0, like: str | None = None, num_kv_heads: i
     cfg = base_config(tokenizer, shapes, tied=bool(like))
     cfg.update(architectures=["PUTForCausalLM"], model_type="put", depth=spec.to_section())
     gen = torch.Generator().manual_seed(seed)
-    d, ffn, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
-    H, H_kv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    ffn = cfg["intermediate_size"]
+    normal = normal_sampler(gen)
 
-    def normal(*shape, std=1.0):
-        return (torch.randn(*shape, generator=gen) * std).contiguous()
-
-    w = {"model.embed_tokens.weight": normal(V, d, std=EMBED_STD), "model.norm.weight": 1 + normal(d, std=0.1)}
-    if not cfg["tie_word_embeddings"]:
-        w["lm_head.weight"] = normal(V, d, std=LOGIT_STD / d**0.5)  # peaked output distributions
-    for p in layer_prefixes(spec):
-        w[p + "self_attn.q_proj.weight"] = normal(H * hd, d, std=QK_STD / d**0.5)
-        w[p + "self_attn.k_proj.weight"] = normal(H_kv * hd, d, std=QK_STD / d**0.5)
-        w[p + "self_attn.v_proj.weight"] = normal(H_kv * hd, d, std=1.0 / d**0.5)
-        w[p + "self_attn.o_proj.weight"] = normal(d, H * hd, std=1.0 / (H * hd) ** 0.5)
-        w[p + "mlp.gate_proj.weight"] = normal(ffn, d, std=1.0 / d**0.5)
-        w[p + "mlp.up_proj.weight"] = normal(ffn, d, std=1.0 / d**0.5)
-        w[p + "mlp.down_proj.weight"] = normal(d, ffn, std=1.0 / ffn**0.5)
-        w[p + "input_layernorm.weight"] = 1 + normal(d, std=0.1)
-        w[p + "post_attention_layernorm.weight"] = 1 + normal(d, std=0.1)
+    w = llama_weights(cfg, gen, layer_prefixes(spec))
     for j in range(spec.n_core):
         w[step_embedding(j)] = normal(spec.steps, ffn, std=STEP_EMBED_STD)
         w[conv_weight(j)] = normal(spec.conv_kernel, ffn, std=CONV_STD)
@@ -197,12 +182,8 @@ class PUTAttention(LlamaAttention):
     """Core attention: Ô = SiLU(O) ⊙ O on every head's output before W_O (Eq. 7)."""
 
     def forward(self, x, cos, sin, pool: KVPool, meta: AttentionMetadata, columns: slice) -> torch.Tensor:
-        n = x.shape[0]
-        qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-        qk = apply_rope(qk.reshape(n, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        v = v.view(n, self.num_kv_heads, self.head_dim)
-        out = paged_attention(q, k, v, pool, meta, columns, self.scale).reshape(n, self.q_size)
+        q, k, v = self.qkv(x, cos, sin)
+        out = paged_attention(q, k, v, pool, meta, columns, self.scale).reshape(x.shape[0], self.q_size)
         return self.o_proj(F.silu(out) * out)
 
 

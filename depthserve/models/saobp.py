@@ -44,7 +44,7 @@ from depthserve.engine.cache_spec import CacheLayout, SlotKind, SlotSpec
 from depthserve.errors import InvalidDepthError
 from depthserve.kernels import ops
 from depthserve.layers.attention import AttentionMetadata, KVPool
-from depthserve.layers.rotary import apply_rope, rope_tables
+from depthserve.layers.rotary import rope_tables
 from depthserve.loading.checkpoint import FORMAT_VERSION, CheckpointFormatError
 from depthserve.models.llama import LlamaAttention, LlamaConfig, LlamaDecoderLayer, LlamaForCausalLM
 
@@ -241,10 +241,7 @@ class SAOBPAttention(LlamaAttention):
     def forward(self, x, cos, sin, pool: KVPool, meta: AttentionMetadata, columns: slice,
                 bias: BiasTables, heads: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         n = x.shape[0]
-        qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-        qk = apply_rope(qk.reshape(n, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        v = v.view(n, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv(x, cos, sin)
         ops.store_kv(k, v, pool.k_pages, pool.v_pages, meta.slot_index[:, columns])
         out = torch.empty_like(q)
         column, sub = heads
