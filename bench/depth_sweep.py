@@ -50,6 +50,7 @@ import common  # noqa: E402
 
 LIKE = "smollm2-135m-instruct"
 ARCHS = ("sgt", "itt", "dreamer", "put")
+STEP_TOKEN_BUDGET = 1024  # max_num_batched_tokens
 DEFAULT_CHECKPOINT_DIR = Path.home() / ".cache" / "depthserve" / "bench-checkpoints"
 
 
@@ -139,12 +140,20 @@ def itt_settings(steps: int, ratios: str) -> list[Setting]:
     return settings
 
 
+def max_new_tokens(ns: argparse.Namespace) -> int:
+    """Tokens a request may generate: its first token comes up to one prefill phase after the first
+    request's (chunked prefill under the step budget, the early requests decoding meanwhile), and
+    every request must still be decoding through the warm-up and timed steps."""
+    prefill_steps = -(-ns.concurrency * ns.input_len // (STEP_TOKEN_BUDGET - ns.concurrency)) + 1
+    return prefill_steps + ns.warmup_steps + ns.decode_steps + 2
+
+
 def measure_setting(llm, setting: Setting, prompts: list[list[int]], ns: argparse.Namespace, sync) -> dict[str, Any]:
     """Prefill every request, then time decode steps one by one (see the module docstring)."""
     from depthserve import DepthParams, SamplingParams
 
     engine = llm.engine
-    params = SamplingParams(temperature=0.0, max_tokens=ns.warmup_steps + ns.decode_steps + 2, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens(ns), ignore_eos=True)
     depth = DepthParams(**setting.knobs)
     ids = [f"{setting.name}-{i}" for i in range(len(prompts))]
     for request_id, prompt in zip(ids, prompts):
@@ -220,7 +229,8 @@ def sweep_checkpoint(arch: str, ns: argparse.Namespace) -> dict[str, Any]:
     path = ensure_checkpoint(arch, ns)
     llm = LLM(str(path), dtype=ns.dtype, device=ns.device, num_threads=ns.threads, max_num_seqs=ns.concurrency,
               enable_prefix_caching=False, kv_cache_memory_gib=ns.kv_cache_memory_gib,
-              max_model_len=ns.input_len + ns.warmup_steps + ns.decode_steps + 16, load_progress=False)
+              max_num_batched_tokens=STEP_TOKEN_BUDGET, max_model_len=ns.input_len + max_new_tokens(ns) + 16,
+              load_progress=False)
     engine = llm.engine
     sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
     model = engine.model

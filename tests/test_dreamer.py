@@ -23,6 +23,7 @@ from depthserve.errors import InvalidDepthError
 from depthserve.loading.checkpoint import CheckpointFormatError, depth_section, read_depth_spec
 from depthserve.models import dreamer
 from depthserve.tiny import make_tiny, synthetic_streams
+from tests.depth_helpers import check_logprobs, depth_params, tiny_llm
 
 TOL = 1e-4
 DELTA = 1e-4
@@ -53,16 +54,6 @@ def _prompts() -> list[list[int]]:
     return prompts
 
 
-def _depth(d) -> DepthParams:
-    return DepthParams.from_dict(d) if d is not None else DepthParams()
-
-
-def _llm(path, pages: int | None = None, max_model_len: int = 192, **kwargs) -> LLM:
-    gib = None if pages is None else pages * ModelRunner.page_bytes(8, 16, torch.float32) / (1 << 30)
-    return LLM(str(path), device="cpu", dtype="float32", load_progress=False, max_model_len=max_model_len,
-               block_size=8, kv_cache_memory_gib=gib, **kwargs)
-
-
 def check_against_reference(path, prompts, depths, outputs) -> dict:
     stats = {"tokens": 0, "decisions": 0, "within_delta": 0, "max_err": 0.0}
     for prompt, depth, out in zip(prompts, depths, outputs):
@@ -90,20 +81,8 @@ def check_against_reference(path, prompts, depths, outputs) -> dict:
             assert not len(bad), f"{kind} at depth {d}: choices differ at {bad} (margins {ref['margin'][bad]})"
             force[(kind, d)] = mine
         logprobs = torch.log_softmax(reference.forward(path, tokens, depth, force=force), dim=-1)
-        for i, (token, entry) in enumerate(zip(out.token_ids, out.logprobs)):
-            row = logprobs[len(prompt) - 1 + i]
-            for alt, lp in entry.items():
-                err = abs(float(row[alt]) - lp.logprob)
-                stats["max_err"] = max(stats["max_err"], err)
-                assert err < TOL, f"token {i}: logprob of {alt} differs by {err:.2e}"
-            if int(row.argmax()) != token:
-                assert float(row.max() - row[token]) < NEAR_TIE, f"greedy token {i} is not the reference argmax"
-        for position, entry in enumerate(out.prompt_logprobs or []):
-            for alt, lp in (entry or {}).items():
-                err = abs(float(logprobs[position - 1, alt]) - lp.logprob)
-                stats["max_err"] = max(stats["max_err"], err)
-                assert err < TOL, f"prompt position {position}: logprob of {alt} differs by {err:.2e}"
-        stats["tokens"] += len(out.token_ids)
+        check_logprobs(logprobs, len(prompt), out.outputs[0], stats, tol=TOL, near_tie=NEAR_TIE,
+                       prompt_logprobs=out.prompt_logprobs)
     return stats
 
 
@@ -111,15 +90,15 @@ def check_against_reference(path, prompts, depths, outputs) -> dict:
 def test_mixed_depth_batch_equals_reference(ckpts, name):
     path = ckpts[name]
     prompts = _prompts()
-    depths = [_depth(d) for d in DEPTHS]
+    depths = [depth_params(d) for d in DEPTHS]
     per_request = [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2,
                                   prompt_logprobs=1 if i % 4 == 2 else None) for i in range(len(prompts))]
-    probe = _llm(path)
+    probe = tiny_llm(path)
     bm, model = probe.engine.block_manager, probe.engine.model
     need = [bm.pages_for(model.cache_layout(d), len(p) + 10) for p, d in zip(prompts, depths)]
     pages = max(need) + 4
     assert sum(need) > 3 * pages
-    llm = _llm(path, pages=pages, max_model_len=112, max_num_batched_tokens=32)
+    llm = tiny_llm(path, pages=pages, max_model_len=112, max_num_batched_tokens=32)
     llm.engine.record_routing = True
     outputs = llm.generate(prompts, per_request, depths)
     engine = llm.engine
@@ -143,7 +122,7 @@ def test_mixed_depth_batch_equals_reference(ckpts, name):
 
 def test_depth_cache_is_per_token_constant_size_and_released(ckpts):
     path = ckpts["experts-reversed"]
-    llm = _llm(path, max_num_batched_tokens=24)
+    llm = tiny_llm(path, max_num_batched_tokens=24)
     engine, model = llm.engine, llm.engine.model
     spec = model.spec
     per_token = D * 2 * spec.da_dim  # the bound: tokens x D x 2 x d_DA values
@@ -214,7 +193,7 @@ _LLMS: dict[str, LLM] = {}
 
 def _invalid_llm(ckpts) -> LLM:
     if "x" not in _LLMS:
-        _LLMS["x"] = _llm(ckpts["dense-depthrope"])
+        _LLMS["x"] = tiny_llm(ckpts["dense-depthrope"])
     return _LLMS["x"]
 
 

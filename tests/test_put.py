@@ -23,6 +23,7 @@ from depthserve.errors import InvalidDepthError
 from depthserve.loading.checkpoint import CheckpointFormatError, read_depth_spec
 from depthserve.models import put, put_reference
 from depthserve.tiny import make_tiny, synthetic_streams
+from tests.depth_helpers import check_logprobs, depth_params, tiny_llm
 
 TOL = 1e-4
 NEAR_TIE = 1e-4
@@ -53,29 +54,9 @@ def _prompts() -> list[list[int]]:
     return prompts
 
 
-def _depth(d):
-    return DepthParams.from_dict(d) if d is not None else DepthParams()
-
-
-def _llm(path, pages: int | None = None, max_model_len: int = 160, **kwargs) -> LLM:
-    page_bytes = ModelRunner.page_bytes(8, 16, torch.float32)
-    gib = None if pages is None else pages * page_bytes / (1 << 30)
-    return LLM(str(path), device="cpu", dtype="float32", load_progress=False, max_model_len=max_model_len,
-               block_size=8, kv_cache_memory_gib=gib, **kwargs)
-
-
 def _check(path, prompt, depth, out, stats):
-    tokens = prompt + out.token_ids[:-1]
-    logprobs = torch.log_softmax(reference.forward(path, tokens, depth), dim=-1)
-    for i, (token, entry) in enumerate(zip(out.token_ids, out.logprobs)):
-        row = logprobs[len(prompt) - 1 + i]
-        for alt, lp in entry.items():
-            err = abs(float(row[alt]) - lp.logprob)
-            stats["max_err"] = max(stats["max_err"], err)
-            assert err < TOL, f"token {i}: logprob of {alt} differs by {err:.2e}"
-        if int(row.argmax()) != token:
-            assert float(row.max() - row[token]) < NEAR_TIE, f"greedy token {i} is not the reference argmax"
-    stats["tokens"] += len(out.token_ids)
+    logprobs = torch.log_softmax(reference.forward(path, prompt + out.token_ids[:-1], depth), dim=-1)
+    check_logprobs(logprobs, len(prompt), out, stats, tol=TOL, near_tie=NEAR_TIE)
 
 
 def _run(engine, requests):
@@ -164,15 +145,15 @@ def test_dwconv_is_causal_with_zeros_before_the_first_token():
 # ---- the engine ----------------------------------------------------------------------------------
 def test_mixed_loops_batch_equals_reference_with_chunks_and_preemption(ckpts):
     path = ckpts["gqa"]
-    prompts, depths = _prompts(), [_depth(d) for d in DEPTHS]
+    prompts, depths = _prompts(), [depth_params(d) for d in DEPTHS]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
-    probe = _llm(path)
+    probe = tiny_llm(path)
     bm, model = probe.engine.block_manager, probe.engine.model
     need = [bm.pages_for(model.cache_layout(d), len(p) + params.max_tokens) for p, d in zip(prompts, depths)]
     pages = max(need) + 4
     assert sum(need) > 3 * pages
     # A budget of 29 tokens shared by the running sequences: prefill chunks of uneven sizes.
-    engine = _llm(path, pages=pages, max_num_batched_tokens=29).engine
+    engine = tiny_llm(path, pages=pages, max_model_len=160, max_num_batched_tokens=29).engine
     final, state_bytes = _run(engine, [(f"r{i}", p, params, d) for i, (p, d) in enumerate(zip(prompts, depths))])
     assert engine.scheduler.num_preemptions > 0, "the KV budget was meant to force preemption"
     assert engine.block_manager.prefix_hits == 0 and all(o.num_cached_tokens == 0 for o in final.values())
@@ -197,7 +178,7 @@ def test_conv_state_across_tiny_chunks_and_decode_with_kernel_3(ckpts):
     depths = [DepthParams(loops=2), DepthParams(loops=1), DepthParams(), DepthParams(loops=1), DepthParams(loops=2)]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=1)
     # A budget of 3 tokens: chunks of 1..3 tokens, shorter than the two-row state.
-    engine = _llm(path, max_num_batched_tokens=3).engine
+    engine = tiny_llm(path, max_num_batched_tokens=3).engine
     final, state_bytes = _run(engine, [(f"r{i}", p, params, d) for i, (p, d) in enumerate(zip(prompts, depths))])
     cfg = engine.model.config
     assert state_bytes >= 2 * 2 * cfg.intermediate_size * 4  # loops 2 x (k-1) rows x d_ff x fp32
@@ -209,7 +190,7 @@ def test_conv_state_across_tiny_chunks_and_decode_with_kernel_3(ckpts):
 
 def test_state_is_accounted_in_bytes_and_freed_on_every_path(ckpts):
     path = ckpts["gqa"]
-    engine = _llm(path, max_num_batched_tokens=16).engine
+    engine = tiny_llm(path, max_num_batched_tokens=16).engine
     bm, model = engine.block_manager, engine.model
     page_bytes = ModelRunner.page_bytes(8, 16, torch.float32)
     prompt = _ids(40, seed=9)
@@ -236,7 +217,7 @@ def test_state_is_accounted_in_bytes_and_freed_on_every_path(ckpts):
     engine.abort_request("decode")
     assert bm.num_used_pages == 0 and not engine.has_unfinished_requests()
     # the same prompt twice: no prefix-cache reuse (the state lives outside the KV blocks)
-    llm = _llm(path)
+    llm = tiny_llm(path)
     first = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), DepthParams())[0]
     again = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), DepthParams())[0]
     assert again.num_cached_tokens == 0 and again.token_ids == first.token_ids
@@ -267,5 +248,5 @@ _ENGINE: list[LLM] = []
 
 def _engine(ckpts) -> LLM:
     if not _ENGINE:
-        _ENGINE.append(_llm(ckpts["gqa"]))
+        _ENGINE.append(tiny_llm(ckpts["gqa"]))
     return _ENGINE[0]

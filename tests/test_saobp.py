@@ -14,17 +14,17 @@ import json
 import math
 import time
 
-import numpy as np
 import pytest
 import torch
 
-from depthserve import LLM, DepthParams, SamplingParams, reference
+from depthserve import DepthParams, SamplingParams, reference
 from depthserve.engine.cache_spec import SlotKind
 from depthserve.engine.model_runner import ModelRunner
 from depthserve.errors import InvalidDepthError
 from depthserve.loading.checkpoint import CheckpointFormatError, read_depth_spec
 from depthserve.models import saobp
 from depthserve.tiny import make_tiny, synthetic_streams
+from tests.depth_helpers import check_logprobs, tiny_llm
 
 TOL = 1e-4  # logprobs, fp32 engine vs the float64 reference
 LONG_TOL = 1e-3  # at 4096 tokens
@@ -54,38 +54,14 @@ def _prompts() -> list[list[int]]:
     return [stream[i * 7 : i * 7 + n] for i, n in enumerate(LENGTHS)]
 
 
-def _llm(path, pages: int | None = None, max_model_len: int = 256, **kwargs) -> LLM:
-    page_bytes = ModelRunner.page_bytes(8, 16, torch.float32)
-    gib = None if pages is None else pages * page_bytes / (1 << 30)
-    return LLM(str(path), device="cpu", dtype="float32", load_progress=False, max_model_len=max_model_len,
-               block_size=8, kv_cache_memory_gib=gib, **kwargs)
-
-
 def check_against_reference(path, prompts, outputs, tol=TOL, greedy=True) -> dict:
     """Every sampled token's logprobs (chosen + top) and every scored prompt position vs the reference."""
     stats = {"tokens": 0, "prompt_positions": 0, "max_err": 0.0}
     for prompt, out in zip(prompts, outputs):
-        for completion in out.outputs:
-            tokens = prompt + completion.token_ids[:-1]
-            logprobs = torch.log_softmax(reference.forward(path, tokens), dim=-1)
-            for i, (token, entry) in enumerate(zip(completion.token_ids, completion.logprobs)):
-                row = logprobs[len(prompt) - 1 + i]
-                for alt, lp in entry.items():
-                    err = abs(float(row[alt]) - lp.logprob)
-                    stats["max_err"] = max(stats["max_err"], err)
-                    assert err < tol, f"token {i}: logprob of {alt} differs by {err:.2e}"
-                if greedy and int(row.argmax()) != token:
-                    assert float(row.max() - row[token]) < NEAR_TIE, f"greedy token {i} is not the reference argmax"
-            stats["tokens"] += len(completion.token_ids)
-        for position, entry in enumerate(out.prompt_logprobs or []):
-            if entry is None:
-                continue
-            logprobs = torch.log_softmax(reference.forward(path, prompt), dim=-1)
-            for alt, lp in entry.items():
-                err = abs(float(logprobs[position - 1, alt]) - lp.logprob)
-                stats["max_err"] = max(stats["max_err"], err)
-                assert err < tol, f"prompt position {position}: logprob of {alt} differs by {err:.2e}"
-            stats["prompt_positions"] += 1
+        for index, completion in enumerate(out.outputs):
+            logprobs = torch.log_softmax(reference.forward(path, prompt + completion.token_ids[:-1]), dim=-1)
+            check_logprobs(logprobs, len(prompt), completion, stats, tol=tol, near_tie=NEAR_TIE, greedy=greedy,
+                           prompt_logprobs=out.prompt_logprobs if index == 0 else None)
     return stats
 
 
@@ -193,13 +169,13 @@ def _run_mixed(path, max_num_batched_tokens=29):
     prompts = _prompts()
     per_request = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2,
                                   prompt_logprobs=1 if i % 3 == 2 else None) for i in range(len(prompts))]
-    probe = _llm(path, max_model_len=160)
+    probe = tiny_llm(path, max_model_len=160)
     bm, model = probe.engine.block_manager, probe.engine.model
     need = [bm.pages_for(model.cache_layout(DepthParams()), len(p) + 12) for p in prompts]
     pages = max(need) + 4
     assert sum(need) > 3 * pages
     # A per-step budget of 29 tokens: prompt chunks of uneven sizes (29, or what is left beside decodes).
-    llm = _llm(path, pages=pages, max_model_len=160, max_num_batched_tokens=max_num_batched_tokens)
+    llm = tiny_llm(path, pages=pages, max_model_len=160, max_num_batched_tokens=max_num_batched_tokens)
     outputs = llm.generate(prompts, per_request)
     return llm, prompts, outputs
 
@@ -221,7 +197,7 @@ def test_forks_have_their_own_bias(ckpts):
     """n > 1: each fork's bias is its own (no shared prefix rows); sampled forks diverge and each
     one matches the reference of its own tokens."""
     path = ckpts["high-self"]
-    llm = _llm(path, max_num_batched_tokens=16)
+    llm = tiny_llm(path, max_num_batched_tokens=16)
     prompts = _prompts()[4:7]
     params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=10, ignore_eos=True, logprobs=1)
     outputs = llm.generate(prompts, params)
@@ -235,7 +211,7 @@ def test_forks_have_their_own_bias(ckpts):
 
 
 def test_bias_slot_is_accounted_in_bytes(ckpts):
-    llm = _llm(ckpts["high"])
+    llm = tiny_llm(ckpts["high"])
     engine = llm.engine
     model, cfg = engine.model, engine.model.config
     layout = model.cache_layout(DepthParams())
@@ -260,7 +236,7 @@ def test_bias_slot_is_accounted_in_bytes(ckpts):
 
 @pytest.mark.parametrize("depth", [{"loops": 1}, {"depth": 2}, {"selection_ratios": [0.5]}, {"thinking_steps": 0}])
 def test_any_depth_knob_is_an_error_and_leaves_no_blocks(ckpts, depth):
-    llm = _llm(ckpts["low"])
+    llm = tiny_llm(ckpts["low"])
     with pytest.raises(InvalidDepthError, match="not supported"):
         llm.generate([[1, 2, 3], [4, 5, 6]], SamplingParams(max_tokens=2), [DepthParams(), DepthParams.from_dict(depth)])
     assert not llm.engine.has_unfinished_requests()
@@ -276,7 +252,7 @@ def test_4096_tokens_lambda_1_matches_float64_reference(ckpts):
     path = ckpts["high"]
     stream = synthetic_streams(49152, 1, 4090, seed=31)[0].tolist()
     t0 = time.perf_counter()
-    llm = _llm(path, max_model_len=4096 + 16, max_num_batched_tokens=512)
+    llm = tiny_llm(path, max_model_len=4096 + 16, max_num_batched_tokens=512)
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=1, prompt_logprobs=0)
     out = llm.generate([stream], params)[0]
     t1 = time.perf_counter()

@@ -88,7 +88,6 @@ def test_bias_update_matches_torch(triton_ops, case, variant):
     # Exactly the positions < context changed (the newest set, the others incremented by a term in
     # [-1, 0] (high) or [0, 1] (low)); rows beyond each context are untouched.
     batch, heads, blocks = bias_table.shape
-    bs = bias.shape[1]
     before = torch_ops.gather_bias(bias, bias_table)
     after = torch_ops.gather_bias(got, bias_table)
     for b, n in enumerate(lens.tolist()):

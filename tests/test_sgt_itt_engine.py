@@ -18,6 +18,7 @@ from depthserve import LLM, DepthParams, SamplingParams, reference
 from depthserve.engine.model_runner import ModelRunner
 from depthserve.errors import InvalidDepthError
 from depthserve.tiny import make_tiny, synthetic_streams
+from tests.depth_helpers import check_logprobs, depth_params, tiny_llm
 
 TOL = 1e-4  # logprobs, fp32 engine vs the float64 reference
 DELTA = 1e-4  # routing margin below which a decision may differ (rounding)
@@ -51,17 +52,6 @@ def _prompts() -> list[list[int]]:
     return prompts
 
 
-def _depth(d):
-    return DepthParams.from_dict(d) if d is not None else DepthParams()
-
-
-def _llm(path, pages: int | None = None, max_model_len: int = 256, **kwargs) -> LLM:
-    page_bytes = ModelRunner.page_bytes(8, 16, torch.float32)
-    gib = None if pages is None else pages * page_bytes / (1 << 30)
-    return LLM(str(path), device="cpu", dtype="float32", load_progress=False, max_model_len=max_model_len,
-               block_size=8, kv_cache_memory_gib=gib, **kwargs)
-
-
 def check_against_reference(path, prompts, depths, outputs, routed: bool) -> dict:
     stats = {"tokens": 0, "decisions": 0, "within_delta": 0, "max_err": 0.0}
     for prompt, depth, out in zip(prompts, depths, outputs):
@@ -83,24 +73,8 @@ def check_against_reference(path, prompts, depths, outputs, routed: bool) -> dic
                 assert not len(bad), f"{key}: decisions differ at {bad} with margins {ref['margin'][bad]}"
                 force[key] = mine
         logprobs = torch.log_softmax(reference.forward(path, tokens, depth, force=force), dim=-1)
-        for i, (token, entry) in enumerate(zip(out.token_ids, out.logprobs)):
-            row = logprobs[len(prompt) - 1 + i]
-            for alt, lp in entry.items():
-                err = abs(float(row[alt]) - lp.logprob)
-                stats["max_err"] = max(stats["max_err"], err)
-                assert err < TOL, f"token {i}: logprob of {alt} differs by {err:.2e}"
-            top = row.topk(2).values
-            if int(row.argmax()) != token:
-                assert float(top[0] - row[token]) < NEAR_TIE, f"greedy token {i} is not the reference argmax"
-        for position, entry in enumerate(out.prompt_logprobs or []):
-            if entry is None:
-                continue  # position 0 has no prefix
-            for alt, lp in entry.items():
-                err = abs(float(logprobs[position - 1, alt]) - lp.logprob)
-                stats["max_err"] = max(stats["max_err"], err)
-                assert err < TOL, f"prompt position {position}: logprob of {alt} differs by {err:.2e}"
-            stats["prompt_positions"] = stats.get("prompt_positions", 0) + 1
-        stats["tokens"] += len(out.token_ids)
+        check_logprobs(logprobs, len(prompt), out.outputs[0], stats, tol=TOL, near_tie=NEAR_TIE,
+                       prompt_logprobs=out.prompt_logprobs)
     return stats
 
 
@@ -110,14 +84,14 @@ def _run_mixed(path, depths, prefix_caching=True):
     # Every third request also scores its prompt (prompt_logprobs: every prompt position is checked).
     per_request = [SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2,
                                   prompt_logprobs=1 if i % 3 == 2 else None) for i in range(len(prompts))]
-    ds = [_depth(d) for d in depths]
+    ds = [depth_params(d) for d in depths]
     # KV budget: a little more than the costliest request alone, far less than the batch needs.
-    probe = _llm(path, max_model_len=160)
+    probe = tiny_llm(path, max_model_len=160)
     bm, model = probe.engine.block_manager, probe.engine.model
     need = [bm.pages_for(model.cache_layout(d), len(p) + params.max_tokens) for p, d in zip(prompts, ds)]
     pages = max(need) + 4
     assert sum(need) > 3 * pages
-    llm = _llm(path, pages=pages, max_model_len=160, max_num_batched_tokens=32, enable_prefix_caching=prefix_caching)
+    llm = tiny_llm(path, pages=pages, max_model_len=160, max_num_batched_tokens=32, enable_prefix_caching=prefix_caching)
     llm.engine.record_routing = True
     outputs = llm.generate(prompts, per_request, ds)
     return llm, prompts, ds, outputs
@@ -162,7 +136,7 @@ def test_itt_mixed_batch_equals_reference(ckpts, name):
 
 def test_sgt_outputs_are_the_same_alone_and_from_the_prefix_cache(ckpts):
     path = ckpts["sgt-gqa"]
-    llm = _llm(path)
+    llm = tiny_llm(path)
     prompt = _prompts()[-1]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=1)
     first = llm.generate([prompt], params, DepthParams(loops=2))[0]
@@ -179,7 +153,7 @@ def test_sgt_outputs_are_the_same_alone_and_from_the_prefix_cache(ckpts):
 def test_loop_slot_bytes_grow_by_the_stored_heads(ckpts, name):
     from depthserve.loading.checkpoint import read_depth_spec
 
-    llm = _llm(ckpts[name])
+    llm = tiny_llm(ckpts[name])
     engine = llm.engine
     cfg = engine.model.config
     spec = read_depth_spec(engine.hf_config)
@@ -219,13 +193,13 @@ def test_costly_requests_are_admitted_first_come_first_served(ckpts):
     cheap, costly = DepthParams(loops=0), DepthParams(loops=3)
     order = [("a", prompts[9], cheap), ("b", prompts[11], costly), ("c", prompts[1], cheap), ("d", prompts[2], cheap)]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    probe = _llm(path, max_model_len=160)
+    probe = tiny_llm(path, max_model_len=160)
     bm, layout = probe.engine.block_manager, probe.engine.model.cache_layout
     need = {rid: bm.pages_for(layout(d), len(p) + params.max_tokens) for rid, p, d in order}
     assert need["b"] > 3 * need["a"]  # the scheduler prices depth: loops=3 costs more pages
     pages = need["b"] + 16  # b fits alone, not beside a; c and d would fit beside a
     assert need["a"] + need["b"] > pages and need["a"] + need["c"] + need["d"] < pages
-    engine = _llm(path, pages=pages, max_model_len=160, max_num_batched_tokens=512).engine
+    engine = tiny_llm(path, pages=pages, max_model_len=160, max_num_batched_tokens=512).engine
     for rid, prompt, depth in order:
         engine.add_request(rid, prompt, params, depth)
     admitted: dict[str, int] = {}
@@ -275,13 +249,13 @@ _ENGINES: dict[str, LLM] = {}
 
 def _engines(ckpts, name) -> LLM:
     if name not in _ENGINES:
-        _ENGINES[name] = _llm(ckpts[name])
+        _ENGINES[name] = tiny_llm(ckpts[name])
     return _ENGINES[name]
 
 
 def test_itt_decisions_are_the_same_in_the_prompt_and_when_generated(ckpts):
     path = ckpts["itt-gqa"]
-    llm = _llm(path, max_num_batched_tokens=16)
+    llm = tiny_llm(path, max_num_batched_tokens=16)
     llm.engine.record_routing = True
     prompt = _prompts()[6]
     depth = DepthParams(selection_ratios=[0.7, 0.3])

@@ -281,7 +281,7 @@ class DreamerForCausalLM(nn.Module):
         super().__init__()
         self.config, self.spec = cfg, spec
         d, H, H_kv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        E, r, f, A, dda = spec.num_experts, spec.expert_rank, spec.expert_intermediate_size, spec.attn_experts, spec.da_dim
+        E, f, A, dda = spec.num_experts, spec.expert_intermediate_size, spec.attn_experts, spec.da_dim
         self.embed_tokens = nn.Embedding(cfg.vocab_size, d)
         self.lm_head = nn.Linear(d, cfg.vocab_size, bias=False)
         eps = cfg.rms_norm_eps

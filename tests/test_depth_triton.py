@@ -1,5 +1,6 @@
-"""SGT loop slots (uneven GQA head subsets read through one table row per query head) and ITT
-routed slots through the Triton kernels (interpreted on CPU) against the torch path."""
+"""SGT loop slots (uneven GQA head subsets read through one table row per query head), ITT
+routed slots, Dreamer's per-token depth attention and PUT's per-pass slots through the Triton
+kernels (interpreted on CPU) against the torch path."""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ from depthserve.tiny import make_tiny, synthetic_streams  # noqa: E402
 @pytest.mark.parametrize("arch, depths", [
     ("sgt", [DepthParams(loops=3), DepthParams(loops={2: 2, 3: 0}), DepthParams(loops=0)]),
     ("itt", [DepthParams(selection_ratios=[0.7, 0.3]), DepthParams(selection_ratios=[1.0, 0.5]), DepthParams()]),
+    ("dreamer", [DepthParams(depth=1), DepthParams(depth=3), DepthParams()]),  # the depth-attention kernel
+    ("put", [DepthParams(loops=1), DepthParams(loops=3), DepthParams(loops=2)]),
 ])
 def test_triton_path_matches_torch_path(tmp_path, smollm_tokenizer, arch, depths):
     path = make_tiny(arch, tmp_path / arch, seed=2, tokenizer=smollm_tokenizer)

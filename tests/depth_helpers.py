@@ -1,0 +1,56 @@
+"""What the incremental = recompute tests of every depth architecture share: an engine on a tiny
+checkpoint with a KV budget counted in pages, and the comparison of the engine's logprobs with
+the float64 reference's."""
+
+from __future__ import annotations
+
+import torch
+
+from depthserve import LLM, DepthParams
+from depthserve.engine.model_runner import ModelRunner
+
+BLOCK_SIZE = 8
+TINY_HEAD_DIM = 16  # depthserve.tiny.TINY
+
+
+def tiny_llm(path, pages: int | None = None, max_model_len: int = 256, **kwargs) -> LLM:
+    """An fp32 CPU engine with block size 8 and, if `pages` is given, a KV budget of that many pages."""
+    page_bytes = ModelRunner.page_bytes(BLOCK_SIZE, TINY_HEAD_DIM, torch.float32)
+    gib = None if pages is None else pages * page_bytes / (1 << 30)
+    return LLM(str(path), device="cpu", dtype="float32", load_progress=False, max_model_len=max_model_len,
+               block_size=BLOCK_SIZE, kv_cache_memory_gib=gib, **kwargs)
+
+
+def depth_params(knobs: dict | None) -> DepthParams:
+    """DepthParams from a knob dict; None is the model's defaults."""
+    return DepthParams.from_dict(knobs) if knobs is not None else DepthParams()
+
+
+def _record(stats: dict, err: float, tol: float, what: str) -> None:
+    stats["max_err"] = max(stats.get("max_err", 0.0), err)
+    assert err < tol, f"{what} differs by {err:.2e}"
+
+
+def check_logprobs(logprobs: torch.Tensor, prompt_len: int, completion, stats: dict, *, tol: float,
+                   near_tie: float, greedy: bool = True, prompt_logprobs=None) -> None:
+    """Compare one completion with the reference.
+
+    `logprobs` are the reference's log-softmax rows over prompt + completion tokens but the last
+    (so they cover every prompt position too). Every reported logprob (chosen token and
+    alternatives) must be within `tol`; a greedy token that is not the reference's argmax is
+    accepted only at a near-tie (top logprob minus the token's below `near_tie`). Prompt
+    logprobs, if given, are checked against the same rows."""
+    for i, (token, entry) in enumerate(zip(completion.token_ids, completion.logprobs)):
+        row = logprobs[prompt_len - 1 + i]
+        for alt, lp in entry.items():
+            _record(stats, abs(float(row[alt]) - lp.logprob), tol, f"token {i}: logprob of {alt}")
+        if greedy and int(row.argmax()) != token:
+            assert float(row.max() - row[token]) < near_tie, f"greedy token {i} is not the reference argmax"
+    stats["tokens"] = stats.get("tokens", 0) + len(completion.token_ids)
+    for position, entry in enumerate(prompt_logprobs or []):
+        if entry is None:
+            continue  # position 0 has no prefix
+        for alt, lp in entry.items():
+            _record(stats, abs(float(logprobs[position - 1, alt]) - lp.logprob), tol,
+                    f"prompt position {position}: logprob of {alt}")
+        stats["prompt_positions"] = stats.get("prompt_positions", 0) + 1
