@@ -19,7 +19,7 @@ import torch
 from depthserve import LLM, DepthParams, SamplingParams, reference
 from depthserve.engine.cache_spec import SlotKind
 from depthserve.engine.model_runner import ModelRunner
-from depthserve.errors import InvalidDepthError
+from depthserve.errors import CacheCapacityError, InvalidDepthError
 from depthserve.loading.checkpoint import CheckpointFormatError, depth_section, read_depth_spec
 from depthserve.models import dreamer
 from depthserve.tiny import make_tiny, synthetic_streams
@@ -98,7 +98,9 @@ def test_mixed_depth_batch_equals_reference(ckpts, name):
     need = [bm.pages_for(model.cache_layout(d), len(p) + 10) for p, d in zip(prompts, depths)]
     pages = max(need) + 4
     assert sum(need) > 3 * pages
-    llm = tiny_llm(path, pages=pages, max_model_len=112, max_num_batched_tokens=32)
+    # plus what the engine sets aside for a 32-token step's depth cache
+    depth_cache_pages = -(-model.step_cache_bytes_bound(32) // ModelRunner.page_bytes(8, 16, torch.float32))
+    llm = tiny_llm(path, pages=pages + depth_cache_pages, max_model_len=112, max_num_batched_tokens=32)
     llm.engine.record_routing = True
     outputs = llm.generate(prompts, per_request, depths)
     engine = llm.engine
@@ -167,6 +169,22 @@ def test_depth_cache_is_per_token_constant_size_and_released(ckpts):
     blocks = -(-min(len(prompts[5]), 24) // 8)  # the first chunk: 24 tokens (the step budget)
     assert held == {n: n * blocks * model.config.num_kv_heads for n in (1, 2, 4)}
     assert engine.block_manager.num_used_pages == 0
+
+
+def test_step_depth_cache_is_set_aside_from_the_cache_memory(ckpts):
+    """The worst case of a full step's depth cache comes out of the cache memory before the
+    page pool is sized, and every step's peak stays within it."""
+    path = ckpts["dense-depthrope"]
+    page_bytes = ModelRunner.page_bytes(8, 16, torch.float32)
+    llm = tiny_llm(path, pages=400, max_num_batched_tokens=24)
+    engine, model = llm.engine, llm.engine.model
+    reserved = 24 * D * 2 * model.spec.da_dim * 4  # tokens x D x 2 x d_DA fp32 values
+    assert engine.stats()["step_cache_reserved_bytes"] == reserved
+    assert engine.block_manager.num_pages == (400 * page_bytes - reserved) // page_bytes
+    llm.generate(_prompts()[:4], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert max(peak for _, _, peak in model.token_depth_steps) * 4 <= reserved
+    with pytest.raises(CacheCapacityError, match="depth cache"):
+        tiny_llm(path, pages=400, max_num_batched_tokens=100_000)
 
 
 @pytest.mark.parametrize("depth, match", [

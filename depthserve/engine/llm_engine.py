@@ -82,7 +82,18 @@ class LLMEngine:
         self.record_routing = False
 
         page_bytes = ModelRunner.page_bytes(args.block_size, self.model.head_dim, self.dtype)
-        num_pages = int(self._kv_cache_bytes() // page_bytes)
+        # Caches that live only during a step (Dreamer's per-token depth cache) take their worst
+        # case for a full step out of the cache memory first; the pages get the rest.
+        self.step_cache_reserved_bytes = 0
+        if hasattr(self.model, "step_cache_bytes_bound"):
+            self.step_cache_reserved_bytes = self.model.step_cache_bytes_bound(args.max_num_batched_tokens)
+        num_pages = int(max(self._kv_cache_bytes() - self.step_cache_reserved_bytes, 0) // page_bytes)
+        if num_pages < 1:
+            raise CacheCapacityError(
+                f"the cache memory ({self._kv_cache_bytes() / _GIB:.3f} GiB) leaves no KV pages after the "
+                f"{self.step_cache_reserved_bytes / _GIB:.3f} GiB a step's depth cache may need; raise "
+                "kv_cache_memory_gib or lower max_num_batched_tokens"
+            )
         self.block_manager = BlockManager(num_pages, args.block_size, args.enable_prefix_caching, page_bytes)
         base_layout = self._plan(DepthParams()).layout
         if not self.block_manager.fits_ever(base_layout, self.max_model_len):
@@ -242,6 +253,7 @@ class LLMEngine:
             now, last = self.model.step_cache_bytes()
             stats["step_cache_bytes_by_kind"] = {kind.value: n for kind, n in now.items()}
             stats["last_step_cache_bytes_by_kind"] = {kind.value: n for kind, n in last.items()}
+            stats["step_cache_reserved_bytes"] = self.step_cache_reserved_bytes
         return stats
 
     # ---- the step ----------------------------------------------------------------------------

@@ -347,6 +347,11 @@ class DreamerForCausalLM(nn.Module):
         """Values of the per-token depth cache for `num_tokens` tokens (bound: tokens x D x 2 x d_DA)."""
         return num_tokens * (depth or self.spec.depth) * 2 * self.spec.da_dim
 
+    def step_cache_bytes_bound(self, max_step_tokens: int) -> int:
+        """The most bytes the per-token depth cache can take in one step of `max_step_tokens`
+        tokens: the engine sets this aside from its cache memory before sizing the page pool."""
+        return self.token_depth_values(max_step_tokens) * self.da_qkv.element_size()
+
     def step_cache_bytes(self) -> tuple[dict[SlotKind, int], dict[SlotKind, int]]:
         """Bytes of the per-token depth cache (outside the page pool): held now (0 between steps),
         and the peak of the last step."""
