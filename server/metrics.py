@@ -36,6 +36,16 @@ class _EngineCollector:
         for kind, used in stats["kv_bytes_used_by_kind"].items():
             by_kind.add_metric([kind], used)
         yield from (running, waiting, preemptions, pages, total, by_kind)
+        if "last_step_cache_bytes_by_kind" in stats:  # caches that live for one step (Dreamer depth cache)
+            step_cache = GaugeMetricFamily("depthserve_step_cache_bytes",
+                                           "Peak bytes of step-lived caches in the last step, by cache kind",
+                                           labels=["kind"])
+            for kind, used in stats["last_step_cache_bytes_by_kind"].items():
+                step_cache.add_metric([kind], used)
+            reserved = GaugeMetricFamily("depthserve_step_cache_reserved_bytes",
+                                         "Cache memory set aside for a full step's step-lived caches")
+            reserved.add_metric([], stats.get("step_cache_reserved_bytes", 0))
+            yield from (step_cache, reserved)
 
 
 class ServerMetrics:
@@ -57,6 +67,13 @@ class ServerMetrics:
                                        ["layer"], registry=r)
         self.itt_selected = Counter("depthserve_depth_itt_selected_tokens", "Tokens routed to an ITT step",
                                     ["layer", "step"], registry=r)
+        self.depth_flops = Counter("depthserve_depth_flops",
+                                   "FLOPs of finished requests on a depth model: spent, and what the plain model "
+                                   "would spend on the same tokens (their ratio is the served relative compute)",
+                                   ["kind"], registry=r)
+        self.depth_settings = Counter("depthserve_depth_requests_by_setting",
+                                      "Finished requests by an integer depth setting (Dreamer depth, PUT loops)",
+                                      ["knob", "value"], registry=r)
         r.register(_EngineCollector(read_stats))
 
     def render(self) -> bytes:
@@ -71,6 +88,13 @@ class ServerMetrics:
         for key, count in (depth.get("selected_tokens") or {}).items():
             layer, _, step = str(key).partition(":")
             self.itt_selected.labels(layer=layer, step=step).inc(count)
+        if depth.get("flops") is not None and depth.get("plain_flops") is not None:
+            self.depth_flops.labels(kind="spent").inc(depth["flops"])
+            self.depth_flops.labels(kind="plain").inc(depth["plain_flops"])
+        for knob in ("depth", "loops"):
+            value = depth.get(knob)
+            if isinstance(value, int) and not isinstance(value, bool):
+                self.depth_settings.labels(knob=knob, value=str(value)).inc()
 
 
 class RequestTimer:

@@ -242,3 +242,34 @@ def test_disconnected_non_streaming_request_is_aborted(ckpts):
         wait_idle(llm, timeout=10)
         assert llm.engine.block_manager.num_used_pages == 0
         assert metric_value(base, "depthserve_requests_total", outcome="aborted") == 1
+
+
+@pytest.mark.parametrize("arch, knob", [("dreamer", "depth"), ("put", "loops")])
+def test_dreamer_and_put_over_http_equal_offline_and_feed_the_metrics(tmp_path, smollm_tokenizer, arch, knob):
+    path = make_tiny(arch, tmp_path / arch, seed=3, tokenizer=smollm_tokenizer)
+    llm, app = _serve(path)
+    offline = LLM(str(path), **ENGINE)
+    model = llm.engine.model_name
+    with live_server(app) as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="none")
+        spent = plain = 0.0
+        for value in (1, 2):
+            expected = offline.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
+                                        DepthParams.from_dict({knob: value}))
+            got = client.completions.create(model=model, prompt=PROMPTS, max_tokens=6, temperature=0.0,
+                                            extra_body={"depth": {knob: value}, "ignore_eos": True})
+            assert [c.text for c in sorted(got.choices, key=lambda c: c.index)] == [e.text for e in expected]
+            usage = got.usage.model_extra["depth"]
+            assert [p[knob] for p in usage["per_prompt"]] == [value] * len(PROMPTS)
+            assert usage["flops"] == pytest.approx(sum(e.depth["flops"] for e in expected))
+            spent += usage["flops"]
+            plain += usage["plain_flops"]
+            assert metric_value(base, "depthserve_depth_requests_by_setting_total",
+                                knob=knob, value=str(value)) == len(PROMPTS)
+        assert metric_value(base, "depthserve_depth_flops_total", kind="spent") == pytest.approx(spent)
+        assert metric_value(base, "depthserve_depth_flops_total", kind="plain") == pytest.approx(plain)
+        if arch == "dreamer":  # the step-lived depth cache: its last peak within what was set aside
+            reserved = metric_value(base, "depthserve_step_cache_reserved_bytes")
+            assert 0 < metric_value(base, "depthserve_step_cache_bytes", kind="token_depth") <= reserved
+        wait_idle(llm)
+        assert llm.engine.block_manager.num_used_pages == 0
