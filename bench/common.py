@@ -207,6 +207,18 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
+def stop_process(proc: subprocess.Popen) -> None:
+    """Terminate a child process (a launched server), killing it if it does not exit within 30 s."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def load_results(kind: str, directory: Path = RESULTS_DIR) -> list[tuple[Path, dict]]:
     """Every <directory>/<kind>-*.json whose "benchmark" is `kind`, as (path, payload), in name
     order; unreadable files are skipped."""

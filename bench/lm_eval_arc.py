@@ -30,7 +30,6 @@ import json
 import os
 import platform
 import shlex
-import socket
 import subprocess
 import sys
 import tempfile
@@ -134,12 +133,6 @@ def write_task(workdir: Path, data: Path, limit: int) -> tuple[Path, list[dict]]
     return tasks, rows
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def http_json(url: str, timeout: float = 5.0) -> dict:
     with urllib.request.urlopen(url, timeout=timeout) as response:
         return json.loads(response.read())
@@ -148,7 +141,7 @@ def http_json(url: str, timeout: float = 5.0) -> dict:
 @contextlib.contextmanager
 def served(model: str, threads: int | None, timeout: float, log_path: Path) -> Iterator[tuple[str, str]]:
     """`depthserve serve` on a free loopback port; yields (base URL, served model id)."""
-    port = free_port()
+    port = common.free_port()
     exe = Path(sys.executable).with_name("depthserve")
     command = [str(exe) if exe.exists() else "depthserve", "serve", "--model", model, "--dtype", "float32",
                "--device", "cpu", "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
@@ -171,13 +164,7 @@ def served(model: str, threads: int | None, timeout: float, log_path: Path) -> I
             time.sleep(0.5)
         yield base_url, http_json(f"{base_url}/v1/models")["data"][0]["id"]
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        common.stop_process(proc)
 
 
 def run_lm_eval(python: Path, model_type: str, model_args: dict, tasks: Path, out: Path,

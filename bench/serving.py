@@ -127,7 +127,7 @@ def launched_server(model: str, server_args: str, timeout: float) -> Iterator[st
     else:
         Path(log.name).unlink(missing_ok=True)
     finally:
-        stop_process(proc)
+        common.stop_process(proc)
         log.close()
 
 
@@ -141,17 +141,6 @@ def wait_until_healthy(base_url: str, proc: subprocess.Popen, timeout: float, lo
                 return
         time.sleep(0.5)
     raise SystemExit(f"the server did not become healthy within {timeout:.0f}s (log: {log})")
-
-
-def stop_process(proc: subprocess.Popen) -> None:
-    if proc.poll() is not None:
-        return
-    proc.terminate()
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 def server_arg(server_args: str, name: str) -> str | None:

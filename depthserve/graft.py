@@ -119,13 +119,10 @@ def last_token_entropy(ref, layer: int, a: torch.Tensor) -> torch.Tensor:
     """Eq. 4 for every query head of `layer`: -1/log N * sum_j A_Nj log A_Nj, with A_N the last
     token's causal attention distribution over all N tokens. a: [N, d], the layer's RMSNorm_a input.
     Returns [heads]."""
-    from depthserve.reference import rope
+    from depthserve.reference import attention_dims, rope
 
     cfg, w = ref.cfg, ref.w
-    H = cfg["num_attention_heads"]
-    H_kv = cfg.get("num_key_value_heads", H)
-    hd = cfg.get("head_dim") or cfg["hidden_size"] // H
-    theta = float(cfg.get("rope_theta", 10000.0))
+    H, H_kv, hd, theta = attention_dims(cfg)
     n = a.shape[0]
     p = f"model.layers.{layer}.self_attn."
     q = a[-1:] @ w[p + "q_proj.weight"].T  # [1, H * hd]: only the last token's queries

@@ -84,6 +84,13 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
+def attention_dims(cfg: dict) -> tuple[int, int, int, float]:
+    """(query heads, KV heads, head dim, RoPE theta) of a Hugging Face config dict."""
+    H = cfg["num_attention_heads"]
+    return H, cfg.get("num_key_value_heads", H), cfg.get("head_dim") or cfg["hidden_size"] // H, \
+        float(cfg.get("rope_theta", 10000.0))
+
+
 def attention(ref: Reference, layer: int, x: torch.Tensor, heads: list[int], mask: torch.Tensor,
               head_scales: list[float] | None = None) -> torch.Tensor:
     """sum_{i in heads} c_i W_O^(i) . softmax(q_i k_g^T / sqrt(d_h) + mask) v_g, g = i's KV group.
@@ -91,10 +98,7 @@ def attention(ref: Reference, layer: int, x: torch.Tensor, heads: list[int], mas
     x: [B, n, d] already normed; mask: [B, n, n] bool (True = may attend).
     """
     cfg, w = ref.cfg, ref.w
-    H = cfg["num_attention_heads"]
-    H_kv = cfg.get("num_key_value_heads", H)
-    hd = cfg.get("head_dim") or cfg["hidden_size"] // H
-    theta = float(cfg.get("rope_theta", 10000.0))
+    H, H_kv, hd, theta = attention_dims(cfg)
     p = f"model.layers.{layer}.self_attn."
     B, n, _ = x.shape
     positions = torch.arange(n)

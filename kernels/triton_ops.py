@@ -54,6 +54,31 @@ def store_kv(k, v, k_pages, v_pages, slot_index) -> None:
 
 
 @triton.jit
+def _paged_kv_offsets(table_row, table_stride_blk, max_blocks, pos, n_mask, d,
+                      BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """[N, D] element offsets into the K/V page pools of positions `pos`, through one page-table row."""
+    block = pos // BLOCK_SIZE
+    page = tl.load(table_row + block * table_stride_blk, mask=n_mask & (block < max_blocks), other=0)
+    return (page.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE)[:, None] * HEAD_DIM + d[None, :]
+
+
+@triton.jit
+def _group_scores(q, k, n_mask, scale):
+    """Scores [G, N] of a query-head group against a key tile, -inf beyond the keys."""
+    s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale
+    return tl.where(n_mask[None, :], s, float("-inf"))
+
+
+@triton.jit
+def _online_softmax(m_i, l_i, acc, z, v):
+    """One key tile of the online softmax: running max, sum and weighted value sum."""
+    m_new = tl.maximum(m_i, tl.max(z, axis=1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(z - m_new[:, None])
+    return m_new, l_i * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+
+
+@triton.jit
 def _decode_partial_kernel(
     q_ptr, k_pages_ptr, v_pages_ptr, table_ptr, lens_ptr, part_acc_ptr, part_ml_ptr,
     scale, table_stride_b, table_stride_h, table_stride_blk, max_blocks,
@@ -83,20 +108,12 @@ def _decode_partial_kernel(
     for tile in range(start, end, BLOCK_N):
         pos = tile + n
         n_mask = pos < end
-        block = pos // BLOCK_SIZE
-        page = tl.load(table_row + block * table_stride_blk, mask=n_mask & (block < max_blocks), other=0)
-        kv_offs = (page.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE)[:, None] * HEAD_DIM + d[None, :]
+        kv_offs = _paged_kv_offsets(table_row, table_stride_blk, max_blocks, pos, n_mask, d, BLOCK_SIZE, HEAD_DIM)
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_pages_ptr + kv_offs, mask=kv_mask, other=0.0).to(tl.float32)
         v = tl.load(v_pages_ptr + kv_offs, mask=kv_mask, other=0.0).to(tl.float32)
-        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [G, N]
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
-        m_i = m_new
+        s = _group_scores(q, k, n_mask, scale)  # [G, N]
+        m_i, l_i, acc = _online_softmax(m_i, l_i, acc, s, v)
 
     part = (b * NUM_Q_HEADS + q_heads) * NUM_SPLITS + split  # [G]
     tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=g_mask[:, None] & d_mask[None, :])
@@ -196,9 +213,7 @@ def _prefill_kernel(
         for tile in range(0, key_end, BLOCK_N):
             pos = tile + n
             n_mask = pos < key_end
-            block = pos // BLOCK_SIZE
-            page = tl.load(table_row + block * table_stride_blk, mask=n_mask & (block < max_blocks), other=0)
-            kv_offs = (page.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE)[:, None] * HEAD_DIM + d[None, :]
+            kv_offs = _paged_kv_offsets(table_row, table_stride_blk, max_blocks, pos, n_mask, d, BLOCK_SIZE, HEAD_DIM)
             kv_mask = n_mask[:, None] & d_mask[None, :]
             k = tl.load(k_pages_ptr + kv_offs, mask=kv_mask, other=0.0).to(q.dtype)
             v = tl.load(v_pages_ptr + kv_offs, mask=kv_mask, other=0.0)
@@ -398,12 +413,9 @@ def _saobp_decode_kernel(
         for tile in range(0, context, BLOCK_N):
             pos = tile + n
             n_mask = pos < context
-            block = pos // BLOCK_SIZE
-            page = tl.load(table_row + block * t_sblk, mask=n_mask & (block < max_blocks), other=0)
-            kv_offs = (page.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE)[:, None] * HEAD_DIM + d[None, :]
+            kv_offs = _paged_kv_offsets(table_row, t_sblk, max_blocks, pos, n_mask, d, BLOCK_SIZE, HEAD_DIM)
             k = tl.load(k_pages_ptr + kv_offs, mask=n_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
-            s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale
-            s = tl.where(n_mask[None, :], s, float("-inf"))
+            s = _group_scores(q, k, n_mask, scale)
             m_new = tl.maximum(m_raw, tl.max(s, axis=1))
             l_raw = l_raw * tl.exp(m_raw - m_new) + tl.sum(tl.exp(s - m_new[:, None]), axis=1)
             m_raw = m_new
@@ -416,13 +428,11 @@ def _saobp_decode_kernel(
         pos = tile + n
         n_mask = pos < context
         block = pos // BLOCK_SIZE
-        page = tl.load(table_row + block * t_sblk, mask=n_mask & (block < max_blocks), other=0)
-        kv_offs = (page.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE)[:, None] * HEAD_DIM + d[None, :]
+        kv_offs = _paged_kv_offsets(table_row, t_sblk, max_blocks, pos, n_mask, d, BLOCK_SIZE, HEAD_DIM)
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_pages_ptr + kv_offs, mask=kv_mask, other=0.0).to(tl.float32)
         v = tl.load(v_pages_ptr + kv_offs, mask=kv_mask, other=0.0).to(tl.float32)
-        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [G, N]
-        s = tl.where(n_mask[None, :], s, float("-inf"))
+        s = _group_scores(q, k, n_mask, scale)  # [G, N]
         # The cached bias of keys before the newest one (the newest has none yet).
         cached = g_mask[:, None] & (pos < context - 1)[None, :]
         row = tl.load(bias_rows + block[None, :] * bt_sblk, mask=cached, other=0)
@@ -433,13 +443,7 @@ def _saobp_decode_kernel(
             m_new = tl.maximum(m_raw, tl.max(s, axis=1))
             l_raw = l_raw * tl.exp(m_raw - m_new) + tl.sum(tl.exp(s - m_new[:, None]), axis=1)
             m_raw = m_new
-        z = s + bias
-        m_new = tl.maximum(m_i, tl.max(z, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(z - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax(m_i, l_i, acc, s + bias, v)
     out = acc / l_i[:, None]
     tl.store(out_ptr + q_offs, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
     tl.store(lse_ptr + b * NUM_Q_HEADS + q_heads, m_raw + tl.log(l_raw), mask=g_mask)
@@ -487,12 +491,10 @@ def _saobp_bias_update_kernel(
                     mask=g_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
         lse = tl.load(lse_ptr + b * NUM_Q_HEADS + q_heads, mask=g_mask, other=0.0)
         block = pos // BLOCK_SIZE
-        page = tl.load(table_ptr + b * t_sb + kv_head * t_sh + block * t_sblk, mask=n_mask & (block < max_blocks),
-                       other=0)
-        kv_offs = (page.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE)[:, None] * HEAD_DIM + d[None, :]
+        kv_offs = _paged_kv_offsets(table_ptr + b * t_sb + kv_head * t_sh, t_sblk, max_blocks, pos, n_mask, d,
+                                    BLOCK_SIZE, HEAD_DIM)
         k = tl.load(k_pages_ptr + kv_offs, mask=n_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
-        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [G, N]
-        s = tl.where(n_mask[None, :], s, float("-inf"))
+        s = _group_scores(q, k, n_mask, scale)  # [G, N]
         term = _log1p(tl.exp(s - lse[:, None]) * coef)
         write = g_mask[:, None] & n_mask[None, :]
         row = tl.load(bias_table_ptr + b * bt_sb + q_heads[:, None] * bt_sh + block[None, :] * bt_sblk,

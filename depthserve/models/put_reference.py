@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from depthserve.loading.checkpoint import read_depth_spec
 from depthserve.loading.hf_loader import load_hf_dir
+from depthserve.reference import attention_dims
 from depthserve.models import put as fmt
 
 
@@ -61,10 +62,7 @@ def rope(x: torch.Tensor, theta: float) -> torch.Tensor:
 
 def attention_heads(cfg: dict, w: dict, p: str, x: torch.Tensor) -> torch.Tensor:
     """Per-head causal softmax attention outputs O, concatenated: [n, H * head_dim]."""
-    H = cfg["num_attention_heads"]
-    H_kv = cfg.get("num_key_value_heads", H)
-    hd = cfg.get("head_dim") or cfg["hidden_size"] // H
-    theta = float(cfg.get("rope_theta", 10000.0))
+    H, H_kv, hd, theta = attention_dims(cfg)
     n = x.shape[0]
     q = (x @ w[p + "self_attn.q_proj.weight"].T).view(n, H, hd).transpose(0, 1)
     k = (x @ w[p + "self_attn.k_proj.weight"].T).view(n, H_kv, hd).transpose(0, 1)

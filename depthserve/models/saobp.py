@@ -151,13 +151,10 @@ def _no_knobs(depth: Any) -> None:
 
 def reference_attention(ref, layer: int, x: torch.Tensor, spec: SAOBPSpec) -> torch.Tensor:
     """Section 5 from the materialised [n, n] attention matrix of each head. x: [n, d], normed."""
-    from depthserve.reference import rope
+    from depthserve.reference import attention_dims, rope
 
     cfg, w = ref.cfg, ref.w
-    H = cfg["num_attention_heads"]
-    H_kv = cfg.get("num_key_value_heads", H)
-    hd = cfg.get("head_dim") or cfg["hidden_size"] // H
-    theta = float(cfg.get("rope_theta", 10000.0))
+    H, H_kv, hd, theta = attention_dims(cfg)
     p = f"model.layers.{layer}.self_attn."
     n = x.shape[0]
     positions = torch.arange(n)
