@@ -12,12 +12,14 @@ like="smollm2-135m-instruct")`), built once into --checkpoint-dir and reused:
     Dreamer  one shared block, trained depth D=4 (32 experts, top-2; depth attention d=64), depth knob 1..D
     PUT  3 prefix, 8 core, 3 suffix layers, T=3 core passes, conv kernel 2, loops knob 1..T
 
-Method: for each depth setting, `--concurrency` requests of `--input-len` random tokens (greedy,
-EOS ignored, prefix caching off) are added to the engine and stepped until every request has its
-first token (prefill done); after `--warmup-steps` more steps, each of `--decode-steps` engine
-steps is timed on its own (every request decodes one token per step, so a step's time is also
-each request's per-token latency at this concurrency). Settings are measured in `--rounds`
-interleaved passes; a setting's step time is the median of all its timed steps.
+Method: each depth setting gets its own engine on the same checkpoint, and `--concurrency`
+requests of `--input-len` random tokens (greedy, EOS ignored, prefix caching off) that are stepped
+until every request has its first token (prefill done), then `--warmup-steps` more steps. Then
+the settings are timed in lockstep: `--decode-steps` times, one decode step of every engine in
+turn (the order rotating), each step timed on its own, so a slow spell of a shared machine hits
+every setting alike. Every request decodes one token per step, so a step's time is also each
+request's per-token latency at this concurrency; a setting's step time is the median of its
+timed steps.
 Predicted compute: the mean `relative_compute` of the requests' depth reports (FLOPs of the
 setting / FLOPs of the plain model over the same tokens; depthserve/models/flops.py).
 
@@ -60,9 +62,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--checkpoint-dir", type=Path, default=DEFAULT_CHECKPOINT_DIR, help="where the checkpoints are built and kept")
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--input-len", type=int, default=128)
-    p.add_argument("--decode-steps", type=int, default=32, help="timed decode steps per setting")
+    p.add_argument("--decode-steps", type=int, default=64, help="timed decode steps per setting")
     p.add_argument("--warmup-steps", type=int, default=2, help="untimed decode steps before them")
-    p.add_argument("--rounds", type=int, default=2, help="passes over all settings, interleaved; samples pooled")
     p.add_argument("--loops", default=None, help="SGT loop counts (default 0..max_loops)")
     p.add_argument("--ratios", default="0,0.25,0.5,0.75,1.0", help="ITT selection ratios (every step the same)")
     p.add_argument("--sgt-layers", default="10,15,20")
@@ -72,13 +73,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto")
     p.add_argument("--threads", type=int, default=None, help="torch threads (CPU)")
-    p.add_argument("--kv-cache-memory-gib", type=float, default=2.0)
+    p.add_argument("--kv-cache-memory-gib", type=float, default=1.0, help="per engine (one engine per setting)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quick", action="store_true", help="input 16, 8 timed steps after 2 warm-up steps, 1 round, ratios 0, 0.5, 1")
+    p.add_argument("--quick", action="store_true", help="input 16, 8 timed steps after 2 warm-up steps, ratios 0, 0.5, 1")
     p.add_argument("--out", default=None, help="result name under bench/results (default: depth-sweep-<device>)")
     ns = p.parse_args(argv)
     if ns.quick:
-        ns.input_len, ns.decode_steps, ns.warmup_steps, ns.rounds, ns.ratios = 16, 8, 2, 1, "0,0.5,1.0"
+        ns.input_len, ns.decode_steps, ns.warmup_steps, ns.ratios = 16, 8, 2, "0,0.5,1.0"
     return ns
 
 
@@ -148,62 +149,64 @@ def max_new_tokens(ns: argparse.Namespace) -> int:
     return prefill_steps + ns.warmup_steps + ns.decode_steps + 2
 
 
-def measure_setting(llm, setting: Setting, prompts: list[list[int]], ns: argparse.Namespace, sync) -> dict[str, Any]:
-    """Prefill every request, then time decode steps one by one (see the module docstring)."""
-    from depthserve import DepthParams, SamplingParams
+class SettingRun:
+    """One depth setting's batch on its own engine: prefill, then decode steps timed one by one."""
 
-    engine = llm.engine
-    params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens(ns), ignore_eos=True)
-    depth = DepthParams(**setting.knobs)
-    ids = [f"{setting.name}-{i}" for i in range(len(prompts))]
-    for request_id, prompt in zip(ids, prompts):
-        engine.add_request(request_id, prompt, params, depth)
-    latest: dict[str, Any] = {}
+    def __init__(self, llm, setting: Setting, prompts: list[list[int]], ns: argparse.Namespace, sync):
+        from depthserve import DepthParams, SamplingParams
 
-    def step() -> None:
-        for out in engine.step():
-            latest[out.request_id] = out
-
-    def tokens() -> list[int]:
-        return [len(latest[r].token_ids) if r in latest else 0 for r in ids]
-
-    preemptions_before = engine.stats()["num_preemptions"]
-    try:
-        prefill_start = time.perf_counter()
-        while min(tokens()) < 1:
-            step()
-        prefill_s = time.perf_counter() - prefill_start
+        self.engine, self.setting, self.sync = llm.engine, setting, sync
+        self.ids = [f"{setting.name}-{i}" for i in range(len(prompts))]
+        self.latest: dict[str, Any] = {}
+        self.samples: list[float] = []
+        params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens(ns), ignore_eos=True)
+        for request_id, prompt in zip(self.ids, prompts):
+            self.engine.add_request(request_id, prompt, params, DepthParams(**setting.knobs))
+        self.preemptions_before = self.engine.stats()["num_preemptions"]
+        start = time.perf_counter()
+        while min(self._tokens()) < 1:
+            self._step()
+        self.prefill_s = time.perf_counter() - start
         for _ in range(ns.warmup_steps):
-            step()
-        samples = []
-        for _ in range(ns.decode_steps):
-            before = tokens()
-            samples.append(common.timed(step, sync))
-            if [b + 1 for b in before] != tokens():
-                raise RuntimeError(f"{setting.name}: a timed step did not decode one token for every request")
-    finally:
-        for request_id in ids:  # the abort's output carries the request's depth report
-            aborted = engine.abort_request(request_id)
+            self._step()
+
+    def _step(self) -> None:
+        for out in self.engine.step():
+            self.latest[out.request_id] = out
+
+    def _tokens(self) -> list[int]:
+        return [len(self.latest[r].token_ids) if r in self.latest else 0 for r in self.ids]
+
+    def timed_step(self) -> None:
+        before = self._tokens()
+        self.samples.append(common.timed(self._step, self.sync))
+        if [b + 1 for b in before] != self._tokens():
+            raise RuntimeError(f"{self.setting.name}: a timed step did not decode one token for every request")
+
+    def finish(self) -> dict[str, Any]:
+        """Abort the batch (the abort's output carries each request's depth report); the setting's row."""
+        for request_id in self.ids:
+            aborted = self.engine.abort_request(request_id)
             if aborted is not None:
-                latest[request_id] = aborted
-    reports = [latest[r].depth or {} for r in ids]
-    step_ms = 1000 * statistics.median(samples)
-    row = {
-        "setting": setting.name,
-        "knobs": setting.knobs,
-        "is_baseline": setting.is_baseline,
-        "concurrency": len(prompts),
-        "step_ms": step_ms,
-        "per_token_latency_ms": step_ms,
-        "decode_tok_s": len(prompts) / (step_ms / 1000),
-        "step_ms_samples": [1000 * s for s in samples],
-        "prefill_s": prefill_s,
-        "preemptions": engine.stats()["num_preemptions"] - preemptions_before,
-        "relative_compute": statistics.fmean(r.get("relative_compute", 1.0) for r in reports),
-    }
-    if reports and reports[0].get("architecture") == "itt":
-        row.update(itt_selection(reports))
-    return row
+                self.latest[request_id] = aborted
+        reports = [self.latest[r].depth or {} for r in self.ids]
+        step_ms = 1000 * statistics.median(self.samples)
+        row = {
+            "setting": self.setting.name,
+            "knobs": self.setting.knobs,
+            "is_baseline": self.setting.is_baseline,
+            "concurrency": len(self.ids),
+            "step_ms": step_ms,
+            "per_token_latency_ms": step_ms,
+            "decode_tok_s": len(self.ids) / (step_ms / 1000),
+            "step_ms_samples": [1000 * x for x in self.samples],
+            "prefill_s": self.prefill_s,
+            "preemptions": self.engine.stats()["num_preemptions"] - self.preemptions_before,
+            "relative_compute": statistics.fmean(r.get("relative_compute", 1.0) for r in reports),
+        }
+        if reports and reports[0].get("architecture") == "itt":
+            row.update(itt_selection(reports))
+        return row
 
 
 def itt_selection(reports: list[dict]) -> dict[str, Any]:
@@ -227,13 +230,16 @@ def sweep_checkpoint(arch: str, ns: argparse.Namespace) -> dict[str, Any]:
     from depthserve import LLM
 
     path = ensure_checkpoint(arch, ns)
-    llm = LLM(str(path), dtype=ns.dtype, device=ns.device, num_threads=ns.threads, max_num_seqs=ns.concurrency,
-              enable_prefix_caching=False, kv_cache_memory_gib=ns.kv_cache_memory_gib,
-              max_num_batched_tokens=STEP_TOKEN_BUDGET, max_model_len=ns.input_len + max_new_tokens(ns) + 16,
-              load_progress=False)
-    engine = llm.engine
+
+    def engine_llm():
+        return LLM(str(path), dtype=ns.dtype, device=ns.device, num_threads=ns.threads, max_num_seqs=ns.concurrency,
+                   enable_prefix_caching=False, kv_cache_memory_gib=ns.kv_cache_memory_gib,
+                   max_num_batched_tokens=STEP_TOKEN_BUDGET, max_model_len=ns.input_len + max_new_tokens(ns) + 16,
+                   load_progress=False)
+
+    first = engine_llm()
+    engine, model = first.engine, first.engine.model
     sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
-    model = engine.model
     if arch == "sgt":
         settings = sgt_settings(int(model.depth_knobs()["loops"].maximum), ns.loops)
     elif arch == "itt":
@@ -242,14 +248,19 @@ def sweep_checkpoint(arch: str, ns: argparse.Namespace) -> dict[str, Any]:
         (name, knob), = model.depth_knobs().items()
         settings = range_settings(name, int(knob.minimum), int(knob.maximum))
     prompts = common.random_prompts(ns.concurrency, ns.input_len, engine.vocab_size, ns.seed)
-    measure_setting(llm, settings[0], prompts, ns, sync)  # warm-up (allocations, kernel choice)
-    rounds: list[list[dict]] = []
-    for round_index in range(ns.rounds):  # settings interleaved: a slow spell of the machine hits all of them
-        rounds.append([measure_setting(llm, setting, prompts, ns, sync) for setting in settings])
-        for row in rounds[-1]:
-            print(f"[round {round_index + 1}/{ns.rounds}] " + format_row(arch, row), flush=True)
-    rows = [pool_rounds([r[i] for r in rounds]) for i in range(len(settings))]
-    baseline_again = measure_setting(llm, settings[0], prompts, ns, sync)  # drift check
+    warm = SettingRun(first, settings[0], prompts, ns, sync)  # warm-up (allocations, kernel choice)
+    warm.timed_step()
+    warm.finish()
+    # Lockstep: one engine per setting, all prefilled, then their timed decode steps taken in turn
+    # (the order rotating every step), so a slow spell of the machine hits every setting alike.
+    runs = [SettingRun(first if i == 0 else engine_llm(), setting, prompts, ns, sync)
+            for i, setting in enumerate(settings)]
+    for step in range(ns.decode_steps):
+        for k in range(len(runs)):
+            runs[(step + k) % len(runs)].timed_step()
+    rows = [run.finish() for run in runs]
+    for row in rows:
+        print(format_row(arch, row), flush=True)
     cfg = model.config
     return {
         "arch": arch,
@@ -258,20 +269,10 @@ def sweep_checkpoint(arch: str, ns: argparse.Namespace) -> dict[str, Any]:
         "num_layers": getattr(cfg, "num_layers", None),
         "device": str(engine.device),
         "dtype": str(engine.dtype).replace("torch.", ""),
+        "method": "lockstep: one engine per setting, timed decode steps of all settings taken in turn",
         "rows": rows,
-        "baseline_repeat_step_ms": baseline_again["step_ms"],
         "derived": derive(arch, rows, cfg, model, ns.concurrency),
     }
-
-
-def pool_rounds(rows: list[dict]) -> dict[str, Any]:
-    """One setting's rounds as one row: the median over every round's timed steps."""
-    samples = [x for row in rows for x in row["step_ms_samples"]]
-    step_ms = statistics.median(samples)
-    return {**rows[-1], "step_ms": step_ms, "per_token_latency_ms": step_ms,
-            "decode_tok_s": rows[0]["concurrency"] / (step_ms / 1000), "step_ms_samples": samples,
-            "round_step_ms": [row["step_ms"] for row in rows], "prefill_s": [row["prefill_s"] for row in rows],
-            "preemptions": sum(row["preemptions"] for row in rows)}
 
 
 def format_row(arch: str, row: dict) -> str:
