@@ -6,6 +6,7 @@ x' = h + W_down · (SiLU(W_gate · RMSNorm_m(h)) ⊙ W_up · RMSNorm_m(h))
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -148,29 +149,44 @@ class LlamaForCausalLM(nn.Module):
     # ---- weights ----------------------------------------------------------------------------
     def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
         """Load Hugging Face Llama names, fusing q/k/v and gate/up."""
-        cfg = self.config
         get = lambda name: weights.pop(name)  # noqa: E731
         with torch.no_grad():
-            self.embed_tokens.weight.copy_(get("model.embed_tokens.weight"))
-            self.norm.weight.copy_(get("model.norm.weight"))
-            head = weights.pop("lm_head.weight", None)
-            if head is None or cfg.tie_word_embeddings:
-                self.lm_head.weight = self.embed_tokens.weight
-            else:
-                self.lm_head.weight.copy_(head)
+            load_embeddings_and_head(self, weights, get)
             for i, layer in enumerate(self.layers):
-                p = f"model.layers.{i}."
-                attn = layer.self_attn
-                attn.qkv_proj.weight.copy_(torch.cat([get(p + f"self_attn.{n}_proj.weight") for n in "qkv"]))
-                if cfg.attention_bias:
-                    attn.qkv_proj.bias.copy_(torch.cat([get(p + f"self_attn.{n}_proj.bias") for n in "qkv"]))
-                attn.o_proj.weight.copy_(get(p + "self_attn.o_proj.weight"))
-                layer.mlp.gate_up_proj.weight.copy_(
-                    torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
-                )
-                layer.mlp.down_proj.weight.copy_(get(p + "mlp.down_proj.weight"))
-                layer.input_layernorm.weight.copy_(get(p + "input_layernorm.weight"))
-                layer.post_attention_layernorm.weight.copy_(get(p + "post_attention_layernorm.weight"))
+                load_decoder_layer(layer, get, f"model.layers.{i}.", self.config.attention_bias)
         leftover = [k for k in weights if not k.endswith("rotary_emb.inv_freq")]
         if leftover:
             raise ValueError(f"unexpected weights in checkpoint: {leftover[:5]}")
+
+
+# ---- weight loading pieces shared by the models built from Llama layers --------------------------
+Getter = Callable[[str], torch.Tensor]  # pops a named tensor from the checkpoint (or raises)
+
+
+def load_embeddings_and_head(model: nn.Module, weights: dict[str, torch.Tensor], get: Getter) -> None:
+    """Token embeddings, the final norm and the LM head (tied to the embeddings when the checkpoint
+    says so or has no head)."""
+    model.embed_tokens.weight.copy_(get("model.embed_tokens.weight"))
+    model.norm.weight.copy_(get("model.norm.weight"))
+    head = weights.pop("lm_head.weight", None)
+    if head is None or model.config.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    else:
+        model.lm_head.weight.copy_(head)
+
+
+def load_attention(attn: LlamaAttention, get: Getter, prefix: str, bias: bool) -> None:
+    """q/k/v fused into qkv_proj (and their biases if the model has them), and o_proj."""
+    attn.qkv_proj.weight.copy_(torch.cat([get(prefix + f"self_attn.{n}_proj.weight") for n in "qkv"]))
+    if bias:
+        attn.qkv_proj.bias.copy_(torch.cat([get(prefix + f"self_attn.{n}_proj.bias") for n in "qkv"]))
+    attn.o_proj.weight.copy_(get(prefix + "self_attn.o_proj.weight"))
+
+
+def load_decoder_layer(layer: LlamaDecoderLayer, get: Getter, prefix: str, bias: bool) -> None:
+    """One Llama decoder layer under `prefix` (e.g. "model.layers.3.")."""
+    load_attention(layer.self_attn, get, prefix, bias)
+    layer.mlp.gate_up_proj.weight.copy_(torch.cat([get(prefix + "mlp.gate_proj.weight"), get(prefix + "mlp.up_proj.weight")]))
+    layer.mlp.down_proj.weight.copy_(get(prefix + "mlp.down_proj.weight"))
+    layer.input_layernorm.weight.copy_(get(prefix + "input_layernorm.weight"))
+    layer.post_attention_layernorm.weight.copy_(get(prefix + "post_attention_layernorm.weight"))

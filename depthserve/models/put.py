@@ -40,7 +40,14 @@ from depthserve.layers.norm import RMSNorm
 from depthserve.layers.rotary import rope_tables
 from depthserve.loading.checkpoint import FORMAT_VERSION, CheckpointFormatError
 from depthserve.models.flops import attention_flops, layer_weight_flops, plain_flops
-from depthserve.models.llama import LlamaAttention, LlamaConfig, LlamaDecoderLayer
+from depthserve.models.llama import (
+    LlamaAttention,
+    LlamaConfig,
+    LlamaDecoderLayer,
+    load_attention,
+    load_decoder_layer,
+    load_embeddings_and_head,
+)
 
 ARCHITECTURE = "put"
 
@@ -417,30 +424,16 @@ class PUTForCausalLM(nn.Module):
                 raise CheckpointFormatError(f"{source}: PUT weight {name} is missing")
             return weights.pop(name)
 
-        def load_attention(attn, p):
-            attn.qkv_proj.weight.copy_(torch.cat([get(p + f"self_attn.{n}_proj.weight") for n in "qkv"]))
-            attn.o_proj.weight.copy_(get(p + "self_attn.o_proj.weight"))
-
+        bias = self.config.attention_bias
         with torch.no_grad():
-            self.embed_tokens.weight.copy_(get("model.embed_tokens.weight"))
-            self.norm.weight.copy_(get("model.norm.weight"))
-            head = weights.pop("lm_head.weight", None)
-            if head is None or self.config.tie_word_embeddings:
-                self.lm_head.weight = self.embed_tokens.weight
-            else:
-                self.lm_head.weight.copy_(head)
+            load_embeddings_and_head(self, weights, get)
             plain = [(layer, prefix_layer(i)) for i, layer in enumerate(self.prefix_layers)] + \
                     [(layer, suffix_layer(i)) for i, layer in enumerate(self.suffix_layers)]
             for layer, p in plain:
-                load_attention(layer.self_attn, p)
-                layer.mlp.gate_up_proj.weight.copy_(torch.cat([get(p + "mlp.gate_proj.weight"),
-                                                               get(p + "mlp.up_proj.weight")]))
-                layer.mlp.down_proj.weight.copy_(get(p + "mlp.down_proj.weight"))
-                layer.input_layernorm.weight.copy_(get(p + "input_layernorm.weight"))
-                layer.post_attention_layernorm.weight.copy_(get(p + "post_attention_layernorm.weight"))
+                load_decoder_layer(layer, get, p, bias)
             for j, layer in enumerate(self.core_layers):
                 p = core_layer(j)
-                load_attention(layer.self_attn, p)
+                load_attention(layer.self_attn, get, p, bias)
                 layer.gate_up_proj.weight.copy_(torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]))
                 layer.down_proj.weight.copy_(get(p + "mlp.down_proj.weight"))
                 layer.input_layernorm.weight.copy_(get(p + "input_layernorm.weight"))
