@@ -271,7 +271,9 @@ class OpenAIServing:
                     start = sent_tokens.get(key, 0)
                     pairs = list(zip(comp.token_ids[start:], (comp.logprobs or [])[start:]))
                     # Offsets count from the start of prompt + completion, as in a non-streamed response.
-                    position = offsets.setdefault(key, len(self._prompt_text(jobs[i])))
+                    if key not in offsets:  # decode a token-id prompt once, not on every chunk
+                        offsets[key] = len(self._prompt_text(jobs[i]))
+                    position = offsets[key]
                     logprobs = self._completion_logprobs(pairs, position, req.logprobs)
                     offsets[key] = position + sum(len(t) for t in logprobs["tokens"])
                 sent_tokens[key] = len(comp.token_ids)
