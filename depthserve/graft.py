@@ -27,7 +27,14 @@ from typing import Any
 import torch
 
 from depthserve.errors import DepthServeError
-from depthserve.loading.checkpoint import LlamaSpec, SGTLayer, SGTSpec, depth_section, read_depth_spec, write_config
+from depthserve.loading.checkpoint import (
+    LlamaSpec,
+    SGTLayer,
+    SGTSpec,
+    depth_section,
+    read_depth_spec,
+    write_checkpoint,
+)
 
 GRAFT_FILE = "graft.json"
 DEFAULT_MAX_LEN = 512
@@ -217,21 +224,14 @@ def graft_config(source: SourceModel, spec: SGTSpec) -> dict[str, Any]:
 
 
 def write_graft(source: SourceModel, out: str | Path, spec: SGTSpec, metadata: dict[str, Any]) -> Path:
-    from safetensors.torch import save_file
-
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise GraftError(f"--out {out} exists and is not a directory")
-    out.mkdir(parents=True, exist_ok=True)
     cfg = graft_config(source, spec)
     weights = dict(source.weights)
     if cfg["tie_word_embeddings"]:
         weights.pop("lm_head.weight", None)  # the tied head is the embedding
-    for stale in out.glob("*.safetensors"):  # every *.safetensors of a checkpoint is read
-        stale.unlink()
-    save_file({k: v.contiguous() for k, v in weights.items()}, str(out / "model.safetensors"))
-    write_config(out, cfg)
-    source.tokenizer.save_pretrained(str(out))  # tokenizer files + chat template
+    write_checkpoint(out, cfg, weights, source.tokenizer)  # tokenizer files carry the chat template
     (out / GRAFT_FILE).write_text(json.dumps(metadata, indent=2) + "\n")
     return out
 

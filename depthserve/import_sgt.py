@@ -36,7 +36,7 @@ from depthserve.loading.checkpoint import (
     SGTLayer,
     SGTSpec,
     depth_section,
-    write_config,
+    write_checkpoint,
 )
 
 WTE = "transformer.wte.weight"
@@ -498,8 +498,6 @@ def import_sgt(ckpt: str | Path, out: str | Path, tokenizer: str | None = None,
                max_loops: int | None = None) -> ImportResult:
     """Convert the SGT/OLMo checkpoint `ckpt` (a directory or a weight file) into a native SGT
     checkpoint directory `out`. Raises UnsupportedCheckpointError (naming the key) on refusal."""
-    from safetensors.torch import save_file
-
     ckpt, out = Path(ckpt), Path(out)
     if not ckpt.exists():
         raise UnsupportedCheckpointError(str(ckpt), "does not exist")
@@ -522,12 +520,7 @@ def import_sgt(ckpt: str | Path, out: str | Path, tokenizer: str | None = None,
                            "pass the model's own tokenizer")
     dtype = str(weights["model.embed_tokens.weight"].dtype).removeprefix("torch.")
     config = native_config(cfg, shape, spec, tok, dtype)
-    out.mkdir(parents=True, exist_ok=True)
-    for stale in out.glob("*.safetensors"):
-        stale.unlink()
-    save_file(weights, str(out / "model.safetensors"))
-    write_config(out, config)
-    tok.save_pretrained(str(out))
+    write_checkpoint(out, config, weights, tok)
     return ImportResult(out, spec, shape, notes)
 
 

@@ -29,7 +29,7 @@ from depthserve.loading.checkpoint import (
     itt_router_weight,
     itt_step_encoding,
     write_calibration,
-    write_config,
+    write_checkpoint,
 )
 
 TINY_ARCHITECTURES = ("llama", "sgt", "itt", "dreamer", "put", "saobp")
@@ -249,19 +249,6 @@ def base_config(tokenizer, shapes: dict[str, Any], tied: bool) -> dict[str, Any]
         "eos_token_id": tokenizer.eos_token_id,
         "torch_dtype": "float32",
     }
-
-
-def write_checkpoint(out: Path, cfg: dict[str, Any], weights: dict, tokenizer) -> Path:
-    """Write config.json, model.safetensors (replacing any older weight files) and the tokenizer."""
-    from safetensors.torch import save_file
-
-    out.mkdir(parents=True, exist_ok=True)
-    for stale in out.glob("*.safetensors"):
-        stale.unlink()
-    save_file(weights, str(out / "model.safetensors"))
-    write_config(out, cfg)
-    tokenizer.save_pretrained(str(out))
-    return out
 
 
 def synthetic_streams(vocab_size: int, windows: int, length: int, seed: int) -> torch.Tensor:

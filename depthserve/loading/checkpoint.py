@@ -273,6 +273,20 @@ def write_config(path: Path, hf_config: dict[str, Any]) -> None:
     (path / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
 
 
+def write_checkpoint(out: Path, cfg: dict[str, Any], weights: dict, tokenizer) -> Path:
+    """Write a checkpoint directory: config.json, model.safetensors (every older *.safetensors
+    removed first, since a checkpoint's weight files are all read) and the tokenizer files."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in out.glob("*.safetensors"):
+        stale.unlink()
+    save_file({name: t.contiguous() for name, t in weights.items()}, str(out / "model.safetensors"))
+    write_config(out, cfg)
+    tokenizer.save_pretrained(str(out))
+    return out
+
+
 def write_calibration(path: Path, tables: dict[int, Any], metadata: dict[str, Any]) -> None:
     """Write the quantile table file and record its metadata in config.json."""
     from safetensors.torch import save_file

@@ -646,8 +646,8 @@ def random_weights(cfg: dict, spec: DreamerSpec, gen: torch.Generator) -> dict[s
 def make_tiny(out: Path, seed: int = 0, like: str | None = None, num_kv_heads: int | None = None, tokenizer=None,
               **options) -> Path:
     """A random Dreamer checkpoint (options: depth, attn_experts, da_rope, num_experts, top_k)."""
-    from depthserve.loading.checkpoint import depth_section
-    from depthserve.tiny import base_config, load_default_tokenizer, model_shapes, write_checkpoint
+    from depthserve.loading.checkpoint import depth_section, write_checkpoint
+    from depthserve.tiny import base_config, load_default_tokenizer, model_shapes
 
     shapes = model_shapes(like, num_kv_heads)
     spec = tiny_spec(like, **options)

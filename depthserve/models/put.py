@@ -139,8 +139,8 @@ def make_tiny(out: Path, seed: int = 0, like: str | None = None, num_kv_heads: i
               **layout: int) -> Path:
     """A random PUT checkpoint: TINY shapes (or `like`'s) with TINY_LAYOUT (or LIKE_LAYOUT[like]);
     `layout` overrides any of n_prefix, n_core, n_suffix, steps, conv_kernel."""
-    from depthserve.tiny import (base_config, llama_weights, load_default_tokenizer, model_shapes, normal_sampler,
-                                 write_checkpoint)
+    from depthserve.loading.checkpoint import write_checkpoint
+    from depthserve.tiny import base_config, llama_weights, load_default_tokenizer, model_shapes, normal_sampler
 
     if like and like not in LIKE_LAYOUT:
         raise ValueError(f"--like must be one of {sorted(LIKE_LAYOUT)}")

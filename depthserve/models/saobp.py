@@ -123,7 +123,8 @@ def make_tiny(out: Path, seed: int = 0, like: str | None = None, num_kv_heads: i
 
     The tiny default context is 8192 tokens (long-context tests); lambda defaults to 1 so that
     the bias visibly changes the outputs (the paper trains with 0.05-0.2)."""
-    from depthserve.tiny import base_config, load_default_tokenizer, model_shapes, random_weights, write_checkpoint
+    from depthserve.loading.checkpoint import write_checkpoint
+    from depthserve.tiny import base_config, load_default_tokenizer, model_shapes, random_weights
 
     shapes = model_shapes(like, num_kv_heads)
     if not like:
