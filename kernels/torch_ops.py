@@ -79,8 +79,11 @@ def paged_prefill_attention(
     keys = gather_kv(k_pages, page_table[None])[0, :, :context_len]
     values = gather_kv(v_pages, page_table[None])[0, :, :context_len]
     start = context_len - num_queries
-    query = q.transpose(0, 1).to(keys.dtype)  # [heads, n, d]
-    gqa = q.shape[1] != keys.shape[0]
+    # 4-d inputs (a batch of one): on CPU only those reach SDPA's flash kernel; 3-d ones take
+    # the unfused math path, 1.5-2x slower at prompt-chunk sizes.
+    query = q.transpose(0, 1).to(keys.dtype)[None]  # [1, heads, n, d]
+    keys, values = keys[None], values[None]
+    gqa = q.shape[1] != keys.shape[1]
     if start == 0:
         out = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale, enable_gqa=gqa)
     else:
@@ -88,7 +91,7 @@ def paged_prefill_attention(
         query_pos = torch.arange(start, context_len, device=q.device)
         mask = key_pos[None, :] <= query_pos[:, None]
         out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa)
-    return out.transpose(0, 1)
+    return out[0].transpose(0, 1)
 
 
 def paged_prefill_attention_varlen(
