@@ -102,11 +102,6 @@ def timed(fn: Callable[[], object], sync: Callable[[], None] = lambda: None) -> 
     return time.perf_counter() - start
 
 
-def median_time(fn: Callable[[], object], repeats: int, sync: Callable[[], None] = lambda: None) -> tuple[float, list[float]]:
-    samples = [timed(fn, sync) for _ in range(repeats)]
-    return statistics.median(samples), samples
-
-
 def write_result(name: str, payload: dict) -> Path:
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     path = RESULTS_DIR / f"{name}.json"

@@ -8,12 +8,14 @@ Method (the same for both systems): a batch of `concurrency` prompts of `input_l
 tokens is generated greedily with EOS ignored, once with 1 new token and once with
 `output_len + 1`. Prefill tokens/s = prompt tokens / t(1). Decode tokens/s =
 concurrency * output_len / (t(output_len + 1) - t(1)), so prefill is subtracted out the same
-way for both. Each time is the median of `--repeats` runs after one warm-up run.
+way for both. Each time is the median of `--repeats` runs after one warm-up run; the two
+systems take turns within each repeat, so a slow spell of the machine hits both.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 from pathlib import Path
 
@@ -84,22 +86,37 @@ class HFRunner:
         assert out.shape[1] == ids.shape[1] + new_tokens
 
 
-def measure(runner, prompts: list[list[int]], output_len: int, repeats: int, sync) -> dict:
-    runner.generate(prompts, output_len + 1)  # warm-up (allocations, kernel choice)
-    t_first, first_samples = common.median_time(lambda: runner.generate(prompts, 1), repeats, sync)
-    t_full, full_samples = common.median_time(lambda: runner.generate(prompts, output_len + 1), repeats, sync)
-    concurrency, input_len = len(prompts), len(prompts[0])
+def measure(runners: list, prompts: list[list[int]], output_len: int, repeats: int, sync) -> dict[str, dict]:
+    """Time every runner on the same prompts, the runners taking turns within each repeat.
+
+    Taking turns (engine, transformers, engine, ...) rather than timing one system's repeats
+    and then the other's keeps a slow spell of the machine from landing on one side only.
+    """
+    for runner in runners:
+        runner.generate(prompts, output_len + 1)  # warm-up (allocations, kernel choice)
+    first = {runner.name: [] for runner in runners}
+    full = {runner.name: [] for runner in runners}
+    for _ in range(repeats):
+        for runner in runners:
+            first[runner.name].append(common.timed(lambda: runner.generate(prompts, 1), sync))
+            full[runner.name].append(common.timed(lambda: runner.generate(prompts, output_len + 1), sync))
+    return {runner.name: _figures(runner.name, first[runner.name], full[runner.name], len(prompts), len(prompts[0]),
+                                  output_len) for runner in runners}
+
+
+def _figures(name: str, first: list[float], full: list[float], concurrency: int, input_len: int, output_len: int) -> dict:
+    t_first, t_full = statistics.median(first), statistics.median(full)
     decode_seconds = t_full - t_first
     measured = decode_seconds > 0  # not so after a slow spell of the machine in the 1-token runs
     if not measured:
-        print(f"warning: t({output_len + 1} tokens) <= t(1 token) for {runner.name} at concurrency {concurrency}; "
+        print(f"warning: t({output_len + 1} tokens) <= t(1 token) for {name} at concurrency {concurrency}; "
               "decode not measured (use more --repeats)", file=sys.stderr)
     return {
         "prefill_tok_s": concurrency * input_len / t_first,
         "decode_tok_s": concurrency * output_len / decode_seconds if measured else None,
         "decode_ms_per_step": 1000 * decode_seconds / output_len if measured else None,
-        "t_1_token_s": first_samples,
-        f"t_{output_len + 1}_tokens_s": full_samples,
+        "t_1_token_s": first,
+        f"t_{output_len + 1}_tokens_s": full,
     }
 
 
@@ -116,10 +133,11 @@ def main(argv: list[str] | None = None) -> int:
     for concurrency in batch_sizes:
         prompts = common.random_prompts(concurrency, ns.input_len, engine.vocab_size, ns.seed + concurrency)
         row: dict = {"concurrency": concurrency}
-        e = measure(engine, prompts, ns.output_len, ns.repeats, sync)
+        figures = measure([engine] + ([hf] if hf is not None else []), prompts, ns.output_len, ns.repeats, sync)
+        e = figures["engine"]
         row.update({"engine_decode_tok_s": e["decode_tok_s"], "engine_prefill_tok_s": e["prefill_tok_s"]})
         if hf is not None:
-            h = measure(hf, prompts, ns.output_len, ns.repeats, sync)
+            h = figures["hf"]
             row.update({
                 "hf_decode_tok_s": h["decode_tok_s"], "hf_prefill_tok_s": h["prefill_tok_s"],
                 "decode_ratio": e["decode_tok_s"] / h["decode_tok_s"] if e["decode_tok_s"] and h["decode_tok_s"] else None,
