@@ -13,7 +13,9 @@ for exactly `--output-len` tokens (greedy, `ignore_eos`), streamed back over SSE
 Arrivals: for each rate R of `--request-rate` (requests/s; 'inf' sends everything at once),
 inter-arrival gaps are exponential (`--arrival poisson`, the default) or exactly 1/R
 (`--arrival constant`). `--max-concurrency C` caps the requests in flight (with rate inf:
-a fixed-concurrency run). One warm-up request runs before the measurements.
+a fixed-concurrency run). One warm-up request runs before the measurements, and the server's
+prefix cache is emptied (POST /reset_prefix_cache) before each rate: every rate sends the same
+prompts, and without the reset the later rates would find them cached.
 
 Per request (times from the moment the request is sent):
     TTFT  time to the first streamed chunk that carries text
@@ -356,13 +358,25 @@ async def benchmark(base_url: str, ns: argparse.Namespace) -> dict[str, Any]:
                 raise SystemExit(f"the warm-up request failed: {warm.error}")
         runs = []
         for rate in ns.rates:
+            cold = await reset_prefix_cache(client)
             results, duration = await run_at_rate(client, bodies, rate, ns)
             summary = summarize_run(results, duration, ns)
             print(format_summary(rate, summary), flush=True)
-            runs.append({"request_rate": rate if rate != float("inf") else "inf", "summary": summary,
-                         "requests": [r.as_dict() for r in results]})
+            runs.append({"request_rate": rate if rate != float("inf") else "inf", "prefix_cache_reset": cold,
+                         "summary": summary, "requests": [r.as_dict() for r in results]})
     server = next((m for m in models if m["id"] == model_id), models[0])
     return {"model_id": model_id, "server_model": server, "runs": runs}
+
+
+async def reset_prefix_cache(client: httpx.AsyncClient) -> bool:
+    """Empty the server's prefix cache, so a rate does not reuse the prompt blocks of the one before."""
+    reply = await client.post("/reset_prefix_cache")
+    if reply.status_code == 404:
+        print("note: the server has no /reset_prefix_cache; each rate after the first may hit its prefix cache",
+              flush=True)
+        return False
+    reply.raise_for_status()
+    return True
 
 
 def format_summary(rate: float, s: dict[str, Any]) -> str:

@@ -86,6 +86,10 @@ class LLM:
         ids = self.apply_chat_template(messages)
         return self.generate([ids], sampling_params, depth)[0]
 
+    def reset_prefix_cache(self) -> None:
+        """Forget the cached prompt prefixes (e.g. between benchmark runs over the same prompts)."""
+        self.engine.reset_prefix_cache()
+
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
         if self.tokenizer.chat_template is None:
             raise InvalidRequestError("this model has no chat template")

@@ -98,6 +98,11 @@ def build_app(llm: AsyncLLM, served_model_name: str | None = None, api_key: str 
     async def prometheus():
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache():
+        await llm.reset_prefix_cache()
+        return {"status": "ok"}
+
     @app.get("/v1/models")
     async def models():
         return serving.list_models()
@@ -132,7 +137,7 @@ def build_app(llm: AsyncLLM, served_model_name: str | None = None, api_key: str 
 
 
 class RequestIdAndAuth:
-    """Keeps (or makes) the request id, echoes it in X-Request-Id, logs it; checks the API key on /v1/*."""
+    """Keeps (or makes) the request id, echoes it in X-Request-Id, logs it; checks the API key (_needs_key)."""
 
     def __init__(self, app, api_key: str | None):
         self.app = app
@@ -152,12 +157,17 @@ class RequestIdAndAuth:
                 message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id.encode("latin-1"))]
             await send(message)
 
-        if self.api_key and scope["path"].startswith("/v1") and not _authorized(headers, self.api_key):
+        if self.api_key and _needs_key(scope["path"]) and not _authorized(headers, self.api_key):
             response = _error(401, "missing or wrong API key (Authorization: Bearer ...)", "authentication_error")
             await response(scope, receive, send_with_id)
         else:
             await self.app(scope, receive, send_with_id)
         logger.info("%s %s %s -> %s", request_id, scope.get("method"), scope["path"], status[0] if status else "-")
+
+
+def _needs_key(path: str) -> bool:
+    """The API and the admin routes; /health, /metrics and the tokenizer routes stay open."""
+    return path.startswith("/v1") or path == "/reset_prefix_cache"
 
 
 def _authorized(headers: dict[str, str], api_key: str) -> bool:

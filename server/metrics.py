@@ -35,7 +35,12 @@ class _EngineCollector:
         by_kind = GaugeMetricFamily("depthserve_kv_bytes_used", "KV cache bytes in use by cache kind", labels=["kind"])
         for kind, used in stats["kv_bytes_used_by_kind"].items():
             by_kind.add_metric([kind], used)
-        yield from (running, waiting, preemptions, pages, total, by_kind)
+        queries = CounterMetricFamily("depthserve_prefix_cache_queries",
+                                      "Full prompt blocks looked up in the prefix cache since start")
+        queries.add_metric([], stats["prefix_cache_queries"])
+        hits = CounterMetricFamily("depthserve_prefix_cache_hits", "Prompt blocks found in the prefix cache since start")
+        hits.add_metric([], stats["prefix_cache_hits"])
+        yield from (running, waiting, preemptions, pages, total, by_kind, queries, hits)
         if "last_step_cache_bytes_by_kind" in stats:  # caches that live for one step (Dreamer depth cache)
             step_cache = GaugeMetricFamily("depthserve_step_cache_bytes",
                                            "Peak bytes of step-lived caches in the last step, by cache kind",

@@ -218,6 +218,30 @@ def test_open_endpoints_models_tokenize_and_metrics(server, offline):
         assert name in families
 
 
+def test_reset_prefix_cache_makes_a_repeated_prompt_miss(server, offline):
+    base, llm = server
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    prompt = offline.tokenizer.encode("The history of the printing press " * 12, add_special_tokens=False)
+    assert len(prompt) > 3 * llm.engine.args.block_size
+
+    def new_hits() -> float:
+        before = metric_value(base, "depthserve_prefix_cache_hits_total")
+        reply = httpx.post(f"{base}/v1/completions", headers=auth,
+                           json={"model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0.0})
+        assert reply.status_code == 200
+        wait_idle(llm)
+        return metric_value(base, "depthserve_prefix_cache_hits_total") - before
+
+    new_hits()
+    assert new_hits() >= 3  # the same prompt again: its full blocks are cached
+    assert httpx.post(f"{base}/reset_prefix_cache").status_code == 401  # behind the API key like the API
+    reset = httpx.post(f"{base}/reset_prefix_cache", headers=auth)
+    assert reset.status_code == 200 and reset.json() == {"status": "ok"}
+    assert new_hits() == 0  # nothing left to hit
+    assert new_hits() >= 3  # and cached again from then on
+    assert _pages_used(llm) == 0
+
+
 def _arc_questions(count: int) -> list[dict]:
     from tests.conftest import shared_data_file
 

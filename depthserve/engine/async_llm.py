@@ -38,7 +38,7 @@ class _Stream:
     arrival: float = field(default_factory=time.monotonic)
 
 
-_ADD, _ABORT, _STOP = "add", "abort", "stop"
+_ADD, _ABORT, _STOP, _RESET_PREFIX_CACHE = "add", "abort", "stop", "reset_prefix_cache"
 
 
 class AsyncLLM:
@@ -120,6 +120,15 @@ class AsyncLLM:
 
     async def abort(self, request_id: str) -> None:
         self._send((_ABORT, request_id))
+
+    async def reset_prefix_cache(self) -> None:
+        """Forget the cached prefix blocks no request holds, on the engine thread between steps."""
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine loop has stopped: {self._dead!r}")
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        self._send((_RESET_PREFIX_CACHE, lambda: loop.call_soon_threadsafe(done.set_result, None)))
+        await done
 
     def _open(self, request_id: str) -> _Stream:
         if self._dead is not None:
@@ -204,6 +213,10 @@ class AsyncLLM:
                 for request_id in list(self.engine._requests):
                     self.engine.abort_request(request_id)
                 return False
+            if kind == _RESET_PREFIX_CACHE:
+                self.engine.reset_prefix_cache()
+                command[1]()
+                continue
             if kind == _ABORT:
                 out = self.engine.abort_request(command[1])
                 if out is not None:

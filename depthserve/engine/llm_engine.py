@@ -222,6 +222,10 @@ class LLMEngine:
             self.scheduler.finish(seq, "abort")
         return self._output(request)
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix block that no sequence holds (benchmarks start cold with it)."""
+        self.block_manager.reset_prefix_cache()
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
 
