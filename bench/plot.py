@@ -116,24 +116,21 @@ def plot_serving(payload: dict[str, Any], out: Path) -> list[Path]:
 
 
 # ---- depth sweep --------------------------------------------------------------------------------
+_LAYOUT_LINES = {
+    "sgt": lambda b: (f"SGT loops on layers {b['looped_layers']}, heads {b['head_sets']}, "
+                      f"trained loops {b['loop_counts']}"),
+    "itt": lambda b: f"ITT on {len(b['layers'])} layers, T={b['steps']} steps, trained ratios {b['trained_ratios']}",
+    "dreamer": lambda b: (f"Dreamer, trained depth {b['depth']}, {b['num_experts']} experts top-{b['top_k']}, "
+                          f"depth attention d={b['da_dim']}"),
+    "put": lambda b: (f"PUT, {b['n_prefix']} prefix + {b['n_core']} core x T={b['T']} + {b['n_suffix']} "
+                      f"suffix layers, conv kernel {b['conv_kernel']}"),
+}
+
+
 def depth_layout(spec: dict[str, Any]) -> str:
     """A one-line description of a checkpoint's depth section."""
-    if spec.get("architecture") == "sgt":
-        body = spec["sgt"]
-        return (f"SGT loops on layers {body['looped_layers']}, heads {body['head_sets']}, "
-                f"trained loops {body['loop_counts']}")
-    if spec.get("architecture") == "itt":
-        body = spec["itt"]
-        return f"ITT on {len(body['layers'])} layers, T={body['steps']} steps, trained ratios {body['trained_ratios']}"
-    if spec.get("architecture") == "dreamer":
-        body = spec["dreamer"]
-        return (f"Dreamer, trained depth {body['depth']}, {body['num_experts']} experts top-{body['top_k']}, "
-                f"depth attention d={body['da_dim']}")
-    if spec.get("architecture") == "put":
-        body = spec["put"]
-        return (f"PUT, {body['n_prefix']} prefix + {body['n_core']} core x T={body['T']} + {body['n_suffix']} "
-                f"suffix layers, conv kernel {body['conv_kernel']}")
-    return spec.get("architecture", "?")
+    arch = spec.get("architecture", "?")
+    return _LAYOUT_LINES[arch](spec[arch]) if arch in _LAYOUT_LINES else arch
 
 
 def plot_depth_sweep(payload: dict[str, Any], out: Path) -> list[Path]:

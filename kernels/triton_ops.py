@@ -70,6 +70,13 @@ def _group_scores(q, k, n_mask, scale):
 
 
 @triton.jit
+def _running_logsumexp(m_i, l_i, z):
+    """One key tile of a running log-sum-exp (max and rescaled sum), with no value accumulator."""
+    m_new = tl.maximum(m_i, tl.max(z, axis=1))
+    return m_new, l_i * tl.exp(m_i - m_new) + tl.sum(tl.exp(z - m_new[:, None]), axis=1)
+
+
+@triton.jit
 def _online_softmax(m_i, l_i, acc, z, v):
     """One key tile of the online softmax: running max, sum and weighted value sum."""
     m_new = tl.maximum(m_i, tl.max(z, axis=1))
@@ -416,9 +423,7 @@ def _saobp_decode_kernel(
             kv_offs = _paged_kv_offsets(table_row, t_sblk, max_blocks, pos, n_mask, d, BLOCK_SIZE, HEAD_DIM)
             k = tl.load(k_pages_ptr + kv_offs, mask=n_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
             s = _group_scores(q, k, n_mask, scale)
-            m_new = tl.maximum(m_raw, tl.max(s, axis=1))
-            l_raw = l_raw * tl.exp(m_raw - m_new) + tl.sum(tl.exp(s - m_new[:, None]), axis=1)
-            m_raw = m_new
+            m_raw, l_raw = _running_logsumexp(m_raw, l_raw, s)
         lse_known = m_raw + tl.log(l_raw)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
@@ -440,9 +445,7 @@ def _saobp_decode_kernel(
         if SELF_MESSAGE:
             bias += _log1p(tl.exp(s - lse_known[:, None]) * coef)
         else:
-            m_new = tl.maximum(m_raw, tl.max(s, axis=1))
-            l_raw = l_raw * tl.exp(m_raw - m_new) + tl.sum(tl.exp(s - m_new[:, None]), axis=1)
-            m_raw = m_new
+            m_raw, l_raw = _running_logsumexp(m_raw, l_raw, s)
         m_i, l_i, acc = _online_softmax(m_i, l_i, acc, s + bias, v)
     out = acc / l_i[:, None]
     tl.store(out_ptr + q_offs, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
