@@ -233,6 +233,52 @@ def test_dead_engine_fails_requests_at_once_and_health_turns_503(ckpts):
             assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
 
 
+def test_reset_prefix_cache_fails_instead_of_waiting_when_the_loop_goes(ckpts):
+    """A reset queued behind a step that kills the engine loop, or behind a shutdown, raises
+    EngineDeadError; one that the loop runs returns, and an error inside it reaches the caller only."""
+    from depthserve.errors import EngineDeadError
+
+    async def main():
+        llm, _ = _serve(ckpts["llama"])
+        await llm.reset_prefix_cache()  # a live loop runs it
+
+        real_reset = llm.engine.reset_prefix_cache
+        llm.engine.reset_prefix_cache = lambda: (_ for _ in ()).throw(ValueError("bad reset"))
+        with pytest.raises(ValueError, match="bad reset"):
+            await llm.reset_prefix_cache()
+        assert llm.is_healthy
+        llm.engine.reset_prefix_cache = real_reset
+
+        in_step, fail = asyncio.Event(), asyncio.Event()
+        loop = asyncio.get_running_loop()
+
+        def dying_step():
+            loop.call_soon_threadsafe(in_step.set)
+            asyncio.run_coroutine_threadsafe(fail.wait(), loop).result(timeout=30)
+            raise RuntimeError("simulated device failure")
+
+        llm.engine.step = dying_step
+        stream = llm.add_request("a b c", SamplingParams(max_tokens=8), None, "r0")
+        await asyncio.wait_for(in_step.wait(), 30)
+        reset = asyncio.ensure_future(llm.reset_prefix_cache())  # queued while the step runs
+        await asyncio.sleep(0.05)
+        fail.set()
+        with pytest.raises(EngineDeadError):
+            await asyncio.wait_for(reset, 30)
+        with pytest.raises(EngineDeadError):
+            async for _ in stream:
+                pass
+        with pytest.raises(EngineDeadError):  # after the loop is gone: at once
+            await asyncio.wait_for(llm.reset_prefix_cache(), 30)
+
+        llm, _ = _serve(ckpts["llama"])
+        llm._commands.put(("stop",))  # a stop ahead of the reset in the queue
+        with pytest.raises(EngineDeadError):
+            await asyncio.wait_for(llm.reset_prefix_cache(), 30)
+
+    asyncio.run(main())
+
+
 def test_disconnected_non_streaming_request_is_aborted(ckpts):
     llm, app = _serve(ckpts["llama"], max_model_len=4096)
     with live_server(app) as base:

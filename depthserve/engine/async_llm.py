@@ -14,8 +14,9 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from depthserve.config import EngineArgs
 from depthserve.depth import DepthParams
@@ -38,7 +39,28 @@ class _Stream:
     arrival: float = field(default_factory=time.monotonic)
 
 
-_ADD, _ABORT, _STOP, _RESET_PREFIX_CACHE = "add", "abort", "stop", "reset_prefix_cache"
+@dataclass(eq=False)
+class _Call:
+    """A function for the engine thread to run between steps, and the future awaiting its result."""
+
+    fn: Callable[[], Any]
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+
+    def settle(self, result: Any = None, error: BaseException | None = None) -> None:
+        self.loop.call_soon_threadsafe(_settle_future, self.future, result, error)
+
+
+def _settle_future(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if future.done():  # the awaiting task was cancelled
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
+_ADD, _ABORT, _STOP, _CALL = "add", "abort", "stop", "call"
 
 
 class AsyncLLM:
@@ -53,6 +75,8 @@ class AsyncLLM:
         self._wakeup = threading.Event()
         self._dead: BaseException | None = None
         self._stopping = False
+        self._exited = False  # set by the engine thread on its way out, under _lock
+        self._pending_calls: set[_Call] = set()  # guarded by _lock
         self._stats = self._snapshot()
         self._thread = threading.Thread(target=self._run, name="depthserve-engine", daemon=True)
         self._thread.start()
@@ -123,12 +147,19 @@ class AsyncLLM:
 
     async def reset_prefix_cache(self) -> None:
         """Forget the cached prefix blocks no request holds, on the engine thread between steps."""
-        if self._dead is not None:
-            raise EngineDeadError(f"the engine loop has stopped: {self._dead!r}")
+        await self._call_on_engine_thread(self.engine.reset_prefix_cache)
+
+    async def _call_on_engine_thread(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn` on the engine thread between steps and return its result. Raises
+        EngineDeadError, never waits forever, if the loop is gone or goes before it runs `fn`."""
         loop = asyncio.get_running_loop()
-        done = loop.create_future()
-        self._send((_RESET_PREFIX_CACHE, lambda: loop.call_soon_threadsafe(done.set_result, None)))
-        await done
+        call = _Call(fn, loop, loop.create_future())
+        with self._lock:
+            if self._exited or self._dead is not None:
+                raise EngineDeadError(f"the engine loop has stopped: {self._dead!r}")
+            self._pending_calls.add(call)
+        self._send((_CALL, call))
+        return await call.future
 
     def _open(self, request_id: str) -> _Stream:
         if self._dead is not None:
@@ -177,6 +208,17 @@ class AsyncLLM:
     # ---- the engine thread ----------------------------------------------------------------------
     def _run(self) -> None:
         try:
+            self._loop_until_stopped()
+        finally:
+            with self._lock:
+                self._exited = True
+                orphaned, self._pending_calls = self._pending_calls, set()
+            reason = f"the engine loop failed: {self._dead!r}" if self._dead else "the engine loop has stopped"
+            for call in orphaned:
+                call.settle(error=EngineDeadError(reason))
+
+    def _loop_until_stopped(self) -> None:
+        try:
             while True:
                 if not self._drain_commands():
                     return
@@ -196,6 +238,16 @@ class AsyncLLM:
             for request_id in ids:
                 self._deliver(request_id, EngineDeadError(f"the engine loop failed: {exc!r}"))
 
+    def _run_call(self, call: _Call) -> None:
+        with self._lock:
+            self._pending_calls.discard(call)
+        try:
+            result = call.fn()
+        except Exception as exc:  # the caller's error, not the loop's
+            call.settle(error=exc)
+        else:
+            call.settle(result)
+
     def _snapshot(self) -> dict:
         stats = self.engine.stats()
         stats["num_running_requests"] = self.engine.num_running_requests()
@@ -213,9 +265,8 @@ class AsyncLLM:
                 for request_id in list(self.engine._requests):
                     self.engine.abort_request(request_id)
                 return False
-            if kind == _RESET_PREFIX_CACHE:
-                self.engine.reset_prefix_cache()
-                command[1]()
+            if kind == _CALL:
+                self._run_call(command[1])
                 continue
             if kind == _ABORT:
                 out = self.engine.abort_request(command[1])
