@@ -142,16 +142,19 @@ def itt_update(
     alpha: float,
     skip_rule: str,  # "paper": y += y * phi_t for skipped rows; "identity": unchanged
 ) -> None:
-    """ITT step update (depth-semantics 2): selected y += alpha * s * f_t(y) * phi_t."""
-    selected = slot_of_row >= 0
-    rows = selected.nonzero().squeeze(1)
-    if len(rows):
-        gain = (alpha * scores[rows]).unsqueeze(1) * step_out[slot_of_row[rows].long()].float() * phi.float()
-        y[rows] = (y[rows].float() + gain).to(y.dtype)
-    if skip_rule == "paper":
-        skipped = (slot_of_row == -1).nonzero().squeeze(1)
-        if len(skipped):
-            y[skipped] = (y[skipped].float() * (1 + phi.float())).to(y.dtype)
+    """ITT step update (depth-semantics 2): selected y += alpha * s * f_t(y) * phi_t.
+
+    Computed densely over all rows and blended with `where` (a decode batch has few rows, and a
+    fixed handful of ops costs less than gathering and scattering the selected and skipped rows)."""
+    phi = phi.float()
+    old = y.float()
+    new = old * (1 + phi) if skip_rule == "paper" else old
+    new = torch.where((slot_of_row == -1).unsqueeze(1), new, old)
+    if len(step_out):
+        selected = (slot_of_row >= 0).unsqueeze(1)
+        f = step_out.index_select(0, slot_of_row.clamp(min=0).long()).float()
+        new = torch.where(selected, old + (alpha * scores).unsqueeze(1) * f * phi, new)
+    y.copy_(new)
 
 
 def depth_attention(

@@ -132,16 +132,23 @@ def test_itt_route_and_update_match_torch(case):
         assert torch.equal(y_kernel[off], y[off])  # a step that is off touches nothing
 
 
-def test_itt_update_follows_the_contract():
-    y = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]], device=DEVICE)
-    slot = torch.tensor([-1, 0, -2], dtype=torch.int32, device=DEVICE)
-    scores = torch.tensor([0.2, 0.5, 0.9], device=DEVICE)
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_itt_update_follows_the_contract(impl):
+    update = {"torch": torch_ops.itt_update, "triton": triton_ops.itt_update}[impl]
+    y = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0], [7.0, 8.0]], device=DEVICE)
+    slot = torch.tensor([-1, 1, -2, 0], dtype=torch.int32, device=DEVICE)
+    scores = torch.tensor([0.2, 0.5, 0.9, 0.25], device=DEVICE)
     phi = torch.tensor([0.5, -1.0], device=DEVICE)
-    f = torch.tensor([[10.0, 20.0]], device=DEVICE)
+    f = torch.tensor([[1.0, 2.0], [10.0, 20.0]], device=DEVICE)  # in selection order: row 3, then row 1
+    selected_rows = [[3 + 2 * 0.5 * 10 * 0.5, 4 + 2 * 0.5 * 20 * -1.0], [7 + 2 * 0.25 * 1 * 0.5, 8 + 2 * 0.25 * 2 * -1.0]]
+    for skip_rule, skipped_row in (("paper", [1.5, 0.0]), ("identity", [1.0, 2.0])):
+        out = y.clone()
+        update(out, f, slot, scores, phi, 2.0, skip_rule)
+        expected = torch.tensor([skipped_row, selected_rows[0], [5.0, 6.0], selected_rows[1]])
+        torch.testing.assert_close(out.cpu(), expected)
     out = y.clone()
-    triton_ops.itt_update(out, f, slot, scores, phi, 2.0, "paper")
-    expected = torch.tensor([[1.5, 0.0], [3 + 2 * 0.5 * 10 * 0.5, 4 + 2 * 0.5 * 20 * -1.0], [5.0, 6.0]])
-    torch.testing.assert_close(out.cpu(), expected)
+    update(out, f[:0], torch.tensor([-1, -2, -1, -2], dtype=torch.int32, device=DEVICE), scores, phi, 2.0, "paper")
+    torch.testing.assert_close(out.cpu(), torch.tensor([[1.5, 0.0], [3.0, 4.0], [7.5, 0.0], [7.0, 8.0]]))
 
 
 @pytest.mark.parametrize("max_depth, heads", [(4, 1), (7, 2), (64, 1)])

@@ -35,23 +35,58 @@ from depthserve.engine.cache_spec import CacheLayout, SlotKind
 from depthserve.engine.sequence import Sequence
 
 
+class _PageRows:
+    """A growable [n, width] int32 array of page-id rows: amortized O(1) append, reads are views."""
+
+    def __init__(self, width: int):
+        self._data = np.empty((4, width), dtype=np.int32)
+        self._len = 0
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return self.view()[i]
+
+    def view(self) -> np.ndarray:
+        return self._data[: self._len]
+
+    def append(self, row: np.ndarray) -> None:
+        if self._len == len(self._data):
+            grown = np.empty((2 * len(self._data), self._data.shape[1]), dtype=np.int32)
+            grown[: self._len] = self._data[: self._len]
+            self._data = grown
+        self._data[self._len] = row
+        self._len += 1
+
+    def pop(self) -> np.ndarray:
+        self._len -= 1
+        return self._data[self._len].copy()
+
+
 @dataclass
 class _RoutedPages:
     """One routed slot of one sequence: page rows for its selected tokens, in selection order."""
 
     num_heads: int
-    rows: list[np.ndarray] = field(default_factory=list)  # each [num_heads] int32
     length: int = 0  # selected tokens committed
+    rows: _PageRows = field(init=False)  # [reserved blocks, num_heads]
+
+    def __post_init__(self) -> None:
+        self.rows = _PageRows(self.num_heads)
 
 
 @dataclass
 class _SeqPages:
     layout: CacheLayout
-    rows: np.ndarray  # [capacity, row_width] int32; first `num_rows` are valid
-    num_rows: int = 0
+    rows: _PageRows  # [blocks, row_width] the token-covering page table
     block_hashes: list[int] = field(default_factory=list)  # of the leading full, computed rows
     routed: dict[str, _RoutedPages] = field(default_factory=dict)
     state: np.ndarray | None = None  # pages holding the per-sequence state (None: not taken yet)
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.rows)
 
     def state_pages(self) -> int:
         return 0 if self.state is None else len(self.state)
@@ -60,15 +95,10 @@ class _SeqPages:
         return sum(len(r.rows) * r.num_heads for r in self.routed.values())
 
     def table(self) -> np.ndarray:
-        return self.rows[: self.num_rows]
+        return self.rows.view()
 
     def append(self, row: np.ndarray) -> None:
-        if self.num_rows == len(self.rows):
-            grown = np.empty((max(4, 2 * len(self.rows)), self.rows.shape[1]), dtype=np.int32)
-            grown[: self.num_rows] = self.rows[: self.num_rows]
-            self.rows = grown
-        self.rows[self.num_rows] = row
-        self.num_rows += 1
+        self.rows.append(row)
 
 
 class BlockManager:
@@ -133,9 +163,7 @@ class BlockManager:
     def routed_table(self, seq: Sequence, name: str) -> tuple[np.ndarray, int]:
         """([reserved_blocks, num_heads] page ids, committed length) of one routed slot."""
         routed = self._seqs[seq.seq_id].routed[name]
-        if not routed.rows:
-            return np.zeros((0, routed.num_heads), dtype=np.int32), routed.length
-        return np.stack(routed.rows), routed.length
+        return routed.rows.view(), routed.length
 
     def state_table(self, seq: Sequence) -> np.ndarray | None:
         """Page ids holding the sequence's per-sequence state (None when its layout has none)."""
@@ -263,7 +291,7 @@ class BlockManager:
             self._refs[entry.state] -= 1
             self._free.extend(int(p) for p in entry.state[::-1])
         for routed in entry.routed.values():
-            for pages in routed.rows[::-1]:
+            for pages in routed.rows.view()[::-1]:
                 self._refs[pages] -= 1
                 self._free.extend(int(p) for p in pages[::-1])
         for row in entry.table()[::-1]:
@@ -285,7 +313,7 @@ class BlockManager:
         entry = self._seqs.get(seq.seq_id)
         if entry is None:
             width = seq.layout.row_width
-            entry = _SeqPages(layout=seq.layout, rows=np.empty((4, width), dtype=np.int32))
+            entry = _SeqPages(layout=seq.layout, rows=_PageRows(width))
             self._seqs[seq.seq_id] = entry
         return entry
 

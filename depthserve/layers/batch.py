@@ -128,11 +128,6 @@ class StepBatch:
             self._item_of_row = np.repeat(np.arange(len(self.items)), [i.num_tokens for i in self.items])
         return self._item_of_row
 
-    def per_row(self, values: list[float], dtype=torch.float32) -> torch.Tensor:
-        """A [num_rows] tensor holding values[i] on every row of item i."""
-        counts = torch.tensor([i.num_tokens for i in self.items])
-        return torch.repeat_interleave(torch.tensor(values, dtype=dtype), counts).to(self.device)
-
     # ---- metadata for a token-covering slot used by some items --------------------------------------
     def slot_meta(self, items: list[BatchItem], columns: list[slice],
                   read_heads: np.ndarray | None = None) -> AttentionMetadata:
@@ -153,32 +148,54 @@ class StepBatch:
         return build_metadata(entries, bs, self.device)
 
     # ---- metadata for a routed slot, given the rows selected this step -----------------------------
-    def routed_meta(self, name: str, selected_rows: np.ndarray,
-                    read_heads: np.ndarray | None = None) -> tuple[AttentionMetadata, list[tuple[int, int]]]:
+    def routed_meta(self, name: str, selected_rows: np.ndarray) -> AttentionMetadata:
         """Attention metadata over routed slot `name` for the selected packed rows (sorted).
 
         The j-th token a sequence selects in this step goes to routed index committed + j and
         attends to routed indices 0..committed + j. Records the per-sequence counts for the
-        commit after the step. Returns (metadata, [(item index, count)] of items with selections).
+        commit after the step.
         """
-        bs = self.block_size
         owners = self.item_of_row()[selected_rows]
+        if len(owners) and self.items[owners[0]].decode:  # decode rows come last: one row per sequence
+            return self._routed_decode_meta(name, owners)
+        bs = self.block_size
         entries = []
-        counts: list[tuple[int, int]] = []
         if len(selected_rows):
             boundaries = np.flatnonzero(np.diff(owners)) + 1
             for group in np.split(np.arange(len(selected_rows)), boundaries):
-                index = int(owners[group[0]])
-                item = self.items[index]
+                item = self.items[int(owners[group[0]])]
                 pages, committed = item.routed[name]
                 count = len(group)
                 routed_index = committed + np.arange(count)
                 write = pages[routed_index // bs] * bs + (routed_index % bs)[:, None]
                 read = pages[: -(-(committed + count) // bs)]
-                if read_heads is not None:
-                    read = read[:, read_heads]
                 entries.append(MetaEntry(count, committed + count, read, write, item.decode))
-                counts.append((index, count))
-                key = (item.seq.seq_id, name)
-                self.routed_counts[key] = self.routed_counts.get(key, 0) + count
-        return build_metadata(entries, bs, self.device), counts
+                self._count_routed(item, name, count)
+        return build_metadata(entries, bs, self.device)
+
+    def _routed_decode_meta(self, name: str, owners: np.ndarray) -> AttentionMetadata:
+        """routed_meta when every selected row is a decode row: the same result, built in one pass."""
+        bs = self.block_size
+        items = [self.items[i] for i in owners.tolist()]
+        tables = [item.routed[name][0] for item in items]
+        committed = np.array([item.routed[name][1] for item in items], dtype=np.int64)
+        num_blocks = committed // bs + 1
+        padded = np.zeros((len(items), int(num_blocks.max()), tables[0].shape[1]), dtype=np.int64)
+        for k, (table, blocks) in enumerate(zip(tables, num_blocks.tolist())):
+            padded[k, :blocks] = table[:blocks]
+        write = padded[np.arange(len(items)), committed // bs] * bs + (committed % bs)[:, None]
+        for item in items:
+            self._count_routed(item, name, 1)
+        return AttentionMetadata(
+            num_tokens=len(items),
+            block_size=bs,
+            slot_index=_tensor(write, self.device),
+            prefills=[],
+            num_prefill_tokens=0,
+            decode_page_table=_tensor(padded, self.device),
+            decode_context_lens=_tensor(committed + 1, self.device),
+        )
+
+    def _count_routed(self, item: BatchItem, name: str, count: int) -> None:
+        key = (item.seq.seq_id, name)
+        self.routed_counts[key] = self.routed_counts.get(key, 0) + count

@@ -24,6 +24,7 @@ import torch
 from depthserve.depth import DepthParams, KnobSpec
 from depthserve.engine.cache_spec import CacheLayout, SlotKind, SlotSpec
 from depthserve.kernels import ops
+from depthserve.layers.batch import StepBatch
 from depthserve.loading.checkpoint import ITTSpec, pop_itt_weights, threshold
 from depthserve.models.flops import attention_flops, layer_weight_flops, plain_flops
 from depthserve.models.llama import LlamaConfig, LlamaDecoderLayer, LlamaForCausalLM
@@ -38,7 +39,7 @@ class ITTPlan:
     """One request's ratios and thresholds, fixed for its lifetime."""
 
     ratios: tuple[float, ...]  # rho_1..rho_T after thinking_steps
-    thresholds: dict[tuple[int, int], float]  # (layer, step) -> tau (+inf: step off)
+    thresholds: np.ndarray  # [ITT layers, T] tau of (layer, step) (+inf: step off)
     layout: CacheLayout
 
 
@@ -49,7 +50,8 @@ class ITTRecord:
         self.selected = np.full((64, num_layers, steps), -1, dtype=np.int8)
         self.scores = np.zeros((64, num_layers, steps), dtype=np.float32)
 
-    def write(self, start: int, layer: int, step: int, selected: np.ndarray, scores: np.ndarray) -> None:
+    def write(self, start: int, selected: np.ndarray, scores: np.ndarray) -> None:
+        """Decisions [n, layers, steps] for positions start..start+n."""
         end = start + len(selected)
         if end > len(self.selected):
             grow = max(end, 2 * len(self.selected))
@@ -57,8 +59,40 @@ class ITTRecord:
                                                                    -1, np.int8)])
             self.scores = np.concatenate([self.scores, np.zeros((grow - len(self.scores),) + self.scores.shape[1:],
                                                                 np.float32)])
-        self.selected[start:end, layer, step - 1] = selected
-        self.scores[start:end, layer, step - 1] = scores
+        self.selected[start:end] = selected
+        self.scores[start:end] = scores
+
+
+class StepRouting:
+    """One step's routing: every packed row's thresholds, gathered once from the requests' plans,
+    and the decisions, filled pass by pass by the ITT layers and copied into each sequence's
+    ITTRecord once at the end of the step."""
+
+    def __init__(self, step: StepBatch, num_layers: int, steps: int):
+        plans = [item.plan for item in step.items]
+        self.step_on = [any(plan.ratios[t] > 0 for plan in plans) for t in range(steps)]
+        per_item = np.stack([plan.thresholds for plan in plans]).transpose(1, 2, 0)  # [layers, T, items]
+        rows = np.repeat(per_item, [item.num_tokens for item in step.items], axis=2)
+        self.thresholds = torch.from_numpy(np.ascontiguousarray(rows)).to(step.device)  # [layers, T, rows]
+        self.selected = np.full((step.num_rows, num_layers, steps), -1, dtype=np.int8)
+        self.scores = np.zeros((step.num_rows, num_layers, steps), dtype=np.float32)
+
+    def record(self, position: int, t: int, slot_of_row: torch.Tensor, scores: torch.Tensor) -> None:
+        """slot_of_row from itt_route: >= 0 selected, -1 skipped, -2 step off for the row's request."""
+        slots = slot_of_row.cpu().numpy()
+        on = slots > -2
+        self.selected[:, position, t - 1] = np.where(on, slots >= 0, -1)
+        self.scores[:, position, t - 1] = np.where(on, scores.cpu().numpy(), 0.0)
+
+    def commit(self, items, num_layers: int, steps: int) -> None:
+        for item in items:
+            if not any(r > 0 for r in item.plan.ratios):
+                continue  # every step off: nothing routed, nothing to record
+            record = item.seq.state.get("itt_record")
+            if record is None:
+                record = item.seq.state["itt_record"] = ITTRecord(num_layers, steps)
+            rows = slice(item.row, item.row + item.num_tokens)
+            record.write(item.start, self.selected[rows], self.scores[rows])
 
 
 class ITTDecoderLayer(LlamaDecoderLayer):
@@ -73,41 +107,27 @@ class ITTDecoderLayer(LlamaDecoderLayer):
         self.register_buffer("step_encoding", torch.zeros(T + 1, d), persistent=False)  # phi_0..phi_T
         self.quantiles: np.ndarray | None = None  # [T, 101] calibration table
 
-    def forward(self, x, cos, sin, pool, meta, columns) -> torch.Tensor:
+    def forward(self, x, cos, sin, pool, meta, columns, routing: StepRouting) -> torch.Tensor:
         f = super().forward
         y = f(x, cos, sin, pool, meta, columns) * self.step_encoding[0].to(x.dtype)  # y = f(x) ⊙ phi_0
         step = meta.batch
         for t in range(1, self.spec.steps + 1):
-            enabled = [item.plan.ratios[t - 1] > 0 for item in step.items]
-            if not any(enabled):
+            if not routing.step_on[t - 1]:
                 continue  # rho_t = 0 for every request: no update for any token
-            thresholds = step.per_row([item.plan.thresholds[(self.index, t)] for item in step.items])
             scores, slot_of_row, selected = ops.itt_route(y, self.router_weight[t - 1], self.router_bias[t - 1],
-                                                          thresholds)
+                                                          routing.thresholds[self.position, t - 1])
             name = routed_slot_name(self.index, t)
-            sub_meta, _ = step.routed_meta(name, selected.cpu().numpy())
+            sub_meta = step.routed_meta(name, selected.cpu().numpy())
             if len(selected):
                 # f_t on the selected rows only, attending over the step-t routed slot.
                 out = f(y.index_select(0, selected), cos.index_select(0, selected), sin.index_select(0, selected),
                         pool, sub_meta, slice(None))
             else:
                 out = y.new_zeros((0, y.shape[1]))
-            self._record(step, enabled, t, slot_of_row, scores)
+            routing.record(self.position, t, slot_of_row, scores)
             ops.itt_update(y, out, slot_of_row, scores, self.step_encoding[t], self.spec.alphas[t - 1],
                            self.spec.skip_rule)
         return y
-
-    def _record(self, step, enabled, t, slot_of_row, scores) -> None:
-        slots = slot_of_row.cpu().numpy()
-        values = scores.cpu().numpy()
-        for item, on in zip(step.items, enabled):
-            if not on:
-                continue
-            record = item.seq.state.get("itt_record")
-            if record is None:
-                record = item.seq.state["itt_record"] = ITTRecord(len(self.spec.layers), self.spec.steps)
-            rows = slice(item.row, item.row + item.num_tokens)
-            record.write(item.start, self.position, t, (slots[rows] >= 0).astype(np.int8), values[rows])
 
 
 class ITTForCausalLM(LlamaForCausalLM):
@@ -120,6 +140,16 @@ class ITTForCausalLM(LlamaForCausalLM):
             self.layers[layer] = ITTDecoderLayer(cfg, layer, spec, position)
         self.checkpoint_path = "this checkpoint"
         self._fp32: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def forward(self, input_ids, positions, pool, meta) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        routing = StepRouting(meta.batch, len(self.spec.layers), self.spec.steps)
+        for i, layer in enumerate(self.layers):
+            extra = (routing,) if isinstance(layer, ITTDecoderLayer) else ()
+            x = layer(x, cos, sin, pool, meta, self._layout.columns(i), *extra)
+        routing.commit(meta.batch.items, len(self.spec.layers), self.spec.steps)
+        return self.norm(x)
 
     def itt_layers(self) -> list[ITTDecoderLayer]:
         return [self.layers[layer] for layer in self.spec.layers]
@@ -145,10 +175,8 @@ class ITTForCausalLM(LlamaForCausalLM):
         ratios = list(depth.selection_ratios if depth.selection_ratios is not None else self.spec.trained_ratios)
         if depth.thinking_steps is not None:
             ratios = [r if t < depth.thinking_steps else 0.0 for t, r in enumerate(ratios)]
-        thresholds = {}
-        for layer in self.itt_layers():
-            for t in range(1, self.spec.steps + 1):
-                thresholds[(layer.index, t)] = threshold(layer.quantiles[t - 1], ratios[t - 1])
+        thresholds = np.array([[threshold(layer.quantiles[t], ratios[t]) for t in range(self.spec.steps)]
+                               for layer in self.itt_layers()], dtype=np.float32)
         kv = self.config.num_kv_heads
         dense = tuple(SlotSpec(f"layer{i}", SlotKind.DENSE, kv) for i in range(self.config.num_layers))
         routed = tuple(SlotSpec(routed_slot_name(layer, t), SlotKind.ROUTED, kv)
