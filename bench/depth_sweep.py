@@ -23,9 +23,10 @@ timed steps.
 Predicted compute: the mean `relative_compute` of the requests' depth reports (FLOPs of the
 setting / FLOPs of the plain model over the same tokens; depthserve/models/flops.py).
 
-Derived figures (extra-step time = step time - the step time with the extra depth off, i.e.
-thinking_steps=0 for ITT, loops=0 for SGT, depth=1 for Dreamer, loops=1 for PUT; predicted extra
-share = relative compute of the setting / that of the baseline - 1):
+Derived figures (extra-step time = the median over the lockstep rounds of a setting's step time
+minus the same round's step time with the extra depth off, i.e. thinking_steps=0 for ITT, loops=0
+for SGT, depth=1 for Dreamer, loops=1 for PUT, so a drift of the machine's speed during the run
+cancels; predicted extra share = relative compute of the setting / that of the baseline - 1):
     ITT (a) extra time per selected token-step at ratio 0.5 / the same at ratio 1.0     goal <= 1.3
     ITT (b) extra time at ratio 1.0 / the time of as many plain layer passes          goal <= 1.3
             (a plain layer pass: the thinking_steps=0 step time / number of layers; also given with
@@ -292,10 +293,21 @@ def layer_flop_share(cfg) -> float:
     return layers / (layers + 2 * cfg.hidden_size * cfg.vocab_size)
 
 
+def paired_extra_ms(row: dict, baseline: dict) -> float:
+    """Median over the lockstep rounds of (this setting's step - the baseline's step in the same
+    round): a drift of the machine's speed during the run moves both steps of a round alike and
+    cancels, where the difference of two medians taken over the whole run keeps it. Falls back to
+    the difference of the medians for rows without per-step samples."""
+    ours, theirs = row.get("step_ms_samples"), baseline.get("step_ms_samples")
+    if not ours or not theirs or len(ours) != len(theirs):
+        return row["step_ms"] - baseline["step_ms"]
+    return statistics.median(a - b for a, b in zip(ours, theirs))
+
+
 def derive(arch: str, rows: list[dict], cfg, model, concurrency: int) -> dict[str, Any]:
     baseline = next(r for r in rows if r["is_baseline"])
     for row in rows:
-        row["extra_step_ms"] = row["step_ms"] - baseline["step_ms"]
+        row["extra_step_ms"] = paired_extra_ms(row, baseline)
         row["measured_extra_share"] = row["extra_step_ms"] / baseline["step_ms"]
         row["predicted_extra_share"] = row["relative_compute"] / baseline["relative_compute"] - 1.0
     if arch != "itt":
@@ -315,7 +327,8 @@ def derive_itt(rows: list[dict], baseline: dict, cfg, layer_steps: int, concurre
         row["extra_ms_per_selected_token_step"] = row["extra_step_ms"] / selected if selected else None
     out: dict[str, Any] = {
         "baseline": baseline["setting"],
-        "method": ("extra-step time = step time - the thinking_steps=0 step time. (a): extra ms per selected "
+        "method": ("extra-step time = median over the lockstep rounds of (step time - the thinking_steps=0 "
+                   "step time of the same round). (a): extra ms per selected "
                    "(token, layer, step) at ratio 0.5 over the same at ratio 1.0. (b): extra ms at ratio 1.0 over "
                    "(selected token-steps per decode step / concurrency) plain layer passes, a plain layer pass "
                    "being the thinking_steps=0 step time / num_layers (the issue's method; it spreads the LM head "

@@ -97,3 +97,16 @@ def test_plot_skips_missing_kinds_and_draws_a_depth_sweep(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "no throughput results" in out and "no serving results" in out
     assert (tmp_path / "plots" / "depth-sweep-test-sgt.png").stat().st_size > 0
+
+
+def test_depth_sweep_extra_time_is_paired_by_round():
+    import depth_sweep
+
+    # The machine's speed swings between rounds, and once a slow spell hits the setting's step
+    # alone; in every other round the setting costs 5 ms more than the baseline in that round.
+    baseline_steps = [10.0, 30.0, 11.0, 29.0, 20.0]  # median 20
+    setting_steps = [15.0, 35.0, 16.0, 34.0, 40.0]  # median 34
+    baseline = {"step_ms": 20.0, "step_ms_samples": baseline_steps}
+    row = {"step_ms": 34.0, "step_ms_samples": setting_steps}
+    assert depth_sweep.paired_extra_ms(row, baseline) == 5.0
+    assert depth_sweep.paired_extra_ms({"step_ms": 34.0}, baseline) == 14.0  # no samples: medians
