@@ -24,7 +24,7 @@ import torch
 from depthserve.depth import DepthParams, KnobSpec
 from depthserve.engine.cache_spec import CacheLayout, SlotKind, SlotSpec
 from depthserve.kernels import ops
-from depthserve.layers.batch import StepBatch
+from depthserve.layers.batch import BatchItem, StepBatch
 from depthserve.loading.checkpoint import ITTSpec, pop_itt_weights, threshold
 from depthserve.models.flops import attention_flops, layer_weight_flops, plain_flops
 from depthserve.models.llama import LlamaConfig, LlamaDecoderLayer, LlamaForCausalLM
@@ -74,6 +74,7 @@ class StepRouting:
         per_item = np.stack([plan.thresholds for plan in plans]).transpose(1, 2, 0)  # [layers, T, items]
         rows = np.repeat(per_item, [item.num_tokens for item in step.items], axis=2)
         self.thresholds = torch.from_numpy(np.ascontiguousarray(rows)).to(step.device)  # [layers, T, rows]
+        self.num_layers, self.steps = num_layers, steps
         self.selected = np.full((step.num_rows, num_layers, steps), -1, dtype=np.int8)
         self.scores = np.zeros((step.num_rows, num_layers, steps), dtype=np.float32)
 
@@ -84,13 +85,13 @@ class StepRouting:
         self.selected[:, position, t - 1] = np.where(on, slots >= 0, -1)
         self.scores[:, position, t - 1] = np.where(on, scores.cpu().numpy(), 0.0)
 
-    def commit(self, items, num_layers: int, steps: int) -> None:
+    def commit(self, items: list[BatchItem]) -> None:
         for item in items:
             if not any(r > 0 for r in item.plan.ratios):
                 continue  # every step off: nothing routed, nothing to record
             record = item.seq.state.get("itt_record")
             if record is None:
-                record = item.seq.state["itt_record"] = ITTRecord(num_layers, steps)
+                record = item.seq.state["itt_record"] = ITTRecord(self.num_layers, self.steps)
             rows = slice(item.row, item.row + item.num_tokens)
             record.write(item.start, self.selected[rows], self.scores[rows])
 
@@ -148,7 +149,7 @@ class ITTForCausalLM(LlamaForCausalLM):
         for i, layer in enumerate(self.layers):
             extra = (routing,) if isinstance(layer, ITTDecoderLayer) else ()
             x = layer(x, cos, sin, pool, meta, self._layout.columns(i), *extra)
-        routing.commit(meta.batch.items, len(self.spec.layers), self.spec.steps)
+        routing.commit(meta.batch.items)
         return self.norm(x)
 
     def itt_layers(self) -> list[ITTDecoderLayer]:
