@@ -335,6 +335,27 @@ def test_logprobs_rank_and_top_describe_the_raw_distribution():
     assert out[4].token_id == int(logits[4].argmin()) and out[4].rank == vocab  # forced by bias
 
 
+def test_logprobs_of_logits_spread_wider_than_the_exp_floor():
+    """Logits spread over hundreds (and banned -inf entries): the floored normalizer still gives
+    torch's log_softmax (the floor only spares the CPU denormal arithmetic)."""
+    vocab = 5000
+    logits = random_logits(3, vocab, seed=12, scale=60.0)
+    logits[1, ::3] = float("-inf")
+    logits[2] = torch.linspace(-400.0, 5.0, vocab)
+    peak = logits.amax(dim=-1, keepdim=True)
+    unfloored = logits - ((logits - peak).exp().sum(dim=-1, keepdim=True).log() + peak)  # same fp32 steps
+    exact = torch.log_softmax(logits.double(), dim=-1)
+    sampler = Sampler({EOS}, vocab)
+    out = sampler(logits, [row(SamplingParams(temperature=0.0, logprobs=3)) for _ in range(3)])
+    for i, s in enumerate(out):
+        assert s.token_id == int(logits[i].argmax())
+        assert s.logprob == float(unfloored[i, s.token_id])
+        # fp32 rounding of logits near |peak| (~200 here) is ~1e-5; the floor adds nothing to it.
+        tol = 4 * torch.finfo(torch.float32).eps * max(1.0, float(peak[i].abs()))
+        assert math.isclose(s.logprob, float(exact[i, s.token_id]), abs_tol=tol)
+        assert [lp for _, lp in s.top_logprobs] == pytest.approx(exact[i].topk(3).values.tolist(), abs=tol)
+
+
 def test_prompt_logprobs():
     logits = random_logits(6, 100, seed=10)
     targets = torch.tensor([3, 50, 99, 0, int(logits[4].argmax()), 7])
