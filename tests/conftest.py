@@ -17,6 +17,31 @@ def shared_data_file(name: str) -> Path:
     return path
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _read_each_gguf_once():
+    """The gguf package's reader parses SmolLM2's whole metadata (its 49k-entry vocabulary arrays)
+    in 6-10 s on the 2-core machine, and about ten test modules load that model; the suite reads and
+    dequantizes each GGUF file once and hands every load its own clone of the weights (so no load
+    can alter another's)."""
+    import copy
+
+    from depthserve.loading import gguf_loader, model_loader
+
+    original = gguf_loader.load_gguf
+    cache: dict[Path, tuple] = {}
+
+    def load_once(path, progress: bool = True):
+        key = Path(path).resolve()
+        if key not in cache:
+            cache[key] = original(path, progress)
+        config, weights = cache[key]
+        return copy.deepcopy(config), {name: tensor.clone() for name, tensor in weights.items()}
+
+    gguf_loader.load_gguf = model_loader.load_gguf = load_once
+    yield
+    gguf_loader.load_gguf = model_loader.load_gguf = original
+
+
 @pytest.fixture(scope="session")
 def smollm_tokenizer():
     from depthserve.loading.registry import resolve_model

@@ -265,20 +265,35 @@ def _arc_requests(tokenizer, questions: list[dict]) -> list[tuple[list[list[int]
     return out
 
 
-def _hf_continuation_logprobs(prompts: list[list[int]], lengths: list[int]) -> list[float]:
+def _hf_continuation_logprobs(prompts: list[list[int]], lengths: list[int], batch: int = 32) -> list[float]:
+    """transformers' summed logprob of each prompt's last `lengths[i]` tokens given what precedes.
+
+    Prompts of similar length run together (right padding cannot reach real tokens under the causal
+    mask), and the LM head runs only on the positions that predict a continuation token."""
     import torch
 
     from tests.hf_oracle import hf_model
 
-    width = max(len(p) for p in prompts)
-    ids = torch.tensor([p + [0] * (width - len(p)) for p in prompts])
-    mask = torch.tensor([[1] * len(p) + [0] * (width - len(p)) for p in prompts])
-    with torch.inference_mode():
-        logprobs = torch.log_softmax(hf_model()(ids, attention_mask=mask).logits.float(), dim=-1)
-    sums = []
-    for row, (prompt, n) in enumerate(zip(prompts, lengths)):
-        positions = range(len(prompt) - n, len(prompt))
-        sums.append(sum(logprobs[row, pos - 1, prompt[pos]].item() for pos in positions))
+    model = hf_model()
+    sums = [0.0] * len(prompts)
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    for start in range(0, len(order), batch):
+        group = order[start : start + batch]
+        width = max(len(prompts[i]) for i in group)
+        ids = torch.tensor([prompts[i] + [0] * (width - len(prompts[i])) for i in group])
+        mask = torch.tensor([[1] * len(prompts[i]) + [0] * (width - len(prompts[i])) for i in group])
+        rows, positions, targets = [], [], []
+        for row, i in enumerate(group):
+            for pos in range(len(prompts[i]) - lengths[i], len(prompts[i])):
+                rows.append(row)
+                positions.append(pos - 1)  # the logits at pos - 1 predict the token at pos
+                targets.append(prompts[i][pos])
+        with torch.inference_mode():
+            hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state
+            logits = model.lm_head(hidden[torch.tensor(rows), torch.tensor(positions)]).float()
+            picked = torch.log_softmax(logits, dim=-1)[torch.arange(len(targets)), torch.tensor(targets)]
+        for row, value in zip(rows, picked.tolist()):
+            sums[group[row]] += value
     return sums
 
 
@@ -304,6 +319,8 @@ def test_arc_easy_scoring_over_http_equals_llm_score_and_transformers(server, of
             return await asyncio.gather(*[one(prompts) for prompts, _, _ in requests])
 
     responses = asyncio.run(score_all())
+    flat_prompts = [p for prompts, _, _ in requests for p in prompts]
+    flat_sums = iter(_hf_continuation_logprobs(flat_prompts, [n for _, lengths, _ in requests for n in lengths]))
     # HTTP scoring equals LLM.score (checked on the first 10 questions: the same engine path).
     checked = 10
     offline_scores = iter(offline.score([p for prompts, _, _ in requests[:checked] for p in prompts]))
@@ -318,7 +335,7 @@ def test_arc_easy_scoring_over_http_equals_llm_score_and_transformers(server, of
                 expected = next(offline_scores)
                 assert max(abs(a - b) for a, b in zip(got[1:], expected[1:])) < 1e-4
             http_sums.append(sum(got[-n:]))
-        hf_sums = _hf_continuation_logprobs(prompts, lengths)
+        hf_sums = [next(flat_sums) for _ in prompts]
         http_norm = [s / b for s, b in zip(http_sums, nbytes)]
         hf_norm = [s / b for s, b in zip(hf_sums, nbytes)]
         http_picks.append(max(range(len(prompts)), key=http_norm.__getitem__))
