@@ -20,7 +20,7 @@ def shared_data_file(name: str) -> Path:
 @pytest.fixture(scope="session", autouse=True)
 def _read_each_gguf_once():
     """The gguf package's reader parses SmolLM2's whole metadata (its 49k-entry vocabulary arrays)
-    in 6-10 s on the 2-core machine, and about ten test modules load that model; the suite reads and
+    in 6-10 s on the 2-core machine, and several test modules load that model; the suite reads and
     dequantizes each GGUF file once and hands every load its own clone of the weights (so no load
     can alter another's)."""
     import copy

@@ -276,6 +276,15 @@ def test_reset_prefix_cache_fails_instead_of_waiting_when_the_loop_goes(ckpts):
         with pytest.raises(EngineDeadError):
             await asyncio.wait_for(llm.reset_prefix_cache(), 30)
 
+        class LoopKiller(BaseException):
+            pass
+
+        llm, _ = _serve(ckpts["llama"])
+        llm.engine.reset_prefix_cache = lambda: (_ for _ in ()).throw(LoopKiller())  # kills the loop itself
+        with pytest.raises(EngineDeadError):
+            await asyncio.wait_for(llm.reset_prefix_cache(), 30)
+        assert not llm.is_healthy
+
     asyncio.run(main())
 
 

@@ -239,14 +239,16 @@ class AsyncLLM:
                 self._deliver(request_id, EngineDeadError(f"the engine loop failed: {exc!r}"))
 
     def _run_call(self, call: _Call) -> None:
-        with self._lock:
-            self._pending_calls.discard(call)
         try:
             result = call.fn()
         except Exception as exc:  # the caller's error, not the loop's
-            call.settle(error=exc)
+            error, result = exc, None
         else:
-            call.settle(result)
+            error = None
+        # Still pending until here: if `fn` killed the loop (a BaseException), the thread's exit fails it.
+        with self._lock:
+            self._pending_calls.discard(call)
+        call.settle(result, error)
 
     def _snapshot(self) -> dict:
         stats = self.engine.stats()
