@@ -102,6 +102,32 @@ def timed(fn: Callable[[], object], sync: Callable[[], None] = lambda: None) -> 
     return time.perf_counter() - start
 
 
+def layer_matmuls_ms(model, layers, num_rows: int, passes: int, sync, lm_head: bool = False) -> float:
+    """Milliseconds that the weight matmuls of `layers` (qkv, o, gate_up and down projections; the
+    LM head too if asked) take alone on `num_rows` random rows, each layer run `passes` times in a
+    row, as a decode step runs them: the floor that the matmul kernels set under a step's time."""
+    import torch
+
+    weight = model.embed_tokens.weight
+    attn, mlp = layers[0].self_attn, layers[0].mlp
+    x = torch.randn(num_rows, weight.shape[1], device=weight.device, dtype=weight.dtype)
+    attended = torch.randn(num_rows, attn.o_proj.in_features, device=weight.device, dtype=weight.dtype)
+    inner = torch.randn(num_rows, mlp.down_proj.in_features, device=weight.device, dtype=weight.dtype)
+
+    @torch.inference_mode()
+    def run() -> None:
+        for layer in layers:
+            for _ in range(passes):
+                layer.self_attn.qkv_proj(x)
+                layer.self_attn.o_proj(attended)
+                layer.mlp.gate_up_proj(x)
+                layer.mlp.down_proj(inner)
+        if lm_head:
+            model.lm_head(x)
+
+    return 1000 * timed(run, sync)
+
+
 def write_result(name: str, payload: dict) -> Path:
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     path = RESULTS_DIR / f"{name}.json"

@@ -31,6 +31,8 @@ cancels; predicted extra share = relative compute of the setting / that of the b
     ITT (b) extra time at ratio 1.0 / the time of as many plain layer passes          goal <= 1.3
             (a plain layer pass: the thinking_steps=0 step time / number of layers; also given with
             the LM head's FLOP share taken out first, which makes a layer pass cheaper and (b) larger)
+    ITT (a) of the linear layers alone: the ITT layers' four weight matmuls timed on their own at the
+            row counts ratio 0.5 and 1.0 select (a floor that the kernels set for (a))
     SGT, Dreamer, PUT  extra time as a share of the baseline step, next to the predicted extra share
 """
 
@@ -263,6 +265,9 @@ def sweep_checkpoint(arch: str, ns: argparse.Namespace) -> dict[str, Any]:
     for row in rows:
         print(format_row(arch, row), flush=True)
     cfg = model.config
+    derived = derive(arch, rows, cfg, model, ns.concurrency)
+    if arch == "itt":
+        derived["linear_layers_only"] = itt_linear_floor(model, rows, ns, sync)
     return {
         "arch": arch,
         "checkpoint": str(path),
@@ -272,7 +277,7 @@ def sweep_checkpoint(arch: str, ns: argparse.Namespace) -> dict[str, Any]:
         "dtype": str(engine.dtype).replace("torch.", ""),
         "method": "lockstep: one engine per setting, timed decode steps of all settings taken in turn",
         "rows": rows,
-        "derived": derive(arch, rows, cfg, model, ns.concurrency),
+        "derived": derived,
     }
 
 
@@ -356,6 +361,35 @@ def derive_itt(rows: list[dict], baseline: dict, cfg, layer_steps: int, concurre
     return out
 
 
+def itt_linear_floor(model, rows: list[dict], ns: argparse.Namespace, sync) -> dict[str, Any]:
+    """(a) of the ITT layers' weight matmuls alone: their time on the rows that ratio 0.5 and
+    ratio 1.0 select per pass, timed in turn like the sweep's steps. Every thinking pass runs
+    a layer's qkv, o, gate_up and down projections on its selected rows; if these alone cost more
+    than 1.3x per row at 0.5 than at 1.0, no bookkeeping change can meet (a) with these kernels."""
+    by_ratio = {r["knobs"]["selection_ratios"][0]: r for r in rows if "selection_ratios" in r["knobs"]}
+    if 0.5 not in by_ratio or 1.0 not in by_ratio:
+        return {}
+    counts = {ratio: max(1, round(ns.concurrency * by_ratio[ratio]["decode_selected_fraction_mean"]))
+              for ratio in (0.5, 1.0)}
+    samples: dict[float, list[float]] = {ratio: [] for ratio in counts}
+    for round_ in range(ns.decode_steps):
+        for ratio in (list(counts) if round_ % 2 == 0 else list(counts)[::-1]):
+            samples[ratio].append(_thinking_matmuls_ms(model, counts[ratio], sync))
+    ms = {ratio: statistics.median(values) for ratio, values in samples.items()}
+    return {
+        "method": ("the ITT layers' qkv, o, gate_up and down projections run model.spec.steps times each on "
+                   "random rows, as many as the sweep's mean selection at ratio 0.5 and 1.0; median of "
+                   "--decode-steps rounds, the two row counts timed in turn"),
+        "rows": {str(r): n for r, n in counts.items()},
+        "ms": {str(r): t for r, t in ms.items()},
+        "a_linear_layers_only": (ms[0.5] / counts[0.5]) / (ms[1.0] / counts[1.0]),
+    }
+
+
+def _thinking_matmuls_ms(model, num_rows: int, sync) -> float:
+    return common.layer_matmuls_ms(model, model.itt_layers(), num_rows, model.spec.steps, sync)
+
+
 def main(argv: list[str] | None = None) -> int:
     ns = parse_args(argv)
     if ns.threads:
@@ -386,6 +420,9 @@ def format_derived(sweep: dict[str, Any]) -> str:
         return f"{sweep['arch']} extra time / {derived['baseline']} step: " + "; ".join(parts)
     figures = {key: derived[key] for key in ("a_per_selected_ratio_0.5_vs_1.0", "b_extra_at_1.0_vs_plain_layer_passes",
                                              "b_extra_at_1.0_vs_plain_layer_passes_flop_adjusted") if key in derived}
+    floor = derived.get("linear_layers_only", {}).get("a_linear_layers_only")
+    if floor is not None:
+        figures["a_of_the_linear_layers_alone"] = floor
     return "itt (goal <= 1.3): " + ", ".join(f"{k} {v:.2f}" for k, v in figures.items())
 
 

@@ -10,6 +10,9 @@ tokens is generated greedily with EOS ignored, once with 1 new token and once wi
 concurrency * output_len / (t(output_len + 1) - t(1)), so prefill is subtracted out the same
 way for both. Each time is the median of `--repeats` runs after one warm-up run; the two
 systems take turns within each repeat, so a slow spell of the machine hits both.
+Then the engine's weight matmuls of one decode step (every layer's projections and the LM head on
+`concurrency` rows) are timed alone: transformers' decode step time over that gives the decode
+ratio that the engine could reach if everything else in its step were free.
 """
 
 from __future__ import annotations
@@ -120,6 +123,20 @@ def _figures(name: str, first: list[float], full: list[float], concurrency: int,
     }
 
 
+def matmul_floor(engine: EngineRunner, concurrency: int, repeats: int, sync, hf: dict | None) -> dict:
+    """The engine's weight matmuls of one decode step (every layer's projections and the LM head on
+    `concurrency` rows) timed alone, median of `repeats` + 2, and the decode ratio the engine would
+    reach if all the rest of its step took no time: how much room the matmul kernels leave."""
+    model = engine.llm.engine.model
+    samples = [common.layer_matmuls_ms(model, list(model.layers), concurrency, 1, sync, lm_head=True)
+               for _ in range(repeats + 2)]
+    floor_ms = statistics.median(samples)
+    out = {"engine_decode_matmul_ms_per_step": floor_ms}
+    if hf is not None and hf["decode_ms_per_step"]:
+        out["decode_ratio_if_only_matmuls"] = hf["decode_ms_per_step"] / floor_ms
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ns = parse_args(argv)
     if ns.threads:
@@ -143,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
                 "decode_ratio": e["decode_tok_s"] / h["decode_tok_s"] if e["decode_tok_s"] and h["decode_tok_s"] else None,
                 "prefill_ratio": e["prefill_tok_s"] / h["prefill_tok_s"],
             })
+        row.update(matmul_floor(engine, concurrency, ns.repeats, sync, h if hf is not None else None))
         row["raw"] = {"engine": e, **({"hf": h} if hf is not None else {})}
         rows.append(row)
         print(_format_row(row), flush=True)
@@ -164,7 +182,9 @@ def _format_row(row: dict) -> str:
             f"decode {_figure(row['engine_decode_tok_s'], 7, 1)} tok/s")
     if "hf_decode_tok_s" in row:
         text += (f" | transformers prefill {row['hf_prefill_tok_s']:8.1f}, decode {_figure(row['hf_decode_tok_s'], 7, 1)}"
-                 f" | decode ratio {_figure(row['decode_ratio'], 0, 2)}, prefill ratio {row['prefill_ratio']:.2f}")
+                 f" | decode ratio {_figure(row['decode_ratio'], 0, 2)}, prefill ratio {row['prefill_ratio']:.2f}"
+                 f" (matmuls alone {row['engine_decode_matmul_ms_per_step']:.1f} ms/step: decode ratio"
+                 f" <= {_figure(row.get('decode_ratio_if_only_matmuls'), 0, 2)})")
     return text
 
 

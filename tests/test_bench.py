@@ -110,3 +110,66 @@ def test_depth_sweep_extra_time_is_paired_by_round():
     row = {"step_ms": 34.0, "step_ms_samples": setting_steps}
     assert depth_sweep.paired_extra_ms(row, baseline) == 5.0
     assert depth_sweep.paired_extra_ms({"step_ms": 34.0}, baseline) == 14.0  # no samples: medians
+
+
+def _count_matmul_rows(model, layers) -> list[tuple[str, int]]:
+    seen = []
+    for i, layer in enumerate(layers):
+        for name, proj in (("qkv", layer.self_attn.qkv_proj), ("o", layer.self_attn.o_proj),
+                           ("gate_up", layer.mlp.gate_up_proj), ("down", layer.mlp.down_proj)):
+            proj.register_forward_hook(lambda mod, args, out, key=f"{i}.{name}": seen.append((key, args[0].shape[0])))
+    model.lm_head.register_forward_hook(lambda mod, args, out: seen.append(("lm_head", args[0].shape[0])))
+    return seen
+
+
+def test_layer_matmuls_run_every_projection_of_the_layers_on_the_rows_asked(tmp_path):
+    from tests.depth_helpers import tiny_llm
+
+    model = tiny_llm(tiny.make_tiny("llama", tmp_path / "llama", seed=1)).engine.model
+    layers = list(model.layers)
+    seen = _count_matmul_rows(model, layers)
+    assert common.layer_matmuls_ms(model, layers[1:], 5, 3, lambda: None) > 0
+    assert sorted(seen) == sorted((f"{i}.{n}", 5) for i in range(1, len(layers)) for n in ("qkv", "o", "gate_up", "down")
+                                  for _ in range(3))
+    seen.clear()
+    common.layer_matmuls_ms(model, layers, 7, 1, lambda: None, lm_head=True)
+    assert len(seen) == 4 * len(layers) + 1 and seen[-1] == ("lm_head", 7)
+
+
+def test_throughput_matmul_floor_bounds_the_decode_ratio(monkeypatch):
+    import types
+
+    import throughput
+
+    samples = iter([30.0, 10.0, 20.0, 99.0, 21.0])
+    monkeypatch.setattr(common, "layer_matmuls_ms", lambda *args, **kwargs: next(samples))
+    engine = types.SimpleNamespace(llm=types.SimpleNamespace(engine=types.SimpleNamespace(
+        model=types.SimpleNamespace(layers=[]))))
+    floor = throughput.matmul_floor(engine, 8, 3, lambda: None, {"decode_ms_per_step": 42.0})
+    assert floor == {"engine_decode_matmul_ms_per_step": 21.0, "decode_ratio_if_only_matmuls": 2.0}
+    monkeypatch.setattr(common, "layer_matmuls_ms", lambda *args, **kwargs: 5.0)
+    assert throughput.matmul_floor(engine, 8, 3, lambda: None, None) == {"engine_decode_matmul_ms_per_step": 5.0}
+
+
+def test_itt_linear_floor_times_the_selected_rows_of_every_thinking_pass(tmp_path, monkeypatch):
+    import argparse
+
+    import depth_sweep
+    from tests.depth_helpers import tiny_llm
+
+    model = tiny_llm(tiny.make_tiny("itt", tmp_path / "itt", seed=1)).engine.model
+    layers = model.itt_layers()
+    seen = _count_matmul_rows(model, layers)
+    assert depth_sweep._thinking_matmuls_ms(model, 5, lambda: None) > 0
+    assert len(seen) == 4 * model.spec.steps * len(layers) and {n for _, n in seen} == {5}
+
+    # (a) of the matmuls alone: ms per row at ratio 0.5's selection over ms per row at 1.0's.
+    monkeypatch.setattr(depth_sweep, "_thinking_matmuls_ms", lambda model, n, sync: 10.0 + n)
+    steps = model.spec.steps
+    rows = [{"knobs": {"selection_ratios": [r] * steps}, "decode_selected_fraction_mean": f}
+            for r, f in ((0.5, 0.52), (1.0, 1.0))] + [{"knobs": {"thinking_steps": 0}}]
+    ns = argparse.Namespace(concurrency=32, decode_steps=3)
+    floor = depth_sweep.itt_linear_floor(model, rows, ns, lambda: None)
+    assert floor["rows"] == {"0.5": 17, "1.0": 32}
+    assert floor["a_linear_layers_only"] == pytest.approx((27.0 / 17) / (42.0 / 32))
+    assert depth_sweep.itt_linear_floor(model, rows[1:], ns, lambda: None) == {}
