@@ -3,7 +3,8 @@
     python bench/plot.py                      # all result kinds found
     python bench/plot.py --results-dir DIR --out-dir DIR
 
-    throughput-*.json   decode and prefill tokens/s against concurrency, engine vs transformers
+    throughput-*.json   decode and prefill tokens/s against concurrency, engine vs transformers,
+                        and the decode tokens/s that the engine's weight matmuls alone would allow
     serving-*.json      TTFT and TPOT percentiles and token throughput against request rate
     depth-sweep-*.json  decode step time against the depth setting, with the step time the
                         setting's predicted compute implies and that compute itself on one chart
@@ -62,6 +63,9 @@ def plot_throughput(payload: dict[str, Any], out: Path) -> list[Path]:
         ax.plot(x, figures(rows, f"engine_{phase}_tok_s"), "o-", label="depthserve engine")
         if all(f"hf_{phase}_tok_s" in row for row in rows):
             ax.plot(x, figures(rows, f"hf_{phase}_tok_s"), "s--", label="transformers")
+        if phase == "decode" and all("engine_decode_matmul_ms_per_step" in row for row in rows):
+            ceiling = [1000 * row["concurrency"] / row["engine_decode_matmul_ms_per_step"] for row in rows]
+            ax.plot(x, ceiling, ":", color="gray", label="engine's weight matmuls alone")
         ax.set_xscale("log", base=2)
         ax.set_xticks(x, [str(c) for c in x])
         ax.set_xlabel("concurrency (sequences per batch)")
