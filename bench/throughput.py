@@ -10,9 +10,10 @@ tokens is generated greedily with EOS ignored, once with 1 new token and once wi
 concurrency * output_len / (t(output_len + 1) - t(1)), so prefill is subtracted out the same
 way for both. Each time is the median of `--repeats` runs after one warm-up run; the two
 systems take turns within each repeat, so a slow spell of the machine hits both.
-Then the engine's weight matmuls of one decode step (every layer's projections and the LM head on
-`concurrency` rows) are timed alone: transformers' decode step time over that gives the decode
-ratio that the engine could reach if everything else in its step were free.
+After the two systems in each repeat, the engine's weight matmuls of one decode step (every
+layer's projections and the LM head on `concurrency` rows) are timed alone, 3 times: transformers'
+decode step time over their median gives the decode ratio that the engine could reach if
+everything else in its step were free.
 """
 
 from __future__ import annotations
@@ -20,12 +21,15 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
+
+PROBE_SAMPLES = 3  # matmul-floor readings per repeat
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -89,8 +93,10 @@ class HFRunner:
         assert out.shape[1] == ids.shape[1] + new_tokens
 
 
-def measure(runners: list, prompts: list[list[int]], output_len: int, repeats: int, sync) -> dict[str, dict]:
-    """Time every runner on the same prompts, the runners taking turns within each repeat.
+def measure(runners: list, prompts: list[list[int]], output_len: int, repeats: int, sync,
+            probe: Callable[[], float] | None = None) -> tuple[dict[str, dict], list[float]]:
+    """Time every runner on the same prompts, the runners taking turns within each repeat, and
+    take `PROBE_SAMPLES` readings of `probe` (a figure in ms) after them in each repeat.
 
     Taking turns (engine, transformers, engine, ...) rather than timing one system's repeats
     and then the other's keeps a slow spell of the machine from landing on one side only.
@@ -99,12 +105,16 @@ def measure(runners: list, prompts: list[list[int]], output_len: int, repeats: i
         runner.generate(prompts, output_len + 1)  # warm-up (allocations, kernel choice)
     first = {runner.name: [] for runner in runners}
     full = {runner.name: [] for runner in runners}
+    probed: list[float] = []
     for _ in range(repeats):
         for runner in runners:
             first[runner.name].append(common.timed(lambda: runner.generate(prompts, 1), sync))
             full[runner.name].append(common.timed(lambda: runner.generate(prompts, output_len + 1), sync))
-    return {runner.name: _figures(runner.name, first[runner.name], full[runner.name], len(prompts), len(prompts[0]),
-                                  output_len) for runner in runners}
+        if probe is not None:
+            probed.extend(probe() for _ in range(PROBE_SAMPLES))
+    figures = {runner.name: _figures(runner.name, first[runner.name], full[runner.name], len(prompts),
+                                     len(prompts[0]), output_len) for runner in runners}
+    return figures, probed
 
 
 def _figures(name: str, first: list[float], full: list[float], concurrency: int, input_len: int, output_len: int) -> dict:
@@ -123,15 +133,18 @@ def _figures(name: str, first: list[float], full: list[float], concurrency: int,
     }
 
 
-def matmul_floor(engine: EngineRunner, concurrency: int, repeats: int, sync, hf: dict | None) -> dict:
-    """The engine's weight matmuls of one decode step (every layer's projections and the LM head on
-    `concurrency` rows) timed alone, median of `repeats` + 2, and the decode ratio the engine would
-    reach if all the rest of its step took no time: how much room the matmul kernels leave."""
+def matmul_probe(engine: EngineRunner, concurrency: int, sync) -> Callable[[], float]:
+    """One reading of the engine's weight matmuls of a decode step (every layer's projections and
+    the LM head on `concurrency` rows) timed alone, in ms."""
     model = engine.llm.engine.model
-    samples = [common.layer_matmuls_ms(model, list(model.layers), concurrency, 1, sync, lm_head=True)
-               for _ in range(repeats + 2)]
+    return lambda: common.layer_matmuls_ms(model, list(model.layers), concurrency, 1, sync, lm_head=True)
+
+
+def matmul_floor(samples: list[float], hf: dict | None) -> dict:
+    """The median matmul time of a decode step, and the decode ratio the engine would reach if all
+    the rest of its step took no time: how much room the matmul kernels leave."""
     floor_ms = statistics.median(samples)
-    out = {"engine_decode_matmul_ms_per_step": floor_ms}
+    out = {"engine_decode_matmul_ms_per_step": floor_ms, "engine_decode_matmul_ms_samples": samples}
     if hf is not None and hf["decode_ms_per_step"]:
         out["decode_ratio_if_only_matmuls"] = hf["decode_ms_per_step"] / floor_ms
     return out
@@ -150,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     for concurrency in batch_sizes:
         prompts = common.random_prompts(concurrency, ns.input_len, engine.vocab_size, ns.seed + concurrency)
         row: dict = {"concurrency": concurrency}
-        figures = measure([engine] + ([hf] if hf is not None else []), prompts, ns.output_len, ns.repeats, sync)
+        figures, matmul_ms = measure([engine] + ([hf] if hf is not None else []), prompts, ns.output_len, ns.repeats,
+                                     sync, probe=matmul_probe(engine, concurrency, sync))
         e = figures["engine"]
         row.update({"engine_decode_tok_s": e["decode_tok_s"], "engine_prefill_tok_s": e["prefill_tok_s"]})
         if hf is not None:
@@ -160,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
                 "decode_ratio": e["decode_tok_s"] / h["decode_tok_s"] if e["decode_tok_s"] and h["decode_tok_s"] else None,
                 "prefill_ratio": e["prefill_tok_s"] / h["prefill_tok_s"],
             })
-        row.update(matmul_floor(engine, concurrency, ns.repeats, sync, h if hf is not None else None))
+        row.update(matmul_floor(matmul_ms, h if hf is not None else None))
         row["raw"] = {"engine": e, **({"hf": h} if hf is not None else {})}
         rows.append(row)
         print(_format_row(row), flush=True)

@@ -136,19 +136,29 @@ def test_layer_matmuls_run_every_projection_of_the_layers_on_the_rows_asked(tmp_
     assert len(seen) == 4 * len(layers) + 1 and seen[-1] == ("lm_head", 7)
 
 
-def test_throughput_matmul_floor_bounds_the_decode_ratio(monkeypatch):
-    import types
-
+def test_throughput_takes_matmul_floor_readings_in_every_repeat_and_bounds_the_decode_ratio():
     import throughput
 
-    samples = iter([30.0, 10.0, 20.0, 99.0, 21.0])
-    monkeypatch.setattr(common, "layer_matmuls_ms", lambda *args, **kwargs: next(samples))
-    engine = types.SimpleNamespace(llm=types.SimpleNamespace(engine=types.SimpleNamespace(
-        model=types.SimpleNamespace(layers=[]))))
-    floor = throughput.matmul_floor(engine, 8, 3, lambda: None, {"decode_ms_per_step": 42.0})
-    assert floor == {"engine_decode_matmul_ms_per_step": 21.0, "decode_ratio_if_only_matmuls": 2.0}
-    monkeypatch.setattr(common, "layer_matmuls_ms", lambda *args, **kwargs: 5.0)
-    assert throughput.matmul_floor(engine, 8, 3, lambda: None, None) == {"engine_decode_matmul_ms_per_step": 5.0}
+    calls = []
+
+    class Runner:
+        def __init__(self, name):
+            self.name = name
+
+        def generate(self, prompts, new_tokens):
+            calls.append(self.name)
+
+    readings = iter(range(100))
+    figures, probed = throughput.measure([Runner("engine"), Runner("hf")], [[1, 2]], 4, 2, lambda: None,
+                                         probe=lambda: calls.append("probe") or float(next(readings)))
+    per_repeat = ["engine", "engine", "hf", "hf"] + ["probe"] * throughput.PROBE_SAMPLES
+    assert calls == ["engine", "hf"] + 2 * per_repeat  # warm-ups, then the systems and the probe by turns
+    assert probed == [float(i) for i in range(2 * throughput.PROBE_SAMPLES)] and set(figures) == {"engine", "hf"}
+
+    floor = throughput.matmul_floor([30.0, 10.0, 20.0, 99.0, 21.0], {"decode_ms_per_step": 42.0})
+    assert floor["engine_decode_matmul_ms_per_step"] == 21.0 and floor["decode_ratio_if_only_matmuls"] == 2.0
+    assert "decode_ratio_if_only_matmuls" not in throughput.matmul_floor([5.0], None)
+    assert "decode_ratio_if_only_matmuls" not in throughput.matmul_floor([5.0], {"decode_ms_per_step": None})
 
 
 def test_itt_linear_floor_times_the_selected_rows_of_every_thinking_pass(tmp_path, monkeypatch):
