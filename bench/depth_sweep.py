@@ -422,7 +422,7 @@ def format_derived(sweep: dict[str, Any]) -> str:
                                              "b_extra_at_1.0_vs_plain_layer_passes_flop_adjusted") if key in derived}
     floor = derived.get("linear_layers_only", {}).get("a_linear_layers_only")
     if floor is not None:
-        figures["a_of_the_linear_layers_alone"] = floor
+        figures["a_linear_layers_only"] = floor
     return "itt (goal <= 1.3): " + ", ".join(f"{k} {v:.2f}" for k, v in figures.items())
 
 
