@@ -41,6 +41,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/serving.py --quick --launch --model $(MODEL) --no-progress \
 		$(if $(wildcard $(C4_SAMPLE)),--dataset $(C4_SAMPLE),--random-prompts)
 	$(BIN)/python bench/depth_sweep.py --quick
+	$(BIN)/python bench/step_breakdown.py --quick
 	$(BIN)/python bench/plot.py
 
 $(EVAL_STAMP):

@@ -8,6 +8,8 @@
     serving-*.json      TTFT and TPOT percentiles and token throughput against request rate
     depth-sweep-*.json  decode step time against the depth setting, with the step time the
                         setting's predicted compute implies and that compute itself on one chart
+    step-breakdown-*.json  a decode step's time by part (weight matmuls, paged attention, ITT
+                        routing, the rest) for each setting, as stacked bars
 A result kind with no files is skipped with a note.
 """
 
@@ -189,10 +191,32 @@ def plot_extra_shares(ax, rows: list[dict[str, Any]]) -> None:
     ax.legend(fontsize=8)
 
 
+# ---- step breakdown -----------------------------------------------------------------------------
+def plot_step_breakdown(payload: dict[str, Any], out: Path) -> list[Path]:
+    rows = payload["rows"]
+    parts = list(rows[0]["parts_ms"])
+    fig, ax = plt.subplots(figsize=(8, 5))
+    x = list(range(len(rows)))
+    bottom = [0.0] * len(rows)
+    for part in parts:
+        heights = [row["parts_ms"][part] for row in rows]
+        ax.bar(x, heights, 0.6, bottom=bottom, label=part)
+        bottom = [b + h for b, h in zip(bottom, heights)]
+    ax.set_xticks(x, [row["setting"] for row in rows])
+    ax.set_xlabel("depth setting")
+    ax.set_ylabel(f"decode step time, {rows[0].get('concurrency', '?')} concurrent requests (ms, median per part)")
+    ax.set_title(f"Where a decode step's time goes ({payload['settings'].get('arch', '?')})\n{machine_line(payload)}",
+                 fontsize=9)
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
+    return [save(fig, out)]
+
+
 PLOTTERS: dict[str, Callable[[dict[str, Any], Path], list[Path]]] = {
     "throughput": plot_throughput,
     "serving": plot_serving,
     "depth-sweep": plot_depth_sweep,
+    "step-breakdown": plot_step_breakdown,
 }
 
 

@@ -83,7 +83,7 @@ def test_make_tiny_depth_layout_options():
         tiny.make_tiny("sgt", "/nonexistent", itt_steps=3)
 
 
-def test_plot_skips_missing_kinds_and_draws_a_depth_sweep(tmp_path, capsys):
+def test_plot_skips_missing_kinds_and_draws_a_depth_sweep_and_a_step_breakdown(tmp_path, capsys):
     import plot
 
     row = {"knobs": {}, "concurrency": 4, "relative_compute": 1.0, "step_ms": 10.0}
@@ -93,10 +93,16 @@ def test_plot_skips_missing_kinds_and_draws_a_depth_sweep(tmp_path, capsys):
         "rows": [{**row, "setting": "loops=0", "is_baseline": True},
                  {**row, "setting": "loops=1", "is_baseline": False, "relative_compute": 1.1, "step_ms": 11.5}]}]}
     (tmp_path / "depth-sweep-test.json").write_text(json.dumps(payload))
+    parts = {"weight matmuls": 80.0, "paged attention": 30.0, "ITT routing": 0.0, "rest": 20.0}
+    breakdown = {"benchmark": "step-breakdown", "environment": {}, "settings": {"arch": "itt"},
+                 "rows": [{"setting": "thinking_steps=0", "concurrency": 4, "parts_ms": parts},
+                          {"setting": "ratios=1", "concurrency": 4, "parts_ms": {**parts, "ITT routing": 9.0}}]}
+    (tmp_path / "step-breakdown-test.json").write_text(json.dumps(breakdown))
     assert plot.main(["--results-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "no throughput results" in out and "no serving results" in out
     assert (tmp_path / "plots" / "depth-sweep-test-sgt.png").stat().st_size > 0
+    assert (tmp_path / "plots" / "step-breakdown-test.png").stat().st_size > 0
 
 
 def test_depth_sweep_extra_time_is_paired_by_round():
@@ -183,3 +189,65 @@ def test_itt_linear_floor_times_the_selected_rows_of_every_thinking_pass(tmp_pat
     assert floor["rows"] == {"0.5": 17, "1.0": 32}
     assert floor["a_linear_layers_only"] == pytest.approx((27.0 / 17) / (42.0 / 32))
     assert depth_sweep.itt_linear_floor(model, rows[1:], ns, lambda: None) == {}
+
+
+def test_step_breakdown_timers_add_up_per_part_and_are_removed_afterwards():
+    import collections
+    import time
+
+    import step_breakdown
+
+    class Owner:
+        def slow(self, x):
+            time.sleep(0.01)
+            return x + 1
+
+    owner = Owner()
+    original = Owner.slow
+    totals = collections.defaultdict(float)
+    with step_breakdown.timed_parts({"part": [(Owner, "slow")]}, totals):
+        assert owner.slow(1) == 2 and owner.slow(2) == 3
+    assert Owner.slow is original  # restored
+    assert 0.02 <= totals["part"] < 1.0
+    owner.slow(0)
+    assert totals["part"] < 1.0 and set(totals) == {"part"}
+
+
+def test_step_breakdown_splits_each_parts_extra_time_into_fixed_and_per_selected_share():
+    import step_breakdown
+
+    assert step_breakdown.fixed_and_variable(70.0, 120.0, 0.5, 1.0) == pytest.approx((20.0, 100.0))
+
+    def row(name, knobs, parts, fraction=None, baseline=False):
+        out = {"setting": name, "knobs": knobs, "is_baseline": baseline, "step_ms": sum(parts.values()),
+               "parts_ms": {**dict.fromkeys(step_breakdown.PARTS, 0.0), **parts}}
+        if fraction is not None:
+            out["decode_selected_fraction_mean"] = fraction
+        return out
+
+    rows = [row("thinking_steps=0", {"thinking_steps": 0}, {"weight matmuls": 80.0, "rest": 20.0}, baseline=True),
+            row("ratios=0.5", {"selection_ratios": [0.5] * 3}, {"weight matmuls": 150.0, "rest": 30.0}, 0.5),
+            row("ratios=1", {"selection_ratios": [1.0] * 3}, {"weight matmuls": 200.0, "rest": 31.0}, 1.0)]
+    derived = step_breakdown.itt_parts(rows)
+    matmuls = derived["parts"]["weight matmuls"]
+    assert matmuls["extra_ms"] == {"0.5": 70.0, "1.0": 120.0}
+    assert matmuls["fixed_ms"] == pytest.approx(20.0) and matmuls["per_selected_share_ms"] == pytest.approx(100.0)
+    assert matmuls["a_of_this_part"] == pytest.approx((70.0 / 0.5) / 120.0)
+    assert derived["parts"]["rest"]["a_of_this_part"] == pytest.approx((10.0 / 0.5) / 11.0)
+    assert derived["parts"]["ITT routing"]["a_of_this_part"] is None  # no extra time at all
+    assert derived["parts"]["step"]["extra_ms"] == {"0.5": 80.0, "1.0": 131.0}  # no samples: medians' difference
+
+
+def test_step_breakdown_times_every_part_of_real_itt_decode_steps(tmp_path):
+    import step_breakdown
+
+    path = tiny.make_tiny("itt", tmp_path / "itt", seed=1)
+    ns = step_breakdown.parse_args(["--itt-checkpoint", str(path), "--concurrency", "3", "--input-len", "8",
+                                    "--decode-steps", "2", "--warmup-steps", "1"])
+    rows = step_breakdown.run(ns)
+    assert [r["setting"] for r in rows] == ["thinking_steps=0", "ratios=0.5", "ratios=1"]
+    for row in rows:
+        assert set(row["parts_ms"]) == set(step_breakdown.PARTS) | {"rest"} and len(row["parts_ms_samples"]) == 2
+        assert row["parts_ms"]["weight matmuls"] > 0 and row["parts_ms"]["paged attention"] > 0
+    assert rows[0]["parts_ms"]["ITT routing"] == 0 and rows[2]["parts_ms"]["ITT routing"] > 0
+    assert set(step_breakdown.itt_parts(rows)["parts"]) == set(step_breakdown.PARTS) | {"rest", "step"}

@@ -1,0 +1,227 @@
+"""Where a decode step's time goes: weight matmuls, paged attention, ITT routing, the rest.
+
+    python bench/step_breakdown.py --threads 2                    # ITT (depth sweep's checkpoint)
+    python bench/step_breakdown.py --threads 2 --arch plain       # SmolLM2-135M-Instruct itself
+
+The same batch as the depth sweep (`--concurrency` requests of `--input-len` random tokens, greedy,
+EOS ignored, one engine per setting, the settings' decode steps timed in lockstep), with wall-clock
+timers around the parts of a step:
+    weight matmuls   every linear layer (qkv, o, gate_up, down projections, the LM head)
+    paged attention  storing the step's keys/values and attending over the paged cache
+    ITT routing      router scores and threshold selection, the step update, the routed slots'
+                     metadata, recording the decisions
+    rest             everything else in the step: norms, rotary, residuals, row gathers, sampling,
+                     scheduling, Python
+Settings for ITT: thinking_steps=0 (the baseline) and every step at ratios 0.5 and 1.0. For each
+part, the extra time over the baseline at the two ratios is fitted as fixed + per-selected-share
+(extra = F + V * s, s the decoded selected fraction): the fixed part F is what does not shrink when
+fewer tokens are selected, and (a) of the part alone, (extra(0.5) / s(0.5)) / (extra(1.0) / s(1.0)),
+is the depth sweep's figure (a) computed on that part's time only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+import depth_sweep  # noqa: E402
+
+PARTS = ("weight matmuls", "paged attention", "ITT routing")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--arch", default="itt", choices=["itt", "plain"])
+    p.add_argument("--model", default=depth_sweep.LIKE, help="the plain model (--arch plain)")
+    p.add_argument("--checkpoint-dir", type=Path, default=depth_sweep.DEFAULT_CHECKPOINT_DIR)
+    p.add_argument("--itt-checkpoint", default=None,
+                   help="an ITT checkpoint to use instead of the depth sweep's SmolLM2-shaped one (--arch itt)")
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--decode-steps", type=int, default=24, help="timed decode steps per setting")
+    p.add_argument("--warmup-steps", type=int, default=2)
+    p.add_argument("--itt-steps", type=int, default=3)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="input 16, 4 timed steps")
+    p.add_argument("--out", default=None, help="result name under bench/results (default: step-breakdown-<arch>-<device>)")
+    ns = p.parse_args(argv)
+    if ns.quick:
+        ns.input_len, ns.decode_steps = 16, 4
+    # What depth_sweep's checkpoint and batch helpers read.
+    ns.dtype, ns.device, ns.kv_cache_memory_gib = "float32", "cpu", 1.0
+    return ns
+
+
+# ---- timers -----------------------------------------------------------------------------------------
+def part_targets() -> dict[str, list[tuple[Any, str]]]:
+    """(owner, attribute) of the callables that make up each timed part."""
+    from depthserve.kernels import ops
+    from depthserve.layers.batch import StepBatch
+    from depthserve.layers.linear import CpuLinear
+    from depthserve.models.itt import StepRouting
+
+    return {
+        "weight matmuls": [(CpuLinear, "forward"), (torch.nn.Linear, "forward")],
+        "paged attention": [(ops, "store_kv"), (ops, "paged_decode_attention"), (ops, "paged_prefill_attention_varlen")],
+        "ITT routing": [(ops, "itt_route"), (ops, "itt_update"), (StepBatch, "routed_meta"), (StepRouting, "record")],
+    }
+
+
+@contextlib.contextmanager
+def timed_parts(targets: dict[str, list[tuple[Any, str]]], totals: dict[str, float]) -> Iterator[None]:
+    """Wrap every target so its wall time is added to totals[part]; restore them on exit.
+    The targets of one part never call each other, so no time is counted twice."""
+    originals = [(owner, name, getattr(owner, name)) for owners in targets.values() for owner, name in owners]
+    for part, owners in targets.items():
+        for owner, name in owners:
+            setattr(owner, name, _timed(getattr(owner, name), part, totals))
+    try:
+        yield
+    finally:
+        for owner, name, original in originals:
+            setattr(owner, name, original)
+
+
+def _timed(fn: Callable, part: str, totals: dict[str, float]) -> Callable:
+    def call(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            totals[part] += time.perf_counter() - start
+
+    return call
+
+
+# ---- one run -------------------------------------------------------------------------------------------
+def settings_for(model) -> list[depth_sweep.Setting]:
+    """The plain model's one setting; for ITT the baseline and every step at ratio 0.5 and 1.0."""
+    if not hasattr(model, "spec"):
+        return [depth_sweep.Setting("plain", {}, is_baseline=True)]
+    return depth_sweep.itt_settings(model.spec.steps, "0.5,1.0")
+
+
+def model_path(ns: argparse.Namespace) -> str:
+    if ns.arch == "plain":
+        return ns.model
+    return ns.itt_checkpoint or str(depth_sweep.ensure_checkpoint("itt", ns))
+
+
+def run(ns: argparse.Namespace) -> list[dict[str, Any]]:
+    from depthserve import LLM
+
+    path = model_path(ns)
+
+    def engine_llm():
+        return LLM(path, dtype=ns.dtype, device=ns.device, num_threads=ns.threads, max_num_seqs=ns.concurrency,
+                   enable_prefix_caching=False, kv_cache_memory_gib=ns.kv_cache_memory_gib,
+                   max_num_batched_tokens=depth_sweep.STEP_TOKEN_BUDGET,
+                   max_model_len=ns.input_len + depth_sweep.max_new_tokens(ns) + 16, load_progress=False)
+
+    first = engine_llm()
+    settings = settings_for(first.engine.model)
+    llms = [first] + [engine_llm() for _ in settings[1:]]
+    prompts = common.random_prompts(ns.concurrency, ns.input_len, first.engine.vocab_size, ns.seed)
+    runs = [depth_sweep.SettingRun(llm, setting, prompts, ns, lambda: None) for llm, setting in zip(llms, settings)]
+    targets = part_targets()
+    per_step: list[list[dict[str, float]]] = [[] for _ in runs]
+    for step in range(ns.decode_steps):
+        for k in range(len(runs)):
+            index = (step + k) % len(runs)
+            totals: dict[str, float] = defaultdict(float)
+            with timed_parts(targets, totals):
+                runs[index].timed_step()
+            per_step[index].append({part: 1000 * totals[part] for part in PARTS})
+    rows = []
+    for setting_run, parts in zip(runs, per_step):
+        row = setting_run.finish()
+        row["parts_ms"] = {part: statistics.median(p[part] for p in parts) for part in PARTS}
+        row["parts_ms"]["rest"] = statistics.median(
+            1000 * total - sum(p.values()) for total, p in zip(setting_run.samples, parts))
+        row["parts_ms_samples"] = parts
+        rows.append(row)
+    return rows
+
+
+# ---- derived figures -------------------------------------------------------------------------------
+def fixed_and_variable(extra_half: float, extra_full: float, s_half: float, s_full: float) -> tuple[float, float]:
+    """extra = F + V * s through the two points: (F, V) in ms per step."""
+    variable = (extra_full - extra_half) / (s_full - s_half)
+    return extra_full - variable * s_full, variable
+
+
+def itt_parts(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per part: extra ms over the baseline at ratio 0.5 and 1.0, the fit F + V * s, and (a) of the part alone."""
+    baseline = next(r for r in rows if r["is_baseline"])
+    by_ratio = {r["knobs"]["selection_ratios"][0]: r for r in rows if "selection_ratios" in r["knobs"]}
+    half, full = by_ratio[0.5], by_ratio[1.0]
+    s_half, s_full = half["decode_selected_fraction_mean"], full["decode_selected_fraction_mean"]
+    out: dict[str, Any] = {"selected_fraction": {"0.5": s_half, "1.0": s_full}, "parts": {}}
+    for part in list(PARTS) + ["rest", "step"]:
+        def extra(row: dict[str, Any]) -> float:
+            if part == "step":
+                return depth_sweep.paired_extra_ms(row, baseline)
+            return row["parts_ms"][part] - baseline["parts_ms"][part]
+
+        e_half, e_full = extra(half), extra(full)
+        fixed, variable = fixed_and_variable(e_half, e_full, s_half, s_full)
+        out["parts"][part] = {
+            "extra_ms": {"0.5": e_half, "1.0": e_full},
+            "fixed_ms": fixed,
+            "per_selected_share_ms": variable,
+            "a_of_this_part": (e_half / s_half) / (e_full / s_full) if e_full > 0 and s_half > 0 else None,
+        }
+    return out
+
+
+def format_rows(rows: list[dict[str, Any]]) -> list[str]:
+    return [f"{r['setting']:<18} step {r['step_ms']:7.1f} ms: "
+            + ", ".join(f"{part} {ms:6.1f}" for part, ms in r["parts_ms"].items()) for r in rows]
+
+
+def format_itt(derived: dict[str, Any]) -> list[str]:
+    lines = []
+    for part, d in derived["parts"].items():
+        a = "-" if d["a_of_this_part"] is None else f"{d['a_of_this_part']:.2f}"
+        lines.append(f"{part:<16} extra {d['extra_ms']['0.5']:6.1f} / {d['extra_ms']['1.0']:6.1f} ms at 0.5 / 1.0, "
+                     f"fixed {d['fixed_ms']:6.1f} ms + {d['per_selected_share_ms']:6.1f} ms x selected share, (a) {a}")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = parse_args(argv)
+    if ns.threads:
+        torch.set_num_threads(ns.threads)
+    rows = run(ns)
+    for line in format_rows(rows):
+        print(line, flush=True)
+    payload: dict[str, Any] = {
+        "benchmark": "step-breakdown",
+        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(ns).items()},
+        "environment": common.environment(ns.device, ns.threads),
+        "method": "wall-clock timers around the parts of each timed decode step; per part, the median over steps",
+        "rows": rows,
+    }
+    if ns.arch == "itt":
+        payload["derived"] = itt_parts(rows)
+        for line in format_itt(payload["derived"]):
+            print(line)
+    name = ns.out or f"step-breakdown-{ns.arch}-{common.device_slug(ns.device)}" + ("-quick" if ns.quick else "")
+    print(f"wrote {common.write_result(name, payload)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
