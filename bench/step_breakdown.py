@@ -1,28 +1,39 @@
-"""Where a decode step's time goes: weight matmuls, paged attention, ITT routing, the rest.
+"""Where a decode step's time goes: weight matmuls, paged attention, each depth mechanism, the rest.
 
-    python bench/step_breakdown.py --threads 2                    # ITT (depth sweep's checkpoint)
+    python bench/step_breakdown.py --threads 2                    # ITT (the depth sweep's checkpoint)
+    python bench/step_breakdown.py --threads 2 --arch dreamer     # or sgt, put
     python bench/step_breakdown.py --threads 2 --arch plain       # SmolLM2-135M-Instruct itself
 
 The same batch as the depth sweep (`--concurrency` requests of `--input-len` random tokens, greedy,
-EOS ignored, one engine per setting, the settings' decode steps timed in lockstep), with wall-clock
-timers around the parts of a step:
-    weight matmuls   every linear layer (qkv, o, gate_up, down projections, the LM head)
-    paged attention  storing the step's keys/values and attending over the paged cache
-    ITT routing      router scores and threshold selection, the step update, the routed slots'
-                     metadata, recording the decisions
-    rest             everything else in the step: norms, rotary, residuals, row gathers, sampling,
-                     scheduling, Python
-Settings for ITT: thinking_steps=0 (the baseline) and every step at ratios 0.5 and 1.0. For each
-part, the extra time over the baseline at the two ratios is fitted as fixed + per-selected-share
-(extra = F + V * s, s the decoded selected fraction): the fixed part F is what does not shrink when
-fewer tokens are selected, and (a) of the part alone, (extra(0.5) / s(0.5)) / (extra(1.0) / s(1.0)),
-is the depth sweep's figure (a) computed on that part's time only.
+EOS ignored, one engine per setting on the sweep's SmolLM2-shaped checkpoint, the settings' decode
+steps timed in lockstep), with wall-clock timers around the parts of a step. A part's time is its
+own: time spent in a part called from inside another is counted to the inner one only.
+    weight matmuls    every linear layer (qkv, o, gate_up, down projections, the LM head)
+    paged attention   storing the step's keys/values and attending over the paged cache
+    ITT routing       router scores and threshold selection, the step update, the routed slots'
+                      metadata, recording the decisions
+    SGT loop metadata the loop slots' attention metadata (the loops' attention and projections
+                      count as paged attention and weight matmuls)
+    Dreamer experts   routers and the expert projections of self-attention and expert attention
+    Dreamer depth attention  attention over each token's depth cache, with its projections
+    Dreamer bookkeeping      the per-depth slots' metadata, recording the routing decisions
+    PUT conv state    the depthwise convolution's taps and the per-sequence state it carries
+    rest              everything else in the step: norms, rotary, residuals, row gathers,
+                      sampling, scheduling, Python
+Settings: the depth sweep's (SGT loops 0..max, Dreamer depth 1..D, PUT loops 1..T), and for ITT
+thinking_steps=0 (the baseline) and every step at ratios 0.5 and 1.0. Every setting's parts are
+given as extra time over the baseline's. For ITT, each part's extra time at the two ratios is also
+fitted as fixed + per-selected-share (extra = F + V * s, s the decoded selected fraction): the fixed
+part F is what does not shrink when fewer tokens are selected, and (a) of the part alone,
+(extra(0.5) / s(0.5)) / (extra(1.0) / s(1.0)), is the depth sweep's figure (a) computed on that
+part's time only.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import inspect
 import statistics
 import sys
 import time
@@ -37,21 +48,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 import depth_sweep  # noqa: E402
 
-PARTS = ("weight matmuls", "paged attention", "ITT routing")
+ARCHS = ("plain",) + depth_sweep.ARCHS
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--arch", default="itt", choices=["itt", "plain"])
+    p.add_argument("--arch", default="itt", choices=ARCHS)
     p.add_argument("--model", default=depth_sweep.LIKE, help="the plain model (--arch plain)")
     p.add_argument("--checkpoint-dir", type=Path, default=depth_sweep.DEFAULT_CHECKPOINT_DIR)
-    p.add_argument("--itt-checkpoint", default=None,
-                   help="an ITT checkpoint to use instead of the depth sweep's SmolLM2-shaped one (--arch itt)")
+    p.add_argument("--checkpoint", default=None,
+                   help="a checkpoint of --arch to use instead of the depth sweep's SmolLM2-shaped one")
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--decode-steps", type=int, default=24, help="timed decode steps per setting")
     p.add_argument("--warmup-steps", type=int, default=2)
-    p.add_argument("--itt-steps", type=int, default=3)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="input 16, 4 timed steps")
@@ -59,34 +69,77 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ns = p.parse_args(argv)
     if ns.quick:
         ns.input_len, ns.decode_steps = 16, 4
-    # What depth_sweep's checkpoint and batch helpers read.
-    ns.dtype, ns.device, ns.kv_cache_memory_gib = "float32", "cpu", 1.0
+    # What depth_sweep's checkpoint and batch helpers read: its checkpoint options, and the CPU path.
+    for name, value in vars(depth_sweep.parse_args([])).items():
+        if not hasattr(ns, name):
+            setattr(ns, name, value)
+    ns.dtype, ns.device = "float32", "cpu"
     return ns
 
 
 # ---- timers -----------------------------------------------------------------------------------------
-def part_targets() -> dict[str, list[tuple[Any, str]]]:
-    """(owner, attribute) of the callables that make up each timed part."""
+def part_targets(arch: str) -> dict[str, list[tuple[Any, str]]]:
+    """(owner, attribute) of the callables that make up each timed part of `arch`'s step."""
     from depthserve.kernels import ops
     from depthserve.layers.batch import StepBatch
     from depthserve.layers.linear import CpuLinear
-    from depthserve.models.itt import StepRouting
 
-    return {
+    targets: dict[str, list[tuple[Any, str]]] = {
         "weight matmuls": [(CpuLinear, "forward"), (torch.nn.Linear, "forward")],
         "paged attention": [(ops, "store_kv"), (ops, "paged_decode_attention"), (ops, "paged_prefill_attention_varlen")],
-        "ITT routing": [(ops, "itt_route"), (ops, "itt_update"), (StepBatch, "routed_meta"), (StepRouting, "record")],
     }
+    if arch == "itt":
+        from depthserve.models.itt import StepRouting
+
+        targets["ITT routing"] = [(ops, "itt_route"), (ops, "itt_update"), (StepBatch, "routed_meta"),
+                                  (StepRouting, "record")]
+    elif arch == "sgt":
+        targets["SGT loop metadata"] = [(StepBatch, "slot_meta")]
+    elif arch == "dreamer":
+        from depthserve.models.dreamer import DreamerForCausalLM as Dreamer
+
+        targets["Dreamer experts"] = [(Dreamer, "_router"), (Dreamer, "_grouped"), (Dreamer, "_ea")]
+        targets["Dreamer depth attention"] = [(Dreamer, "_da")]
+        targets["Dreamer bookkeeping"] = [(StepBatch, "slot_meta"), (Dreamer, "_record")]
+    elif arch == "put":
+        from depthserve.models import put
+
+        targets["PUT conv state"] = [(put.ConvContext, "__init__"), (put.ConvContext, "taps"),
+                                     (put.ConvContext, "write_back")]
+    return targets
+
+
+class PartClock:
+    """Own (exclusive) wall time per part: a timed call inside another timed call is subtracted from
+    the outer one, so nested parts (Dreamer's expert attention calls its router) count once."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, float] = defaultdict(float)
+        self._inner: list[float] = []  # time of timed calls nested in each open call
+
+    def wrap(self, fn: Callable, part: str) -> Callable:
+        def call(*args, **kwargs):
+            self._inner.append(0.0)
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                elapsed = time.perf_counter() - start
+                self.totals[part] += elapsed - self._inner.pop()
+                if self._inner:
+                    self._inner[-1] += elapsed
+
+        return call
 
 
 @contextlib.contextmanager
-def timed_parts(targets: dict[str, list[tuple[Any, str]]], totals: dict[str, float]) -> Iterator[None]:
-    """Wrap every target so its wall time is added to totals[part]; restore them on exit.
-    The targets of one part never call each other, so no time is counted twice."""
-    originals = [(owner, name, getattr(owner, name)) for owners in targets.values() for owner, name in owners]
+def timed_parts(targets: dict[str, list[tuple[Any, str]]], clock: PartClock) -> Iterator[None]:
+    """Wrap every target with the clock; restore them on exit."""
+    originals = [(owner, name, inspect.getattr_static(owner, name)) for owners in targets.values()
+                 for owner, name in owners]
     for part, owners in targets.items():
         for owner, name in owners:
-            setattr(owner, name, _timed(getattr(owner, name), part, totals))
+            setattr(owner, name, _wrapped(inspect.getattr_static(owner, name), part, clock))
     try:
         yield
     finally:
@@ -94,29 +147,30 @@ def timed_parts(targets: dict[str, list[tuple[Any, str]]], totals: dict[str, flo
             setattr(owner, name, original)
 
 
-def _timed(fn: Callable, part: str, totals: dict[str, float]) -> Callable:
-    def call(*args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            totals[part] += time.perf_counter() - start
-
-    return call
+def _wrapped(attribute: Any, part: str, clock: PartClock) -> Any:
+    """The clock's wrapper of a function, method or staticmethod, of the same kind."""
+    if isinstance(attribute, staticmethod):
+        return staticmethod(clock.wrap(attribute.__func__, part))
+    return clock.wrap(attribute, part)
 
 
 # ---- one run -------------------------------------------------------------------------------------------
-def settings_for(model) -> list[depth_sweep.Setting]:
-    """The plain model's one setting; for ITT the baseline and every step at ratio 0.5 and 1.0."""
-    if not hasattr(model, "spec"):
+def settings_for(arch: str, model) -> list[depth_sweep.Setting]:
+    """The depth sweep's settings (for ITT: the baseline and ratios 0.5 and 1.0 only)."""
+    if arch == "plain":
         return [depth_sweep.Setting("plain", {}, is_baseline=True)]
-    return depth_sweep.itt_settings(model.spec.steps, "0.5,1.0")
+    if arch == "itt":
+        return depth_sweep.itt_settings(model.spec.steps, "0.5,1.0")
+    if arch == "sgt":
+        return depth_sweep.sgt_settings(int(model.depth_knobs()["loops"].maximum), None)
+    (name, knob), = model.depth_knobs().items()
+    return depth_sweep.range_settings(name, int(knob.minimum), int(knob.maximum))
 
 
 def model_path(ns: argparse.Namespace) -> str:
-    if ns.arch == "plain":
-        return ns.model
-    return ns.itt_checkpoint or str(depth_sweep.ensure_checkpoint("itt", ns))
+    if ns.checkpoint:
+        return ns.checkpoint
+    return ns.model if ns.arch == "plain" else str(depth_sweep.ensure_checkpoint(ns.arch, ns))
 
 
 def run(ns: argparse.Namespace) -> list[dict[str, Any]]:
@@ -131,23 +185,23 @@ def run(ns: argparse.Namespace) -> list[dict[str, Any]]:
                    max_model_len=ns.input_len + depth_sweep.max_new_tokens(ns) + 16, load_progress=False)
 
     first = engine_llm()
-    settings = settings_for(first.engine.model)
+    settings = settings_for(ns.arch, first.engine.model)
     llms = [first] + [engine_llm() for _ in settings[1:]]
     prompts = common.random_prompts(ns.concurrency, ns.input_len, first.engine.vocab_size, ns.seed)
     runs = [depth_sweep.SettingRun(llm, setting, prompts, ns, lambda: None) for llm, setting in zip(llms, settings)]
-    targets = part_targets()
+    targets = part_targets(ns.arch)
     per_step: list[list[dict[str, float]]] = [[] for _ in runs]
     for step in range(ns.decode_steps):
         for k in range(len(runs)):
             index = (step + k) % len(runs)
-            totals: dict[str, float] = defaultdict(float)
-            with timed_parts(targets, totals):
+            clock = PartClock()
+            with timed_parts(targets, clock):
                 runs[index].timed_step()
-            per_step[index].append({part: 1000 * totals[part] for part in PARTS})
+            per_step[index].append({part: 1000 * clock.totals[part] for part in targets})
     rows = []
     for setting_run, parts in zip(runs, per_step):
         row = setting_run.finish()
-        row["parts_ms"] = {part: statistics.median(p[part] for p in parts) for part in PARTS}
+        row["parts_ms"] = {part: statistics.median(p[part] for p in parts) for part in targets}
         row["parts_ms"]["rest"] = statistics.median(
             1000 * total - sum(p.values()) for total, p in zip(setting_run.samples, parts))
         row["parts_ms_samples"] = parts
@@ -162,6 +216,20 @@ def fixed_and_variable(extra_half: float, extra_full: float, s_half: float, s_fu
     return extra_full - variable * s_full, variable
 
 
+def part_extra(row: dict[str, Any], baseline: dict[str, Any], part: str) -> float:
+    """A part's extra ms per step over the baseline ("step": the whole step's, paired by round)."""
+    if part == "step":
+        return depth_sweep.paired_extra_ms(row, baseline)
+    return row["parts_ms"][part] - baseline["parts_ms"][part]
+
+
+def extra_by_part(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """setting -> part -> extra ms per step over the baseline setting, for every other setting."""
+    baseline = next(r for r in rows if r["is_baseline"])
+    parts = list(baseline["parts_ms"]) + ["step"]
+    return {r["setting"]: {part: part_extra(r, baseline, part) for part in parts} for r in rows if not r["is_baseline"]}
+
+
 def itt_parts(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Per part: extra ms over the baseline at ratio 0.5 and 1.0, the fit F + V * s, and (a) of the part alone."""
     baseline = next(r for r in rows if r["is_baseline"])
@@ -169,13 +237,8 @@ def itt_parts(rows: list[dict[str, Any]]) -> dict[str, Any]:
     half, full = by_ratio[0.5], by_ratio[1.0]
     s_half, s_full = half["decode_selected_fraction_mean"], full["decode_selected_fraction_mean"]
     out: dict[str, Any] = {"selected_fraction": {"0.5": s_half, "1.0": s_full}, "parts": {}}
-    for part in list(PARTS) + ["rest", "step"]:
-        def extra(row: dict[str, Any]) -> float:
-            if part == "step":
-                return depth_sweep.paired_extra_ms(row, baseline)
-            return row["parts_ms"][part] - baseline["parts_ms"][part]
-
-        e_half, e_full = extra(half), extra(full)
+    for part in list(baseline["parts_ms"]) + ["step"]:
+        e_half, e_full = part_extra(half, baseline, part), part_extra(full, baseline, part)
         fixed, variable = fixed_and_variable(e_half, e_full, s_half, s_full)
         out["parts"][part] = {
             "extra_ms": {"0.5": e_half, "1.0": e_full},
@@ -188,7 +251,12 @@ def itt_parts(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def format_rows(rows: list[dict[str, Any]]) -> list[str]:
     return [f"{r['setting']:<18} step {r['step_ms']:7.1f} ms: "
-            + ", ".join(f"{part} {ms:6.1f}" for part, ms in r["parts_ms"].items()) for r in rows]
+            + ", ".join(f"{part} {ms:.1f}" for part, ms in r["parts_ms"].items()) for r in rows]
+
+
+def format_extra(extra: dict[str, dict[str, float]]) -> list[str]:
+    return [f"{setting:<18} extra: " + ", ".join(f"{part} {ms:+.1f}" for part, ms in parts.items())
+            for setting, parts in extra.items()]
 
 
 def format_itt(derived: dict[str, Any]) -> list[str]:
@@ -214,6 +282,10 @@ def main(argv: list[str] | None = None) -> int:
         "method": "wall-clock timers around the parts of each timed decode step; per part, the median over steps",
         "rows": rows,
     }
+    if ns.arch != "plain":
+        payload["extra_ms_by_part"] = extra_by_part(rows)
+        for line in format_extra(payload["extra_ms_by_part"]):
+            print(line)
     if ns.arch == "itt":
         payload["derived"] = itt_parts(rows)
         for line in format_itt(payload["derived"]):

@@ -191,26 +191,32 @@ def test_itt_linear_floor_times_the_selected_rows_of_every_thinking_pass(tmp_pat
     assert depth_sweep.itt_linear_floor(model, rows[1:], ns, lambda: None) == {}
 
 
-def test_step_breakdown_timers_add_up_per_part_and_are_removed_afterwards():
-    import collections
+def test_step_breakdown_counts_each_parts_own_time_and_removes_its_timers_afterwards():
     import time
 
     import step_breakdown
 
     class Owner:
-        def slow(self, x):
-            time.sleep(0.01)
+        def outer(self, x):
+            time.sleep(0.02)
+            return self.inner(x) + 1
+
+        def inner(self, x):
+            time.sleep(0.03)
             return x + 1
 
     owner = Owner()
-    original = Owner.slow
-    totals = collections.defaultdict(float)
-    with step_breakdown.timed_parts({"part": [(Owner, "slow")]}, totals):
-        assert owner.slow(1) == 2 and owner.slow(2) == 3
-    assert Owner.slow is original  # restored
-    assert 0.02 <= totals["part"] < 1.0
-    owner.slow(0)
-    assert totals["part"] < 1.0 and set(totals) == {"part"}
+    originals = Owner.outer, Owner.inner
+    clock = step_breakdown.PartClock()
+    with step_breakdown.timed_parts({"outer part": [(Owner, "outer")], "inner part": [(Owner, "inner")]}, clock):
+        assert owner.outer(1) == 3 and owner.inner(1) == 2
+    assert (Owner.outer, Owner.inner) == originals  # restored
+    # outer's own time excludes the nested inner call, which counts to the inner part only
+    assert 0.02 <= clock.totals["outer part"] < 0.045
+    assert 0.06 <= clock.totals["inner part"] < 0.1
+    before = dict(clock.totals)
+    owner.outer(0)
+    assert dict(clock.totals) == before
 
 
 def test_step_breakdown_splits_each_parts_extra_time_into_fixed_and_per_selected_share():
@@ -220,7 +226,7 @@ def test_step_breakdown_splits_each_parts_extra_time_into_fixed_and_per_selected
 
     def row(name, knobs, parts, fraction=None, baseline=False):
         out = {"setting": name, "knobs": knobs, "is_baseline": baseline, "step_ms": sum(parts.values()),
-               "parts_ms": {**dict.fromkeys(step_breakdown.PARTS, 0.0), **parts}}
+               "parts_ms": {"weight matmuls": 0.0, "ITT routing": 0.0, "rest": 0.0, **parts}}
         if fraction is not None:
             out["decode_selected_fraction_mean"] = fraction
         return out
@@ -236,18 +242,29 @@ def test_step_breakdown_splits_each_parts_extra_time_into_fixed_and_per_selected
     assert derived["parts"]["rest"]["a_of_this_part"] == pytest.approx((10.0 / 0.5) / 11.0)
     assert derived["parts"]["ITT routing"]["a_of_this_part"] is None  # no extra time at all
     assert derived["parts"]["step"]["extra_ms"] == {"0.5": 80.0, "1.0": 131.0}  # no samples: medians' difference
+    assert step_breakdown.extra_by_part(rows)["ratios=0.5"] == {"weight matmuls": 70.0, "ITT routing": 0.0,
+                                                                "rest": 10.0, "step": 80.0}
 
 
-def test_step_breakdown_times_every_part_of_real_itt_decode_steps(tmp_path):
+@pytest.mark.parametrize("arch", ["itt", "sgt", "dreamer", "put"])
+def test_step_breakdown_times_every_part_of_real_decode_steps(tmp_path, arch):
     import step_breakdown
 
-    path = tiny.make_tiny("itt", tmp_path / "itt", seed=1)
-    ns = step_breakdown.parse_args(["--itt-checkpoint", str(path), "--concurrency", "3", "--input-len", "8",
-                                    "--decode-steps", "2", "--warmup-steps", "1"])
+    path = tiny.make_tiny(arch, tmp_path / arch, seed=1)
+    ns = step_breakdown.parse_args(["--arch", arch, "--checkpoint", str(path), "--concurrency", "3",
+                                    "--input-len", "8", "--decode-steps", "2", "--warmup-steps", "1"])
     rows = step_breakdown.run(ns)
-    assert [r["setting"] for r in rows] == ["thinking_steps=0", "ratios=0.5", "ratios=1"]
+    mechanism = [part for part in step_breakdown.part_targets(arch) if part.startswith(arch.upper()[:3])
+                 or part.lower().startswith(arch)]
+    assert mechanism, "every depth architecture times its own mechanism"
+    assert rows[0]["is_baseline"] and len(rows) >= 2
     for row in rows:
-        assert set(row["parts_ms"]) == set(step_breakdown.PARTS) | {"rest"} and len(row["parts_ms_samples"]) == 2
+        assert set(row["parts_ms"]) == set(step_breakdown.part_targets(arch)) | {"rest"}
+        assert len(row["parts_ms_samples"]) == 2
         assert row["parts_ms"]["weight matmuls"] > 0 and row["parts_ms"]["paged attention"] > 0
-    assert rows[0]["parts_ms"]["ITT routing"] == 0 and rows[2]["parts_ms"]["ITT routing"] > 0
-    assert set(step_breakdown.itt_parts(rows)["parts"]) == set(step_breakdown.PARTS) | {"rest", "step"}
+    deepest = rows[-1]
+    assert all(deepest["parts_ms"][part] > 0 for part in mechanism)
+    if arch == "itt":
+        assert rows[0]["parts_ms"]["ITT routing"] == 0
+        assert set(step_breakdown.itt_parts(rows)["parts"]) == set(rows[0]["parts_ms"]) | {"step"}
+    assert set(step_breakdown.extra_by_part(rows)) == {r["setting"] for r in rows[1:]}
