@@ -24,6 +24,8 @@ the reference forward is depthserve/models/put_reference.py.
 
 from __future__ import annotations
 
+import itertools
+
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -207,11 +209,12 @@ class ConvContext:
         self.pool = pool
         self.states = torch.zeros(len(step.items), steps, n_core, self.k1, d_ff, dtype=dtype, device=device)
         self._taps: dict[tuple[int, ...], tuple[list[torch.Tensor], torch.Tensor]] = {}
-        if self.k1:
-            for i, item in enumerate(step.items):
-                if item.start > 0:
-                    shape = (item.plan.loops, n_core, self.k1, d_ff)
-                    self.states[i, : item.plan.loops] = _read_state(pool, item.state, shape)
+        carried = [i for i, item in enumerate(step.items) if item.start > 0] if self.k1 else []
+        if carried:
+            values = _gather_state_pages(pool, [step.items[i].state for i in carried])
+            for i, offset in zip(carried, _state_offsets(pool, [step.items[i].state for i in carried])):
+                own = self.states[i, : step.items[i].plan.loops]
+                own.copy_(values[offset : offset + own.numel()].view_as(own))
 
     def taps(self, indices: list[int]) -> tuple[list[torch.Tensor], torch.Tensor]:
         """For the items `indices` (their rows packed in this order): per tap j, the index of Z_{n-j}
@@ -240,39 +243,40 @@ class ConvContext:
     def write_back(self) -> None:
         if not self.k1:
             return
-        for i, item in enumerate(self.step.items):
-            _write_state(self.pool, item.state, self.states[i, : item.plan.loops])
+        page_lists = [item.state for item in self.step.items]
+        values = self.states.new_zeros(sum(len(pages) for pages in page_lists) * _page_values(self.pool))
+        for i, (item, offset) in enumerate(zip(self.step.items, _state_offsets(self.pool, page_lists))):
+            own = self.states[i, : item.plan.loops].reshape(-1)
+            values[offset : offset + own.numel()] = own
+        _scatter_state_pages(self.pool, page_lists, values)
 
 
-def _state_index(pages: np.ndarray, count: int, page_elems: int) -> tuple[np.ndarray, np.ndarray]:
-    """Element e of a sequence's state lives in page pages[e // (2P)]: its K half, then its V half."""
-    e = np.arange(count)
-    q, within = np.divmod(e, 2 * page_elems)
-    in_k = within < page_elems
-    flat = pages[q].astype(np.int64) * page_elems + np.where(in_k, within, within - page_elems)
-    return flat, in_k
+# A sequence's state lives in its state pages in order, each page holding its K half, then its V half.
+# Reads and writes move whole pages, all sequences' at once (the unused tail of a last page is zeroed).
+def _page_values(pool: KVPool) -> int:
+    return 2 * pool.k_pages[0].numel()
 
 
-def _read_state(pool: KVPool, pages: np.ndarray, shape: tuple[int, ...]) -> torch.Tensor:
-    count = int(np.prod(shape))
-    page_elems = pool.k_pages[0].numel()
-    flat, in_k = _state_index(pages, count, page_elems)
-    device = pool.k_pages.device
-    out = torch.empty(count, dtype=pool.k_pages.dtype, device=device)
-    mask = torch.from_numpy(in_k).to(device)
-    out[mask] = pool.k_pages.view(-1)[torch.from_numpy(flat[in_k]).to(device)]
-    out[~mask] = pool.v_pages.view(-1)[torch.from_numpy(flat[~in_k]).to(device)]
-    return out.view(shape)
+def _state_offsets(pool: KVPool, page_lists: list[np.ndarray]) -> list[int]:
+    """Where each sequence's state starts in the concatenation of the sequences' state pages."""
+    return list(itertools.accumulate((len(pages) * _page_values(pool) for pages in page_lists), initial=0))[:-1]
 
 
-def _write_state(pool: KVPool, pages: np.ndarray, state: torch.Tensor) -> None:
-    values = state.reshape(-1).to(pool.k_pages.dtype)
-    page_elems = pool.k_pages[0].numel()
-    flat, in_k = _state_index(pages, values.numel(), page_elems)
-    device = pool.k_pages.device
-    mask = torch.from_numpy(in_k).to(device)
-    pool.k_pages.view(-1).index_copy_(0, torch.from_numpy(flat[in_k]).to(device), values[mask])
-    pool.v_pages.view(-1).index_copy_(0, torch.from_numpy(flat[~in_k]).to(device), values[~mask])
+def _page_index(pool: KVPool, page_lists: list[np.ndarray]) -> torch.Tensor:
+    return torch.from_numpy(np.concatenate(page_lists).astype(np.int64)).to(pool.k_pages.device)
+
+
+def _gather_state_pages(pool: KVPool, page_lists: list[np.ndarray]) -> torch.Tensor:
+    """The values of these pages in state order, flat: one gather of K halves, one of V halves."""
+    index = _page_index(pool, page_lists)
+    return torch.stack([pool.k_pages.index_select(0, index), pool.v_pages.index_select(0, index)], dim=1).view(-1)
+
+
+def _scatter_state_pages(pool: KVPool, page_lists: list[np.ndarray], values: torch.Tensor) -> None:
+    index = _page_index(pool, page_lists)
+    halves = values.to(pool.k_pages.dtype).view(len(index), 2, *pool.k_pages.shape[1:])
+    pool.k_pages.index_copy_(0, index, halves[:, 0])
+    pool.v_pages.index_copy_(0, index, halves[:, 1])
 
 
 class PUTCoreLayer(nn.Module):
