@@ -272,11 +272,15 @@ def test_reference_basics(ckpts):
         assert float((changed - logits[3]).abs().max()) > 0.1
 
 
-def test_moe_runs_grouped_by_expert(ckpts, monkeypatch):
-    """One matmul per active expert (tokens sorted by expert), never a loop over tokens nor dense experts."""
+@pytest.mark.parametrize("padded", [False, True])
+def test_moe_runs_grouped_by_expert(ckpts, monkeypatch, padded):
+    """Expert attention never loops over tokens nor runs every expert on every token: either one matmul
+    per active expert on its tokens, or (decode-sized batches) all experts in one batched matmul on
+    their tokens padded to the busiest expert's count. Both equal each token run through its experts."""
     llm = _invalid_llm(ckpts)
     model = llm.engine.model
     h = torch.randn(37, model.config.hidden_size)
+    monkeypatch.setattr(dreamer, "PADDED_EXPERTS_MAX_ROWS_PER_PAIR", 10**6 if padded else 0)
     calls = []
     real = torch.Tensor.index_select
 
@@ -289,7 +293,7 @@ def test_moe_runs_grouped_by_expert(ckpts, monkeypatch):
     out, top = model._ea(h, 2)
     monkeypatch.undo()
     active = torch.unique(top).numel()
-    assert len(calls) == active and sum(calls) == 37 * model.spec.top_k
+    assert sum(calls) == 37 * model.spec.top_k and len(calls) == (1 if padded else active)
     # the same as every token run through its own experts
     hn = model.ea_norm(h)
     logits = model._router("ea", hn, 2)

@@ -50,6 +50,9 @@ from depthserve.layers.rotary import apply_rope, rope_tables
 from depthserve.loading.checkpoint import FORMAT_VERSION, CheckpointFormatError
 
 DA_ROPE_MODES = ("depth", "reversed_half")
+# Expert attention runs all experts as one batched matmul (rows padded to the busiest expert's
+# count) when that computes at most this many rows per (token, expert) pair; else one per expert.
+PADDED_EXPERTS_MAX_ROWS_PER_PAIR = 4
 
 
 # ---- the `depth` section ---------------------------------------------------------------------------
@@ -468,22 +471,44 @@ class DreamerForCausalLM(nn.Module):
         gates = torch.sigmoid(logits.gather(1, top))
         weights = (gates / gates.sum(-1, keepdim=True)).to(y.dtype)
         flat = top.reshape(-1)
-        tokens = torch.arange(h.shape[0], device=h.device).repeat_interleave(spec.top_k)
         order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=spec.num_experts).tolist()
-        tokens, w = tokens[order], weights.reshape(-1)[order]
+        experts = flat[order]  # each (token, expert) pair's expert, sorted
+        tokens = torch.arange(h.shape[0], device=h.device).repeat_interleave(spec.top_k)[order]
+        counts = torch.bincount(flat, minlength=spec.num_experts)
+        width = int(counts.max())
+        if spec.num_experts * width <= PADDED_EXPERTS_MAX_ROWS_PER_PAIR * len(flat):
+            expert_out = self._experts_padded(h, tokens, experts, counts, width)
+        else:
+            expert_out = self._experts_looped(h, tokens, counts.tolist())
         out = torch.zeros_like(y)
-        start = 0
-        f = spec.expert_intermediate_size
-        for e, count in enumerate(counts):
-            if not count:
-                continue
-            rows = tokens[start : start + count]
-            gate, up = (h.index_select(0, rows) @ self.ea_gate_up[e].t()).split([f, f], dim=-1)
-            expert = (F.silu(gate) * up) @ self.ea_down[e].t()
-            out.index_add_(0, rows, expert * w[start : start + count, None])
-            start += count
+        out.index_add_(0, tokens, expert_out * weights.reshape(-1)[order][:, None])
         return out, top
+
+    def _expert_mlp(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+        """SwiGLU expert MLP; weights [..., 2f, d] and [..., d, f] (one expert, or a stack of experts)."""
+        f = self.spec.expert_intermediate_size
+        gate, up = (x @ gate_up.transpose(-1, -2)).split([f, f], dim=-1)
+        return (F.silu(gate) * up) @ down.transpose(-1, -2)
+
+    def _experts_looped(self, h, tokens, counts: list[int]) -> torch.Tensor:
+        """Each (token, expert) pair's expert output, in pair order: one matmul per active expert."""
+        outs, start = [], 0
+        for e, count in enumerate(counts):
+            if count:
+                rows = tokens[start : start + count]
+                outs.append(self._expert_mlp(h.index_select(0, rows), self.ea_gate_up[e], self.ea_down[e]))
+                start += count
+        return torch.cat(outs)
+
+    def _experts_padded(self, h, tokens, experts, counts, width: int) -> torch.Tensor:
+        """The same in two batched matmuls over all experts, each expert's rows padded to `width`: for
+        decode batches, where the pairs spread over most experts a few rows each and one small matmul
+        per expert costs more in calls than in arithmetic."""
+        slot = torch.arange(len(tokens), device=h.device) - (torch.cumsum(counts, 0) - counts)[experts]
+        position = experts * width + slot
+        x = h.new_zeros(self.spec.num_experts * width, h.shape[1]).index_copy_(0, position, h.index_select(0, tokens))
+        out = self._expert_mlp(x.view(self.spec.num_experts, width, -1), self.ea_gate_up, self.ea_down)
+        return out.reshape(-1, h.shape[1]).index_select(0, position)
 
     def forward(self, input_ids, positions, pool, meta) -> torch.Tensor:
         step = meta.batch
