@@ -8,8 +8,8 @@
     serving-*.json      TTFT and TPOT percentiles and token throughput against request rate
     depth-sweep-*.json  decode step time against the depth setting, with the step time the
                         setting's predicted compute implies and that compute itself on one chart
-    step-breakdown-*.json  a decode step's time by part (weight matmuls, paged attention, ITT
-                        routing, the rest) for each setting, as stacked bars
+    step-breakdown-*.json  a decode step's time by part (weight matmuls, paged attention, the
+                        architecture's depth mechanism, the rest) for each setting, as stacked bars
 A result kind with no files is skipped with a note.
 """
 

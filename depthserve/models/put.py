@@ -25,7 +25,6 @@ the reference forward is depthserve/models/put_reference.py.
 from __future__ import annotations
 
 import itertools
-
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
