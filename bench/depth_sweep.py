@@ -229,34 +229,41 @@ def itt_selection(reports: list[dict]) -> dict[str, Any]:
 
 
 # ---- one checkpoint -----------------------------------------------------------------------------
-def sweep_checkpoint(arch: str, ns: argparse.Namespace) -> dict[str, Any]:
+def engine_llm(path: Path | str, ns: argparse.Namespace):
+    """An engine for one setting's batch: prefix caching off, the sweep's step budget, room for every
+    request's tokens."""
     from depthserve import LLM
 
+    return LLM(str(path), dtype=ns.dtype, device=ns.device, num_threads=ns.threads, max_num_seqs=ns.concurrency,
+               enable_prefix_caching=False, kv_cache_memory_gib=ns.kv_cache_memory_gib,
+               max_num_batched_tokens=STEP_TOKEN_BUDGET, max_model_len=ns.input_len + max_new_tokens(ns) + 16,
+               load_progress=False)
+
+
+def depth_settings(arch: str, model, ns: argparse.Namespace) -> list[Setting]:
+    """The settings swept for `arch`, the baseline first: SGT `--loops`, ITT `--ratios`, and every
+    value of Dreamer's and PUT's integer knob."""
+    if arch == "sgt":
+        return sgt_settings(int(model.depth_knobs()["loops"].maximum), ns.loops)
+    if arch == "itt":
+        return itt_settings(model.spec.steps, ns.ratios)
+    (name, knob), = model.depth_knobs().items()
+    return range_settings(name, int(knob.minimum), int(knob.maximum))
+
+
+def sweep_checkpoint(arch: str, ns: argparse.Namespace) -> dict[str, Any]:
     path = ensure_checkpoint(arch, ns)
-
-    def engine_llm():
-        return LLM(str(path), dtype=ns.dtype, device=ns.device, num_threads=ns.threads, max_num_seqs=ns.concurrency,
-                   enable_prefix_caching=False, kv_cache_memory_gib=ns.kv_cache_memory_gib,
-                   max_num_batched_tokens=STEP_TOKEN_BUDGET, max_model_len=ns.input_len + max_new_tokens(ns) + 16,
-                   load_progress=False)
-
-    first = engine_llm()
+    first = engine_llm(path, ns)
     engine, model = first.engine, first.engine.model
     sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
-    if arch == "sgt":
-        settings = sgt_settings(int(model.depth_knobs()["loops"].maximum), ns.loops)
-    elif arch == "itt":
-        settings = itt_settings(model.spec.steps, ns.ratios)
-    else:
-        (name, knob), = model.depth_knobs().items()
-        settings = range_settings(name, int(knob.minimum), int(knob.maximum))
+    settings = depth_settings(arch, model, ns)
     prompts = common.random_prompts(ns.concurrency, ns.input_len, engine.vocab_size, ns.seed)
     warm = SettingRun(first, settings[0], prompts, ns, sync)  # warm-up (allocations, kernel choice)
     warm.timed_step()
     warm.finish()
     # Lockstep: one engine per setting, all prefilled, then their timed decode steps taken in turn
     # (the order rotating every step), so a slow spell of the machine hits every setting alike.
-    runs = [SettingRun(first if i == 0 else engine_llm(), setting, prompts, ns, sync)
+    runs = [SettingRun(first if i == 0 else engine_llm(path, ns), setting, prompts, ns, sync)
             for i, setting in enumerate(settings)]
     for step in range(ns.decode_steps):
         for k in range(len(runs)):

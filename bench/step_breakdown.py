@@ -69,11 +69,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ns = p.parse_args(argv)
     if ns.quick:
         ns.input_len, ns.decode_steps = 16, 4
-    # What depth_sweep's checkpoint and batch helpers read: its checkpoint options, and the CPU path.
+    # What depth_sweep's checkpoint, engine and settings helpers read: its checkpoint options, the CPU
+    # path, and for ITT the ratios 0.5 and 1.0 only.
     for name, value in vars(depth_sweep.parse_args([])).items():
         if not hasattr(ns, name):
             setattr(ns, name, value)
-    ns.dtype, ns.device = "float32", "cpu"
+    ns.dtype, ns.device, ns.ratios = "float32", "cpu", "0.5,1.0"
     return ns
 
 
@@ -155,16 +156,11 @@ def _wrapped(attribute: Any, part: str, clock: PartClock) -> Any:
 
 
 # ---- one run -------------------------------------------------------------------------------------------
-def settings_for(arch: str, model) -> list[depth_sweep.Setting]:
+def settings_for(arch: str, model, ns: argparse.Namespace) -> list[depth_sweep.Setting]:
     """The depth sweep's settings (for ITT: the baseline and ratios 0.5 and 1.0 only)."""
     if arch == "plain":
         return [depth_sweep.Setting("plain", {}, is_baseline=True)]
-    if arch == "itt":
-        return depth_sweep.itt_settings(model.spec.steps, "0.5,1.0")
-    if arch == "sgt":
-        return depth_sweep.sgt_settings(int(model.depth_knobs()["loops"].maximum), None)
-    (name, knob), = model.depth_knobs().items()
-    return depth_sweep.range_settings(name, int(knob.minimum), int(knob.maximum))
+    return depth_sweep.depth_settings(arch, model, ns)
 
 
 def model_path(ns: argparse.Namespace) -> str:
@@ -174,19 +170,10 @@ def model_path(ns: argparse.Namespace) -> str:
 
 
 def run(ns: argparse.Namespace) -> list[dict[str, Any]]:
-    from depthserve import LLM
-
     path = model_path(ns)
-
-    def engine_llm():
-        return LLM(path, dtype=ns.dtype, device=ns.device, num_threads=ns.threads, max_num_seqs=ns.concurrency,
-                   enable_prefix_caching=False, kv_cache_memory_gib=ns.kv_cache_memory_gib,
-                   max_num_batched_tokens=depth_sweep.STEP_TOKEN_BUDGET,
-                   max_model_len=ns.input_len + depth_sweep.max_new_tokens(ns) + 16, load_progress=False)
-
-    first = engine_llm()
-    settings = settings_for(ns.arch, first.engine.model)
-    llms = [first] + [engine_llm() for _ in settings[1:]]
+    first = depth_sweep.engine_llm(path, ns)
+    settings = settings_for(ns.arch, first.engine.model, ns)
+    llms = [first] + [depth_sweep.engine_llm(path, ns) for _ in settings[1:]]
     prompts = common.random_prompts(ns.concurrency, ns.input_len, first.engine.vocab_size, ns.seed)
     runs = [depth_sweep.SettingRun(llm, setting, prompts, ns, lambda: None) for llm, setting in zip(llms, settings)]
     targets = part_targets(ns.arch)

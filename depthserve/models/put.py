@@ -210,8 +210,9 @@ class ConvContext:
         self._taps: dict[tuple[int, ...], tuple[list[torch.Tensor], torch.Tensor]] = {}
         carried = [i for i, item in enumerate(step.items) if item.start > 0] if self.k1 else []
         if carried:
-            values = _gather_state_pages(pool, [step.items[i].state for i in carried])
-            for i, offset in zip(carried, _state_offsets(pool, [step.items[i].state for i in carried])):
+            page_lists = [step.items[i].state for i in carried]
+            values = _gather_state_pages(pool, page_lists)
+            for i, offset in zip(carried, _state_offsets(pool, page_lists)):
                 own = self.states[i, : step.items[i].plan.loops]
                 own.copy_(values[offset : offset + own.numel()].view_as(own))
 
