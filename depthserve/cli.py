@@ -97,7 +97,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     llm = AsyncLLM.from_engine_args(engine_args_from(ns), max_waiting_requests=ns.max_waiting_requests)
     for name, settings in presets.items():  # fail at start-up, not on the first request
         DepthParams.from_dict(settings).validate(llm.engine.model.depth_knobs(), llm.model_name)
-    run_server(llm, ns.host, ns.port, ns.served_model_name, ns.api_key, presets, ns.log_level)
+    run_server(llm, ns.host, ns.port, ns.served_model_name, ns.api_key, presets, ns.log_level,
+               max_body_bytes=int(ns.max_body_mb * (1 << 20)))
     return 0
 
 
@@ -166,7 +167,11 @@ def build_parser() -> argparse.ArgumentParser:
     p_serve.add_argument("--served-model-name", default=None, help="model id in the API (default: --model)")
     p_serve.add_argument("--depth-preset", action="append", type=_depth_preset, metavar="NAME=JSON",
                          help="extra model id <model>:NAME with these depth settings (repeatable)")
-    p_serve.add_argument("--max-waiting-requests", type=int, default=256, help="beyond this: HTTP 503")
+    p_serve.add_argument("--max-waiting-requests", type=int, default=256,
+                         help="requests that may wait beyond the --max-num-seqs running ones; beyond it: HTTP 503 "
+                              "with Retry-After (default: %(default)s)")
+    p_serve.add_argument("--max-body-mb", type=float, default=4.0,
+                         help="largest request body accepted; larger ones get HTTP 413 (default: %(default)s)")
     p_serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p_serve.set_defaults(func=cmd_serve)
 

@@ -23,7 +23,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None
     logprobs: list[TokenLogprobs] | None
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None while running
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
 
     @property
@@ -56,6 +56,8 @@ class RequestOutput:
     num_cached_tokens: int = 0
     depth: dict | None = field(default=None)
     metrics: RequestMetrics | None = None
+    # Why the request failed (finish_reason "error"): a fault traced to it alone while running it.
+    error: str | None = None
 
     # Convenience accessors for the common n == 1 case.
     @property

@@ -13,6 +13,11 @@ around it. Unseeded rows use the global torch RNG.
 Logprobs (`SampledToken.logprob`, `rank`, `top_logprobs`) always describe the raw model
 distribution log_softmax(logits), before any penalty, bias or temperature.
 
+Non-finite scores never reach the arithmetic: NaN logits count as -inf (never sampled) and +inf
+as the largest float, before and after temperature. A row left with no finite score (the model
+produced NaN for it) gets a `SamplingFault` for that row alone; the other rows are sampled as
+usual, so one bad sequence fails only its own request.
+
 Large [B, V] temporaries are the main cost on CPU (each fresh one page-faults), so a Sampler keeps
 one float32 scratch buffer of the largest batch seen and works in place in it. A Sampler is
 therefore not safe to call from two threads at once.
@@ -45,6 +50,17 @@ class SampledToken:
     top_logprobs: list[tuple[int, float]]  # top params.logprobs (token, logprob), descending
 
 
+@dataclass
+class SamplingFault:
+    """No token could be sampled for this row (no finite score left)."""
+
+    reason: str
+
+
+_NO_FINITE_SCORE = "the model produced no finite next-token score for this sequence (NaN or -inf logits)"
+_FLOAT_MAX = torch.finfo(torch.float32).max
+
+
 def make_generator(seed: int | None) -> torch.Generator | None:
     """The per-sequence generator a SamplingRow wants: seeded when a seed is given, else None."""
     if seed is None:
@@ -68,20 +84,23 @@ class Sampler:
         self.vocab_size = vocab_size
         self._work = torch.empty(0)
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
-        """logits [B, V] (one row per SamplingRow). Columns past vocab_size are never sampled."""
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken | SamplingFault]:
+        """logits [B, V] (one row per SamplingRow). Columns past vocab_size are never sampled.
+        A row with no finite score gets a SamplingFault instead of a token."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must be [len(rows), V], got {tuple(logits.shape)} for {len(rows)} rows")
-        logits = logits.float()[:, : self.vocab_size]
+        logits = finite_logits(logits.float()[:, : self.vocab_size])
         log_z = self._log_normalizer(logits)  # before the scratch buffer is reused below
         token_ids = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+        sampled_ok = torch.empty(len(rows), dtype=torch.bool, device=logits.device)
         greedy = [i for i, row in enumerate(rows) if row.params.greedy]
         random = [i for i, row in enumerate(rows) if not row.params.greedy]
         if greedy:
-            token_ids[greedy] = self._greedy(logits, greedy, rows)
+            token_ids[greedy], sampled_ok[greedy] = self._greedy(logits, greedy, rows)
         if random:
-            token_ids[random] = self._random(logits, random, rows)
-        return self._with_logprobs(logits, log_z, token_ids, rows)
+            token_ids[random], sampled_ok[random] = self._random(logits, random, rows)
+        tokens = self._with_logprobs(logits, log_z, token_ids, rows)
+        return [token if ok else SamplingFault(_NO_FINITE_SCORE) for token, ok in zip(tokens, sampled_ok.tolist())]
 
     def processed_logits(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """A copy of logits [B, V] after each row's logit_bias, penalties and min_tokens ban: what
@@ -149,13 +168,20 @@ class Sampler:
         return out
 
     # ---- greedy ----------------------------------------------------------------------------
-    def _greedy(self, logits: torch.Tensor, indices: list[int], rows: list[SamplingRow]) -> torch.Tensor:
+    def _greedy(self, logits: torch.Tensor, indices: list[int],
+                rows: list[SamplingRow]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(token per row, whether the row had a finite score to pick)."""
         if len(indices) == logits.shape[0] and not any(self._needs_processing(row) for row in rows):
-            return logits.argmax(dim=-1)  # argmax returns the first max
-        return self._processed(logits, indices, rows).argmax(dim=-1)
+            scores = logits
+        else:
+            scores = self._processed(logits, indices, rows)
+        chosen = scores.argmax(dim=-1)  # argmax returns the first max
+        return chosen, scores.gather(1, chosen.unsqueeze(1)).squeeze(1) > float("-inf")
 
     # ---- random ----------------------------------------------------------------------------
-    def _random(self, logits: torch.Tensor, indices: list[int], rows: list[SamplingRow]) -> torch.Tensor:
+    def _random(self, logits: torch.Tensor, indices: list[int],
+                rows: list[SamplingRow]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(token per row, whether the row had a finite score to pick)."""
         params = [rows[i].params for i in indices]
         device = logits.device
         probs = self._processed(logits, indices, rows)
@@ -166,7 +192,8 @@ class Sampler:
         apply_top_k(probs, [p.top_k for p in params])
         apply_top_p(probs, [p.top_p for p in params])
         uniforms = _uniforms([rows[i].generator for i in indices], device)
-        return sample_inverse_cdf(probs, uniforms)
+        chosen = sample_inverse_cdf(probs, uniforms)
+        return chosen, probs.gather(1, chosen.unsqueeze(1)).squeeze(1) > 0
 
     # ---- logprobs ----------------------------------------------------------------------------
     def _log_normalizer(self, logits: torch.Tensor) -> torch.Tensor:
@@ -374,10 +401,25 @@ def prompt_logprobs(logits: torch.Tensor, target_ids: torch.Tensor,
 
 
 # ---- helpers -------------------------------------------------------------------------------------
+def finite_logits(logits: torch.Tensor) -> torch.Tensor:
+    """logits with NaN as -inf (never sampled) and +inf as the largest float; the same tensor when
+    every entry is already finite or -inf (the common case: one cheap check, no copy)."""
+    if bool(torch.isfinite(logits).all()):
+        return logits
+    return torch.nan_to_num(logits, nan=float("-inf"), posinf=_FLOAT_MAX, neginf=float("-inf"))
+
+
 def _unnormalized_softmax_(x: torch.Tensor) -> None:
     """In place, row-wise exp(x - max): probabilities up to a per-row factor (the max becomes 1).
-    Nothing downstream needs them normalized, so the row sum is never taken."""
-    x.sub_(x.amax(dim=-1, keepdim=True)).exp_()
+    Nothing downstream needs them normalized, so the row sum is never taken. x holds no NaN; a
+    +inf (a huge logit over a small temperature) counts as the largest float, and a row that is
+    all -inf becomes all zeros (nothing to sample) instead of NaN."""
+    peak = x.amax(dim=-1, keepdim=True)
+    if bool((peak == float("inf")).any()):
+        x.clamp_(max=_FLOAT_MAX)
+        peak = x.amax(dim=-1, keepdim=True)
+    peak.masked_fill_(peak == float("-inf"), 0.0)
+    x.sub_(peak).exp_()
 
 
 def _zero_below(probs: torch.Tensor, threshold: torch.Tensor) -> None:

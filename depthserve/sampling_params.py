@@ -1,12 +1,23 @@
-"""Per-request sampling settings (vLLM-compatible names and defaults)."""
+"""Per-request sampling settings (vLLM-compatible names and defaults).
+
+Every field has a finite documented range (`validate`, and the table in docs/server.md): no
+setting can drive the sampler's arithmetic to inf or NaN. `repetition_penalty` is the one vLLM
+leaves open above 0; a penalty of 1e-40 divides a logit of 5 into inf, so it is held to
+[REPETITION_PENALTY_MIN, REPETITION_PENALTY_MAX].
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from depthserve.errors import InvalidSamplingParamsError
 
 _GREEDY_EPS = 1e-5
+REPETITION_PENALTY_MIN = 0.01
+REPETITION_PENALTY_MAX = 10.0
+MAX_TOP_K = (1 << 31) - 1
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
 
 
 @dataclass
@@ -51,43 +62,45 @@ class SamplingParams:
         def fail(msg: str) -> None:
             raise InvalidSamplingParamsError(msg)
 
-        if not isinstance(self.n, int) or self.n < 1:
+        if not _is_int(self.n) or self.n < 1:
             fail(f"n must be an integer >= 1, got {self.n!r}")
         if not _is_number(self.temperature) or self.temperature < 0:
-            fail(f"temperature must be >= 0, got {self.temperature!r}")
+            fail(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             fail(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            fail(f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
+        if not _is_int(self.top_k) or not 0 <= self.top_k <= MAX_TOP_K:
+            fail(f"top_k must be -1 or 0 (disabled) or an integer in [1, {MAX_TOP_K}], got {self.top_k!r}")
         if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
             fail(f"min_p must be in [0, 1], got {self.min_p!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not _is_number(value) or not -2 <= value <= 2:
                 fail(f"{name} must be in [-2, 2], got {value!r}")
-        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
-            fail(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        if (not _is_number(self.repetition_penalty)
+                or not REPETITION_PENALTY_MIN <= self.repetition_penalty <= REPETITION_PENALTY_MAX):
+            fail(f"repetition_penalty must be in [{REPETITION_PENALTY_MIN}, {REPETITION_PENALTY_MAX}] "
+                 f"(1 = off), got {self.repetition_penalty!r}")
         if self.logit_bias is not None:
             for token, bias in self.logit_bias.items():
-                if not isinstance(token, int) or token < 0:
+                if not _is_int(token) or token < 0:
                     fail(f"logit_bias keys must be token ids (non-negative ints), got {token!r}")
                 if not _is_number(bias) or not -100 <= bias <= 100:
                     fail(f"logit_bias values must be in [-100, 100], got {bias!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            fail(f"seed must be an integer, got {self.seed!r}")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 0):
+        if self.seed is not None and (not _is_int(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX):
+            fail(f"seed must be an integer in [-2**63, 2**64 - 1], got {self.seed!r}")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 0):
             fail(f"max_tokens must be a non-negative integer, got {self.max_tokens!r}")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
             fail(f"min_tokens must be a non-negative integer, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             fail(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         if any(not isinstance(s, str) or not s for s in self.stop):
             fail("stop must be a non-empty string or a list of non-empty strings")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             fail("stop_token_ids must be non-negative integers")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or not 0 <= value <= 20):
+            if value is not None and (not _is_int(value) or not 0 <= value <= 20):
                 fail(f"{name} must be an integer in [0, 20], got {value!r}")
 
     def check_vocab(self, vocab_size: int) -> None:
@@ -100,4 +113,11 @@ class SamplingParams:
 
 
 def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+    """A finite int or float (not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    return isinstance(value, int) or math.isfinite(value)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

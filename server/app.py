@@ -1,4 +1,10 @@
-"""FastAPI app: routes, auth, request ids, error mapping; `run_server` starts uvicorn."""
+"""FastAPI app: routes, auth, request ids, body limit, error mapping; `run_server` starts uvicorn.
+
+Every non-2xx answer has the OpenAI error body (`protocol.error_body`): validation errors,
+typed engine errors (each `DepthServeError` carries its status), Starlette's 404/405, an
+oversized body (413) and, as a last resort, any unexpected exception (500, logged with its
+traceback; the connection stays usable).
+"""
 
 from __future__ import annotations
 
@@ -11,11 +17,13 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from depthserve.engine.async_llm import AsyncLLM, QueueFullError
-from depthserve.errors import DepthServeError, EngineDeadError, InvalidRequestError
+from depthserve.engine.async_llm import AsyncLLM
+from depthserve.errors import DepthServeError
 from depthserve.server.metrics import ServerMetrics
+from depthserve.server.openapi import document_errors
 from depthserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -23,16 +31,21 @@ from depthserve.server.protocol import (
     TokenizeRequest,
     error_body,
 )
-from depthserve.server.serving import ADMITTED, ModelNotFoundError, OpenAIServing, sse
+from depthserve.server.serving import ADMITTED, OpenAIServing, sse
 
 logger = logging.getLogger("depthserve.server")
-RETRY_AFTER_SECONDS = 1
-_OPEN_PATHS = ("/health", "/metrics")
+DEFAULT_MAX_BODY_BYTES = 4 << 20
+_HTTP_ERROR_TYPES = {401: "authentication_error", 404: "not_found_error"}
 
 
 def _error(status: int, message: str, err_type: str, param: str | None = None,
            headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse(error_body(message, err_type, status, param), status_code=status, headers=headers)
+
+
+def error_response(exc: DepthServeError) -> JSONResponse:
+    headers = {"Retry-After": str(exc.retry_after)} if exc.retry_after is not None else None
+    return _error(exc.status, str(exc), exc.error_type, getattr(exc, "param", None), headers)
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -42,11 +55,13 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     message = first.get("msg", "invalid request").removeprefix("Value error, ")
     if first.get("type") == "extra_forbidden":
         message = f"unknown field '{param}'"
+    elif first.get("type") == "json_invalid":
+        message = f"the body is not valid JSON: {first.get('ctx', {}).get('error', message)}"
     return (f"{param}: {message}" if param and first.get("type") != "extra_forbidden" else message), param
 
 
 def build_app(llm: AsyncLLM, served_model_name: str | None = None, api_key: str | None = None,
-              depth_presets: dict[str, dict] | None = None) -> FastAPI:
+              depth_presets: dict[str, dict] | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     metrics = ServerMetrics(llm.stats)
     serving = OpenAIServing(llm, served_model_name or llm.model_name, depth_presets, metrics)
 
@@ -54,11 +69,12 @@ def build_app(llm: AsyncLLM, served_model_name: str | None = None, api_key: str 
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         yield
         await llm.shutdown()
+        serving.tokenizer_worker.shutdown()
 
     app = FastAPI(title="depthserve", lifespan=lifespan)
     # A plain ASGI middleware: unlike @app.middleware("http") it leaves the client's disconnect
     # visible to the route, which must abort a non-streaming request whose client went away.
-    app.add_middleware(RequestIdAndAuth, api_key=api_key)
+    app.add_middleware(RequestIdAuthAndLimit, api_key=api_key, max_body_bytes=max_body_bytes)
     app.state.serving = serving
     app.state.metrics = metrics
     app.state.llm = llm
@@ -68,35 +84,26 @@ def build_app(llm: AsyncLLM, served_model_name: str | None = None, api_key: str 
         message, param = _validation_message(exc)
         return _error(400, message, "invalid_request_error", param)
 
-    @app.exception_handler(InvalidRequestError)
-    async def on_invalid(_: Request, exc: InvalidRequestError):
-        return _error(400, str(exc), "invalid_request_error")
-
-    @app.exception_handler(ModelNotFoundError)
-    async def on_model_not_found(_: Request, exc: ModelNotFoundError):
-        return _error(404, str(exc.args[0]), "not_found_error", "model")
-
-    @app.exception_handler(QueueFullError)
-    async def on_queue_full(_: Request, exc: QueueFullError):
-        return _error(503, str(exc), "server_overloaded", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
-
-    @app.exception_handler(EngineDeadError)
-    async def on_engine_dead(_: Request, exc: EngineDeadError):
-        return _error(503, str(exc), "service_unavailable")
-
     @app.exception_handler(DepthServeError)
     async def on_engine_error(_: Request, exc: DepthServeError):
-        return _error(400, str(exc), "invalid_request_error")
+        return error_response(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(_: Request, exc: StarletteHTTPException):
+        if isinstance(exc, _BodyTooLarge):
+            return _too_large(max_body_bytes)
+        err_type = _HTTP_ERROR_TYPES.get(exc.status_code, "invalid_request_error")
+        return _error(exc.status_code, str(exc.detail), err_type, headers=exc.headers)
 
     @app.get("/health")
     async def health():
         if llm.is_healthy:
             return {"status": "ok"}
-        return _error(503, "the engine loop is not running", "service_unavailable")
+        return _error(503, llm.health_message(), "service_unavailable")
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus():
-        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache():
@@ -111,17 +118,17 @@ def build_app(llm: AsyncLLM, served_model_name: str | None = None, api_key: str 
     async def tokenize(body: TokenizeRequest):
         if body.model is not None:
             serving.preset_depth(body.model)
-        return serving.tokenize(body.prompt, body.messages, body.add_special_tokens)
+        return await serving.tokenize(body.prompt, body.messages, body.add_special_tokens)
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
-        return serving.detokenize(body.tokens)
+        return await serving.detokenize(body.tokens)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         request_id = f"cmpl-{request.state.request_id}-{uuid.uuid4().hex[:8]}"
         if body.stream:
-            jobs, params, depth = serving.completion_jobs(body)
+            jobs, params, depth = await serving.completion_jobs(body)
             return await _stream(serving.completion_stream(body, request_id, jobs, params, depth))
         return await _unless_disconnected(request, serving.completion(body, request_id))
 
@@ -129,19 +136,27 @@ def build_app(llm: AsyncLLM, served_model_name: str | None = None, api_key: str 
     async def chat(body: ChatCompletionRequest, request: Request):
         request_id = f"chatcmpl-{request.state.request_id}-{uuid.uuid4().hex[:8]}"
         if body.stream:
-            jobs, params, depth = serving.chat_jobs(body)
+            jobs, params, depth = await serving.chat_jobs(body)
             return await _stream(serving.chat_stream(body, request_id, jobs, params, depth))
         return await _unless_disconnected(request, serving.chat(body, request_id))
 
+    document_errors(app)
     return app
 
 
-class RequestIdAndAuth:
-    """Keeps (or makes) the request id, echoes it in X-Request-Id, logs it; checks the API key (_needs_key)."""
+class RequestIdAuthAndLimit:
+    """Keeps (or makes) the request id, echoes it in X-Request-Id, logs it; checks the API key
+    (_needs_key); refuses a body over `max_body_bytes` with 413, by its Content-Length before
+    reading anything or, sent without one, as soon as it passes the limit; answers an exception
+    that escaped every handler with a 500 error body instead of a dropped connection.
 
-    def __init__(self, app, api_key: str | None):
+    (FastAPI's own `max_body_size` would answer a declared oversize length with Starlette's
+    plain-text 413 in place of any response the app sends: not the OpenAI error body.)"""
+
+    def __init__(self, app, api_key: str | None, max_body_bytes: int):
         self.app = app
         self.api_key = api_key
+        self.max_body_bytes = max_body_bytes
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -157,17 +172,53 @@ class RequestIdAndAuth:
                 message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id.encode("latin-1"))]
             await send(message)
 
+        received = 0
+
+        async def receive_within_limit():
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.max_body_bytes:
+                raise _BodyTooLarge()  # an HTTPException: FastAPI passes it to the handler above
+            return message
+
         if self.api_key and _needs_key(scope["path"]) and not _authorized(headers, self.api_key):
             response = _error(401, "missing or wrong API key (Authorization: Bearer ...)", "authentication_error")
             await response(scope, receive, send_with_id)
+        elif _declared_length(headers) > self.max_body_bytes:
+            await _too_large(self.max_body_bytes)(scope, receive, send_with_id)
         else:
-            await self.app(scope, receive, send_with_id)
+            try:
+                await self.app(scope, receive_within_limit, send_with_id)
+            except Exception:
+                logger.exception("%s %s %s failed", request_id, scope.get("method"), scope["path"])
+                if status:  # the response has started: nothing better to send than a cut connection
+                    raise
+                response = _error(500, "internal server error (logged on the server)", "internal_error")
+                await response(scope, receive, send_with_id)
         logger.info("%s %s %s -> %s", request_id, scope.get("method"), scope["path"], status[0] if status else "-")
 
 
+class _BodyTooLarge(StarletteHTTPException):
+    def __init__(self) -> None:
+        super().__init__(status_code=413)
+
+
+def _too_large(max_body_bytes: int) -> JSONResponse:
+    return _error(413, f"the request body is larger than this server's limit of {max_body_bytes} bytes "
+                  "(serve --max-body-mb)", "request_too_large")
+
+
+def _declared_length(headers: dict[str, str]) -> int:
+    try:
+        return int(headers.get("content-length", "0"))
+    except ValueError:
+        return 0
+
+
 def _needs_key(path: str) -> bool:
-    """The API and the admin routes; /health, /metrics and the tokenizer routes stay open."""
-    return path.startswith("/v1") or path == "/reset_prefix_cache"
+    """The API, the tokenizer routes and the admin route; /health and /metrics stay open."""
+    return path.startswith("/v1") or path in ("/tokenize", "/detokenize", "/reset_prefix_cache")
 
 
 def _authorized(headers: dict[str, str], api_key: str) -> bool:
@@ -191,10 +242,8 @@ async def _errors_as_events(chunks: AsyncGenerator[str, None]) -> AsyncIterator[
     try:
         async for chunk in chunks:
             yield chunk
-    except EngineDeadError as exc:
-        yield sse(error_body(str(exc), "service_unavailable", 503))
     except DepthServeError as exc:
-        yield sse(error_body(str(exc), "internal_error", 500))
+        yield sse(error_body(str(exc), exc.error_type, exc.status))
     finally:
         await chunks.aclose()
 
@@ -217,9 +266,9 @@ async def _unless_disconnected(request: Request, work: Awaitable[dict]) -> dict 
 
 def run_server(llm: AsyncLLM, host: str, port: int, served_model_name: str | None = None,
                api_key: str | None = None, depth_presets: dict[str, dict] | None = None,
-               log_level: str = "info") -> None:
+               log_level: str = "info", max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
     import uvicorn
 
     logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO))
-    app = build_app(llm, served_model_name, api_key, depth_presets)
+    app = build_app(llm, served_model_name, api_key, depth_presets, max_body_bytes)
     uvicorn.run(app, host=host, port=port, log_level=log_level)

@@ -2,15 +2,25 @@
 
 Unknown fields are rejected (400 naming the field) rather than silently ignored; so are OpenAI
 fields this server knows but does not implement (`UNSUPPORTED_FIELDS`). Types are strict: a
-string is not an integer ("3" for max_tokens is a 400, not 3), 1 is not a boolean.
+string is not an integer ("3" for max_tokens is a 400, not 3), 1 is not a boolean. Every number
+has a finite range (the table in docs/server.md), and every string must be valid Unicode: JSON
+can carry a lone surrogate (`"\ud800"`), which no tokenizer can encode, so it is a 400 here.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from depthserve.errors import InvalidRequestError
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from depthserve.errors import InvalidRequestError
+from depthserve.sampling_params import (
+    MAX_TOP_K,
+    REPETITION_PENALTY_MAX,
+    REPETITION_PENALTY_MIN,
+    SEED_MAX,
+    SEED_MIN,
+)
 
 # OpenAI fields that exist in the API but that this server does not implement.
 UNSUPPORTED_FIELDS = (
@@ -30,6 +40,29 @@ class StrictModel(BaseModel):
                 if data.get(name) is not None:
                     raise ValueError(f"'{name}' is not supported by this server")
         return data
+
+    @field_validator("*")
+    @classmethod
+    def _valid_unicode(cls, value: Any) -> Any:
+        _check_unicode(value)
+        return value
+
+
+def _check_unicode(value: Any) -> None:
+    """Strings anywhere in value (lists, dict keys and values) must encode as UTF-8."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"text must be valid Unicode: {value[exc.start]!r} at character {exc.start} is a "
+                             "lone surrogate") from None
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _check_unicode(item)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_unicode(key)
+            _check_unicode(item)
 
 
 class StreamOptions(StrictModel):
@@ -55,16 +88,16 @@ class SamplingFields(StrictModel):
     model: str
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = None
+    top_k: int | None = Field(default=None, ge=-1, le=MAX_TOP_K)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(default=None, gt=0.0)
+    repetition_penalty: float | None = Field(default=None, ge=REPETITION_PENALTY_MIN, le=REPETITION_PENALTY_MAX)
     logit_bias: dict[str, float] | None = None
     n: int = Field(default=1, ge=1, le=16)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
@@ -139,7 +172,7 @@ class ChatCompletionRequest(SamplingFields):
 class TokenizeRequest(StrictModel):
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     add_special_tokens: bool = True
 
     @model_validator(mode="after")

@@ -14,17 +14,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from depthserve.depth import DepthParams
-from depthserve.engine.async_llm import AsyncLLM, QueueFullError, RequestStream
-from depthserve.errors import EngineDeadError, InvalidRequestError
+from depthserve.engine.async_llm import AsyncLLM, RequestStream
+from depthserve.errors import EngineDeadError, InvalidRequestError, ModelNotFoundError, QueueFullError
 from depthserve.outputs import RequestOutput, TokenLogprobs
 from depthserve.sampling_params import SamplingParams
 from depthserve.server.metrics import RequestTimer, ServerMetrics
 from depthserve.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
-
-
-class ModelNotFoundError(LookupError):
-    """The request names a model id this server does not serve (HTTP 404)."""
-
+from depthserve.server.tokenization import TokenizerWorker
 
 @dataclass
 class _Job:
@@ -55,6 +51,9 @@ class OpenAIServing:
         self.model_name = served_model_name
         self.depth_presets = dict(depth_presets or {})
         self.metrics = metrics
+        self.max_model_len = llm.engine.max_model_len
+        self.vocab_size = llm.engine.vocab_size
+        self.tokenizer_worker = TokenizerWorker(self.tokenizer, self.max_model_len)
 
     # ---- models --------------------------------------------------------------------------------
     def model_ids(self) -> list[str]:
@@ -80,27 +79,23 @@ class OpenAIServing:
             })
         return {"object": "list", "data": data}
 
-    # ---- tokenizer endpoints -----------------------------------------------------------------------
-    def chat_prompt_ids(self, messages) -> list[int]:
-        if self.tokenizer.chat_template is None:
-            raise InvalidRequestError("this model has no chat template; use /v1/completions")
+    # ---- tokenizer endpoints (tokenizing runs on the tokenizer worker's thread) -----------------
+    async def chat_prompt_ids(self, messages) -> list[int]:
         conversation = [{"role": m.role, "content": m.text()} for m in messages]
-        rendered = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
-        return self.tokenizer.encode(rendered, add_special_tokens=False)
+        return await self.tokenizer_worker.run(self.tokenizer_worker.encode_chat, conversation)
 
-    def tokenize(self, prompt: str | None, messages, add_special_tokens: bool) -> dict:
+    async def tokenize(self, prompt: str | None, messages, add_special_tokens: bool) -> dict:
         if messages is not None:
-            ids = self.chat_prompt_ids(messages)
+            ids = await self.chat_prompt_ids(messages)
         else:
-            ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
-        return {"tokens": ids, "count": len(ids), "max_model_len": self.engine.max_model_len}
+            ids = await self.tokenizer_worker.run(self.tokenizer_worker.encode, prompt, add_special_tokens)
+        return {"tokens": ids, "count": len(ids), "max_model_len": self.max_model_len}
 
-    def detokenize(self, tokens: list[int]) -> dict:
-        vocab = self.engine.vocab_size
-        bad = [t for t in tokens if not 0 <= t < vocab]
+    async def detokenize(self, tokens: list[int]) -> dict:
+        bad = [t for t in tokens if not 0 <= t < self.vocab_size]
         if bad:
-            raise InvalidRequestError(f"token ids out of range [0, {vocab}): {bad[:5]}")
-        return {"prompt": self.tokenizer.decode(tokens)}
+            raise InvalidRequestError(f"token ids out of range [0, {self.vocab_size}): {bad[:5]}")
+        return {"prompt": await self.tokenizer_worker.run(self.tokenizer_worker.decode, tokens)}
 
     # ---- request building ---------------------------------------------------------------------------
     def depth_params(self, req: SamplingFields) -> DepthParams:
@@ -114,7 +109,7 @@ class OpenAIServing:
             n=req.n,
             temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=max(0, req.top_k or 0),
+            top_k=0 if req.top_k is None else req.top_k,
             min_p=req.min_p or 0.0,
             presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0,
@@ -132,30 +127,37 @@ class OpenAIServing:
             skip_special_tokens=req.skip_special_tokens,
         )
 
-    def _jobs(self, prompts: list[str | list[int]], params: SamplingParams, depth: DepthParams) -> list[_Job]:
-        """Validate every prompt before anything starts (so a stream never begins with an error)."""
+    def _encode_prompts(self, prompts: list[str | list[int]]) -> list[_Job]:
+        """On the tokenizer worker: text prompts to token ids (id prompts are checked by the engine)."""
         jobs = []
         for prompt in prompts:
-            text, ids, _ = self.engine.check_request(prompt, params, depth)
-            jobs.append(_Job(prompt, ids, text))
+            if isinstance(prompt, str):
+                jobs.append(_Job(prompt, self.tokenizer_worker.encode(prompt) if prompt else [], prompt))
+            else:
+                jobs.append(_Job(prompt, list(prompt), None))
         return jobs
 
-    def admit(self, jobs: list[_Job], params: SamplingParams, depth: DepthParams,
-              request_id: str) -> list[RequestStream]:
-        """Admit every prompt of one HTTP request, or none: a refusal (queue full, engine dead)
-        closes the streams already opened and raises, before any response has started."""
-        streams: list[RequestStream] = []
+    def _check_context(self, jobs: list[_Job], max_tokens: int | None) -> None:
+        """A prompt plus max_tokens beyond the context is a 400 naming the limit (as OpenAI's and
+        vLLM's servers answer), not a silent cut. max_tokens None means the rest of the context."""
+        for job in jobs:
+            prompt_tokens = len(job.token_ids)
+            if max_tokens is not None and prompt_tokens + max_tokens > self.max_model_len:
+                raise InvalidRequestError(
+                    f"this model's maximum context length is {self.max_model_len} tokens; the request asks "
+                    f"for {prompt_tokens + max_tokens} ({prompt_tokens} in the prompt, {max_tokens} for the "
+                    "completion): lower max_tokens or shorten the prompt")
+
+    async def admit(self, jobs: list[_Job], params: SamplingParams, depth: DepthParams,
+                    request_id: str) -> list[RequestStream]:
+        """Admit every prompt of one HTTP request, or none (validated and queued on the engine
+        thread): a refusal raises before any response has started."""
+        ids = [request_id] if len(jobs) == 1 else [f"{request_id}-{i}" for i in range(len(jobs))]
         try:
-            for i, job in enumerate(jobs):
-                sub_id = request_id if len(jobs) == 1 else f"{request_id}-{i}"
-                streams.append(self.llm.add_request(job.token_ids, params, depth, sub_id))
-        except BaseException as exc:
-            for stream in streams:
-                stream.close()
-            if isinstance(exc, (QueueFullError, EngineDeadError)):
-                self.metrics.requests.labels(outcome="rejected").inc()
+            return await self.llm.add_requests([job.token_ids for job in jobs], params, depth, ids)
+        except (QueueFullError, EngineDeadError):
+            self.metrics.requests.labels(outcome="rejected").inc()
             raise
-        return streams
 
     async def _run(self, jobs: list[_Job], streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Yield (job index, cumulative output) as the admitted streams produce them.
@@ -201,23 +203,25 @@ class OpenAIServing:
                 timer.finish(outcome, len(jobs[i].token_ids), generated[i])
 
     async def _collect(self, jobs, params, depth, request_id) -> list[RequestOutput]:
-        streams = self.admit(jobs, params, depth, request_id)
+        streams = await self.admit(jobs, params, depth, request_id)
         final: list[RequestOutput | None] = [None] * len(jobs)
         async for i, out in self._run(jobs, streams):
             final[i] = out
         return final  # type: ignore[return-value]
 
     # ---- completions ------------------------------------------------------------------------------
-    def completion_jobs(self, req: CompletionRequest) -> tuple[list[_Job], SamplingParams, DepthParams]:
+    async def completion_jobs(self, req: CompletionRequest) -> tuple[list[_Job], SamplingParams, DepthParams]:
         prompts = _prompt_list(req.prompt)
         scoring = req.echo and req.logprobs is not None
         params = self.sampling_params(req, req.max_tokens, req.logprobs,
                                       prompt_logprobs=req.logprobs if scoring else None)
         depth = self.depth_params(req)
-        return self._jobs(prompts, params, depth), params, depth
+        jobs = await self.tokenizer_worker.run(self._encode_prompts, prompts)
+        self._check_context(jobs, params.max_tokens)
+        return jobs, params, depth
 
     async def completion(self, req: CompletionRequest, request_id: str) -> dict:
-        jobs, params, depth = self.completion_jobs(req)
+        jobs, params, depth = await self.completion_jobs(req)
         outputs = await self._collect(jobs, params, depth, request_id)
         choices = []
         for i, (job, out) in enumerate(zip(jobs, outputs)):
@@ -237,7 +241,7 @@ class OpenAIServing:
 
     async def completion_stream(self, req: CompletionRequest, request_id: str, jobs, params, depth) -> AsyncIterator[str]:
         """SSE chunks. The first item is ADMITTED, yielded once every prompt is admitted (see admit)."""
-        streams = self.admit(jobs, params, depth, request_id)
+        streams = await self.admit(jobs, params, depth, request_id)
         yield ADMITTED
         created = int(time.time())
         sent_text: dict[tuple[int, int], int] = {}
@@ -315,16 +319,17 @@ class OpenAIServing:
                 "text_offset": offsets}
 
     # ---- chat ---------------------------------------------------------------------------------------
-    def chat_jobs(self, req: ChatCompletionRequest) -> tuple[list[_Job], SamplingParams, DepthParams]:
-        ids = self.chat_prompt_ids(req.messages)
+    async def chat_jobs(self, req: ChatCompletionRequest) -> tuple[list[_Job], SamplingParams, DepthParams]:
         max_tokens = req.max_completion_tokens or req.max_tokens  # None: the rest of the context
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = self.sampling_params(req, max_tokens, logprobs)
         depth = self.depth_params(req)
-        return self._jobs([ids], params, depth), params, depth
+        jobs = [_Job(None, await self.chat_prompt_ids(req.messages), None)]
+        self._check_context(jobs, max_tokens)
+        return jobs, params, depth
 
     async def chat(self, req: ChatCompletionRequest, request_id: str) -> dict:
-        jobs, params, depth = self.chat_jobs(req)
+        jobs, params, depth = await self.chat_jobs(req)
         (out,) = await self._collect(jobs, params, depth, request_id)
         choices = [{
             "index": comp.index,
@@ -337,7 +342,7 @@ class OpenAIServing:
 
     async def chat_stream(self, req: ChatCompletionRequest, request_id: str, jobs, params, depth) -> AsyncIterator[str]:
         """SSE chunks. The first item is ADMITTED, yielded once the request is admitted (see admit)."""
-        streams = self.admit(jobs, params, depth, request_id)
+        streams = await self.admit(jobs, params, depth, request_id)
         yield ADMITTED
         created = int(time.time())
         sent: dict[int, int] = {}

@@ -371,3 +371,37 @@ def test_prompt_logprobs():
         assert [b for _, b in top] == pytest.approx(values.tolist(), abs=1e-6)
     assert got[4][1] == 1
     assert all(top == [] for _, _, top in prompt_logprobs(logits, targets, 0))
+
+
+# ---- non-finite logits ----------------------------------------------------------------------------
+def test_non_finite_logits_are_sanitised_and_a_row_with_no_finite_score_fails_alone():
+    from depthserve.sampler import SamplingFault
+
+    vocab = 300
+    logits = random_logits(5, vocab, seed=21)
+    logits[0, 40] = float("inf")  # greedy takes the +inf token
+    logits[1, :150] = float("nan")  # NaN tokens are never sampled
+    logits[2] = float("nan")  # no finite score at all: this row fails, alone
+    logits[3, 7] = 3e38  # 3e38 / 0.05 overflows to inf under temperature
+    sampler = Sampler({EOS}, vocab)
+    rows = [row(SamplingParams(temperature=0.0)), row(SamplingParams(temperature=1.0, seed=1)),
+            row(SamplingParams(temperature=0.7, seed=2)), row(SamplingParams(temperature=0.05, seed=3)),
+            row(SamplingParams(temperature=0.9, seed=4, repetition_penalty=1.3), prompt=(1, 2, 3))]
+    out = sampler(logits, rows)
+    assert out[0].token_id == 40
+    assert out[1].token_id >= 150
+    assert isinstance(out[2], SamplingFault) and "NaN" in out[2].reason
+    assert out[3].token_id == 7
+    fresh = [row(SamplingParams(temperature=0.9, seed=4, repetition_penalty=1.3), prompt=(1, 2, 3))]
+    assert out[4].token_id == sampler(logits[4:], fresh)[0].token_id  # the other rows are unaffected
+    assert all(math.isfinite(t.logprob) for i, t in enumerate(out) if i != 2)
+
+
+@pytest.mark.parametrize("field, value", [("repetition_penalty", 1e-40), ("repetition_penalty", 0.0),
+                                          ("repetition_penalty", 11.0), ("temperature", float("inf")),
+                                          ("top_k", -5), ("seed", 2**64), ("presence_penalty", float("nan"))])
+def test_every_sampling_parameter_has_a_finite_range(field, value):
+    from depthserve.errors import InvalidSamplingParamsError
+
+    with pytest.raises(InvalidSamplingParamsError, match=field):
+        SamplingParams(**{field: value})

@@ -208,9 +208,11 @@ def test_open_endpoints_models_tokenize_and_metrics(server, offline):
     models = httpx.get(f"{base}/v1/models", headers=auth).json()["data"]
     assert [m["id"] for m in models] == [MODEL, f"{MODEL}:plain"]
     assert models[0]["depth_knobs"] == {}
-    ids = httpx.post(f"{base}/tokenize", json={"prompt": "Hello world", "add_special_tokens": False}).json()
+    body = {"prompt": "Hello world", "add_special_tokens": False}
+    assert httpx.post(f"{base}/tokenize", json=body).status_code == 401  # behind the key, like /v1
+    ids = httpx.post(f"{base}/tokenize", json=body, headers=auth).json()
     assert ids["tokens"] == offline.tokenizer.encode("Hello world", add_special_tokens=False)
-    text = httpx.post(f"{base}/detokenize", json={"tokens": ids["tokens"]}).json()["prompt"]
+    text = httpx.post(f"{base}/detokenize", json={"tokens": ids["tokens"]}, headers=auth).json()["prompt"]
     assert text == "Hello world"
     families = {f.name for f in text_string_to_metric_families(httpx.get(f"{base}/metrics").text)}
     for name in ("depthserve_requests", "depthserve_time_to_first_token_seconds", "depthserve_kv_bytes_used",

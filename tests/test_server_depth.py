@@ -258,7 +258,7 @@ def test_reset_prefix_cache_fails_instead_of_waiting_when_the_loop_goes(ckpts):
             raise RuntimeError("simulated device failure")
 
         llm.engine.step = dying_step
-        stream = llm.add_request("a b c", SamplingParams(max_tokens=8), None, "r0")
+        stream = await llm.add_request("a b c", SamplingParams(max_tokens=8), None, "r0")
         await asyncio.wait_for(in_step.wait(), 30)
         reset = asyncio.ensure_future(llm.reset_prefix_cache())  # queued while the step runs
         await asyncio.sleep(0.05)
@@ -289,9 +289,9 @@ def test_reset_prefix_cache_fails_instead_of_waiting_when_the_loop_goes(ckpts):
 
 
 def test_disconnected_non_streaming_request_is_aborted(ckpts):
-    llm, app = _serve(ckpts["llama"], max_model_len=4096)
+    llm, app = _serve(ckpts["llama"], max_model_len=1024)
     with live_server(app) as base:
-        body = {"model": llm.engine.model_name, "prompt": "a b c", "max_tokens": 4000, "ignore_eos": True}
+        body = {"model": llm.engine.model_name, "prompt": "a b c", "max_tokens": 1000, "ignore_eos": True}
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(f"{base}/v1/completions", json=body, timeout=0.5)
         wait_idle(llm, timeout=10)

@@ -1,8 +1,8 @@
 """The engine behind the HTTP server: the step loop runs in a background thread and each
 request gets an async stream of its outputs.
 
-Threading model: only the engine thread touches the engine. Callers put commands (add,
-abort) on a queue that the thread drains between steps; outputs travel back to each
+Threading model: only the engine thread touches the engine. Callers put commands (admission
+calls, aborts) on a queue that the thread drains between steps; outputs travel back to each
 request's asyncio queue with `loop.call_soon_threadsafe`. Torch releases the GIL inside its
 ops, so the event loop stays responsive while a step runs.
 """
@@ -21,15 +21,17 @@ from typing import Any
 from depthserve.config import EngineArgs
 from depthserve.depth import DepthParams
 from depthserve.engine.llm_engine import LLMEngine
-from depthserve.errors import DepthServeError, EngineDeadError
+from depthserve.errors import (
+    EngineDeadError,
+    InvalidRequestError,
+    QueueFullError,
+    RequestFailedError,
+    UnadmittableRequestError,
+)
 from depthserve.outputs import RequestOutput
 from depthserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("depthserve.async_llm")
-
-
-class QueueFullError(DepthServeError):
-    """Too many requests are waiting; retry later (HTTP 503 with Retry-After)."""
 
 
 @dataclass
@@ -60,7 +62,7 @@ def _settle_future(future: asyncio.Future, result: Any, error: BaseException | N
         future.set_result(result)
 
 
-_ADD, _ABORT, _STOP, _CALL = "add", "abort", "stop", "call"
+_ABORT, _STOP, _CALL = "abort", "stop", "call"
 
 
 class AsyncLLM:
@@ -98,6 +100,16 @@ class AsyncLLM:
     def is_healthy(self) -> bool:
         return self._dead is None and self._thread.is_alive() and not self._stopping
 
+    def health_message(self) -> str:
+        """Why the engine is not serving (for /health), or "ok"."""
+        if self._dead is not None:
+            return f"the engine loop stopped on a fault no request could be blamed for: {self._dead!r}"
+        if self._stopping:
+            return "the server is shutting down"
+        if not self._thread.is_alive():
+            return "the engine loop is not running"
+        return "ok"
+
     @property
     def num_requests(self) -> int:
         with self._lock:
@@ -109,23 +121,45 @@ class AsyncLLM:
         return self._stats
 
     # ---- requests ---------------------------------------------------------------------------
-    def add_request(
+    async def add_requests(
+        self,
+        prompts: list[str | list[int]],
+        sampling_params: SamplingParams,
+        depth: DepthParams | None,
+        request_ids: list[str],
+    ) -> list["RequestStream"]:
+        """Admit several prompts (one HTTP request's) as one unit, all or none, and return their
+        output streams.
+
+        Validation and admission run on the engine thread between steps (the only thread that
+        touches the engine), and this returns once they have: the request's typed error if a
+        prompt is invalid, UnadmittableRequestError if the queue could never hold this many
+        prompts, QueueFullError if it cannot now, EngineDeadError if the engine loop is gone.
+        Close (or fully iterate) every stream, or its request runs on.
+        """
+        arrival = time.monotonic()
+        streams: list[_Stream] = []
+        try:
+            for request_id in request_ids:
+                streams.append(self._open(request_id, arrival))
+            await self._call_on_engine_thread(lambda: self._admit(prompts, sampling_params, depth, request_ids, arrival))
+        except BaseException:
+            for request_id in request_ids[: len(streams)]:
+                self._close(request_id)
+                self._send((_ABORT, request_id))  # admitted after all if the caller was cancelled meanwhile
+            raise
+        return [RequestStream(self, request_id, stream) for request_id, stream in zip(request_ids, streams)]
+
+    async def add_request(
         self,
         prompt: str | list[int],
         sampling_params: SamplingParams,
         depth: DepthParams | None,
         request_id: str,
     ) -> "RequestStream":
-        """Admit a request now and return the stream of its outputs.
-
-        Raises at once, before anything is queued: the request's typed error if it is invalid,
-        QueueFullError if too many requests wait, EngineDeadError if the engine loop is gone.
-        Call from the event loop; close (or fully iterate) the stream, or the request runs on.
-        """
-        self.engine.check_request(prompt, sampling_params, depth)
-        stream = self._open(request_id)
-        self._send((_ADD, request_id, prompt, sampling_params, depth, stream.arrival))
-        return RequestStream(self, request_id, stream)
+        """`add_requests` for one prompt."""
+        (stream,) = await self.add_requests([prompt], sampling_params, depth, [request_id])
+        return stream
 
     async def generate(
         self,
@@ -135,12 +169,34 @@ class AsyncLLM:
         request_id: str,
     ) -> AsyncIterator[RequestOutput]:
         """Stream the request's outputs. Cancelling or closing the iterator aborts the request."""
-        stream = self.add_request(prompt, sampling_params, depth, request_id)
+        stream = await self.add_request(prompt, sampling_params, depth, request_id)
         try:
             async for out in stream:
                 yield out
         finally:
             stream.close()
+
+    def _admit(self, prompts: list[str | list[int]], sampling_params: SamplingParams, depth: DepthParams | None,
+               request_ids: list[str], arrival: float) -> None:
+        """On the engine thread: validate every prompt, check the queue, then queue them all.
+
+        The queue holds `max_num_seqs` requests that can run plus `max_waiting_requests` that wait
+        (a request counts once whatever its n): requests the engine has not started yet count as
+        waiting only beyond the free running slots."""
+        validated = [self.engine.check_request(prompt, sampling_params, depth) for prompt in prompts]
+        capacity = self.engine.args.max_num_seqs + self.max_waiting_requests
+        if len(prompts) > capacity:
+            raise UnadmittableRequestError(
+                f"{len(prompts)} prompts in one request can never be admitted: this server holds at most "
+                f"{capacity} requests at once ({self.engine.args.max_num_seqs} running + "
+                f"{self.max_waiting_requests} waiting); send fewer prompts per request")
+        held = self.engine.num_unfinished_requests
+        if held + len(prompts) > capacity:
+            waiting = max(held - self.engine.args.max_num_seqs, 0)
+            raise QueueFullError(f"{waiting} requests are waiting (at most {self.max_waiting_requests}); "
+                                 "try again later")
+        for request_id, request in zip(request_ids, validated):
+            self.engine.add_validated(request_id, request, arrival_time=arrival)
 
     async def abort(self, request_id: str) -> None:
         self._send((_ABORT, request_id))
@@ -161,18 +217,15 @@ class AsyncLLM:
         self._send((_CALL, call))
         return await call.future
 
-    def _open(self, request_id: str) -> _Stream:
+    def _open(self, request_id: str, arrival: float) -> _Stream:
         if self._dead is not None:
             raise EngineDeadError(f"the engine loop has stopped: {self._dead!r}")
         if self._stopping:
             raise EngineDeadError("the server is shutting down")
         with self._lock:
             if request_id in self._streams:
-                raise DepthServeError(f"request id {request_id!r} is already in use")
-            waiting = len(self._streams) - self._stats["num_running_requests"]
-            if waiting >= self.max_waiting_requests:
-                raise QueueFullError(f"{waiting} requests are waiting; try again later")
-            stream = _Stream(loop=asyncio.get_running_loop())
+                raise InvalidRequestError(f"request id {request_id!r} is already in use")
+            stream = _Stream(loop=asyncio.get_running_loop(), arrival=arrival)
             self._streams[request_id] = stream
         return stream
 
@@ -229,7 +282,8 @@ class AsyncLLM:
                 outputs = self.engine.step()
                 self._stats = self._snapshot()
                 for out in outputs:
-                    self._deliver(out.request_id, out)
+                    failure = None if out.error is None else RequestFailedError(f"the request failed: {out.error}")
+                    self._deliver(out.request_id, failure or out)
         except BaseException as exc:  # the loop died: fail every request at once
             logger.exception("engine loop failed")
             self._dead = exc
@@ -274,12 +328,6 @@ class AsyncLLM:
                 out = self.engine.abort_request(command[1])
                 if out is not None:
                     self._deliver(command[1], out)
-                continue
-            _, request_id, prompt, params, depth, arrival = command
-            try:
-                self.engine.add_request(request_id, prompt, params, depth, arrival_time=arrival)
-            except DepthServeError as exc:
-                self._deliver(request_id, exc)
 
 
 class RequestStream:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -13,13 +14,14 @@ from depthserve.depth import DepthParams
 from depthserve.detokenizer import IncrementalDetokenizer
 from depthserve.engine.block_manager import BlockManager
 from depthserve.engine.model_runner import ModelRunner, SeqStepOutput
-from depthserve.engine.scheduler import Scheduler, SchedulerConfig
+from depthserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
 from depthserve.engine.sequence import Sequence, SequenceStatus
 from depthserve.errors import (
     CacheCapacityError,
     EmptyPromptError,
     InvalidRequestError,
     PromptTooLongError,
+    UnadmittableRequestError,
 )
 from depthserve.loading.model_loader import load_model
 from depthserve.loading.registry import resolve_model
@@ -40,6 +42,7 @@ class _Request:
     prompt_token_ids: list[int]
     sampling: SamplingParams
     seqs: list[Sequence] = field(default_factory=list)
+    error: str | None = None  # set when a fault traced to this request failed it
 
     @property
     def finished(self) -> bool:
@@ -140,12 +143,14 @@ class LLMEngine:
     # ---- requests ----------------------------------------------------------------------------
     def check_request(
         self, prompt: str | list[int], sampling: SamplingParams, depth: DepthParams | None = None
-    ) -> tuple[str | None, list[int], int]:
-        """Validate a request without touching engine state. Returns (text, token ids, max_tokens).
+    ) -> ValidatedRequest:
+        """Validate a request without touching engine state; `add_validated` queues the result.
 
-        Raises a typed `InvalidRequestError` subclass for anything wrong with it.
+        Raises a typed `InvalidRequestError` subclass for anything wrong with it. The depth plan is
+        made here, once per request.
         """
-        plan = self._plan(depth or DepthParams())
+        depth = (depth or DepthParams()).normalized(self.model.depth_knobs(), self.model_name)
+        plan = self._plan(depth)
         sampling.validate()
         sampling.check_vocab(self.vocab_size)
         prompt_text, token_ids = self._tokenize(prompt)
@@ -156,13 +161,14 @@ class LLMEngine:
         room = self.max_model_len - len(token_ids)
         max_tokens = room if sampling.max_tokens is None else min(sampling.max_tokens, room)
         if not self.block_manager.fits_ever(plan.layout, len(token_ids) + max_tokens):
-            raise CacheCapacityError("the KV cache can never hold this request; lower max_tokens")
-        return prompt_text, token_ids, max_tokens
+            raise UnadmittableRequestError(
+                f"the KV cache ({self.block_manager.num_pages} pages) can never hold this request "
+                f"({len(token_ids)} prompt tokens + {max_tokens} new); lower max_tokens")
+        return ValidatedRequest(prompt_text, token_ids, sampling, depth, plan, max_tokens)
 
     def _plan(self, depth: DepthParams):
-        """The request's depth settings, checked against the model's knobs, as the model runs them
-        (with the cache layout they need). Raises InvalidDepthError for bad settings."""
-        depth.validate(self.model.depth_knobs(), self.model_name)
+        """The request's (normalized) depth settings as the model runs them, with the cache layout
+        they need."""
         plan_depth = getattr(self.model, "plan_depth", None)
         if plan_depth is None:
             return _PlainPlan(self.model.cache_layout(depth))
@@ -176,19 +182,22 @@ class LLMEngine:
         depth: DepthParams | None = None,
         arrival_time: float | None = None,
     ) -> None:
-        """Queue a request. `arrival_time` (time.monotonic()) is when it reached the server, if earlier."""
+        """Validate and queue a request. `arrival_time` (time.monotonic()) is when it reached the
+        server, if earlier."""
+        self.add_validated(request_id, self.check_request(prompt, sampling, depth), arrival_time)
+
+    def add_validated(self, request_id: str, request: ValidatedRequest, arrival_time: float | None = None) -> None:
+        """Queue a request that `check_request` accepted."""
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        depth = depth or DepthParams()
-        prompt_text, token_ids, max_tokens = self.check_request(prompt, sampling, depth)
-        depth = depth.normalized(self.model.depth_knobs(), self.model_name)  # canonical: part of prefix-cache keys
-        plan = self._plan(depth)  # fixed for the request's lifetime
-        request = _Request(request_id, prompt_text, token_ids, sampling)
+        sampling, token_ids = request.sampling, request.prompt_token_ids
+        entry = _Request(request_id, request.prompt_text, token_ids, sampling)
         for index in range(sampling.n):
-            seq = Sequence(request_id, index, list(token_ids), sampling, depth, plan.layout, max_tokens)
+            seq = Sequence(request_id, index, list(token_ids), sampling, request.depth, request.plan.layout,
+                           request.max_tokens)
             if arrival_time is not None:
                 seq.arrival_time = arrival_time
-            seq.state["depth_plan"] = plan
+            seq.state["depth_plan"] = request.plan
             seq.state["generator"] = _generator(sampling.seed, index)
             seq.state["detokenizer"] = IncrementalDetokenizer(
                 self.tokenizer, token_ids,
@@ -198,9 +207,9 @@ class LLMEngine:
             )
             seq.state["logprobs"] = [] if sampling.logprobs is not None else None
             seq.state["cumulative_logprob"] = 0.0
-            request.seqs.append(seq)
-        self._requests[request_id] = request
-        for seq in request.seqs:
+            entry.seqs.append(seq)
+        self._requests[request_id] = entry
+        for seq in entry.seqs:
             self.scheduler.add(seq)
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
@@ -262,33 +271,84 @@ class LLMEngine:
 
     # ---- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """schedule -> run -> postprocess. Returns the outputs of requests that changed."""
+        """schedule -> run -> postprocess. Returns the outputs of requests that changed.
+
+        A step that raises fails only the request it is traced to (finish_reason "error", its pages
+        freed): a step of several sequences is re-run one sequence at a time (Scheduler.isolate),
+        and a step of one sequence that raises fails that sequence's request. Only a fault no
+        request can be blamed for (a device error, out of memory) propagates."""
         plan = self.scheduler.schedule()
         if plan.empty:
             return []
-        results = self.runner.execute(plan.scheduled)
+        # A seeded sequence's draws must not depend on a failed attempt: its re-run draws again.
+        seeded = [(g, g.get_state()) for item in plan.scheduled if (g := item.seq.state["generator"]) is not None]
+        try:
+            results = self.runner.execute(plan.scheduled)
+        except Exception as exc:
+            if _is_device_fault(exc):
+                raise
+            for generator, state in seeded:
+                generator.set_state(state)
+            return self._on_step_fault(plan.scheduled, exc)
+        self.scheduler.step_succeeded(plan.scheduled)
         return self._postprocess(results)
+
+    def _on_step_fault(self, scheduled: list[ScheduledSeq], exc: Exception) -> list[RequestOutput]:
+        if len(scheduled) > 1:
+            logger.warning("a step of %d sequences failed (%s: %s); re-running each alone to trace the fault",
+                           len(scheduled), type(exc).__name__, exc)
+            self.scheduler.isolate(scheduled)
+            return []
+        request_id = scheduled[0].seq.request_id
+        logger.error("request %s failed", request_id, exc_info=exc)
+        failed = self._fail_request(request_id, f"{type(exc).__name__}: {exc}")
+        return [failed] if failed is not None else []
+
+    def _fail_request(self, request_id: str, reason: str) -> RequestOutput | None:
+        """End every sequence of the request with finish_reason "error" (pages freed at once)."""
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return None
+        request.error = reason
+        for seq in request.seqs:
+            self.scheduler.finish(seq, "error")
+        return self._output(request)
 
     def _postprocess(self, results: list[SeqStepOutput]) -> list[RequestOutput]:
         touched: dict[str, _Request] = {}
+        failed: list[RequestOutput] = []
         for result in results:
             seq = result.scheduled.seq
-            seq.num_computed_tokens = result.scheduled.end
-            self.block_manager.commit_computed(seq, seq.depth.cache_key())
-            self._record_prompt_logprobs(seq, result)
-            if result.sampled is not None:
-                self._append_token(seq, result.sampled)
-            elif result.scheduled.samples and len(seq.output_token_ids) >= seq.max_tokens:
-                self.scheduler.finish(seq, "length")  # max_tokens == 0: prompt scoring only
             request = self._requests.get(seq.request_id)
-            if request is not None:
-                touched[seq.request_id] = request
-        outputs = []
+            if request is None:
+                continue  # a sibling sequence failed the request earlier in this loop
+            try:
+                self._postprocess_one(seq, result)
+            except Exception as exc:  # noqa: BLE001 - a fault of this request's own output
+                logger.error("request %s failed after its step", seq.request_id, exc_info=exc)
+                result.fault = f"{type(exc).__name__}: {exc}"
+            if result.fault is not None:
+                touched.pop(seq.request_id, None)
+                out = self._fail_request(seq.request_id, result.fault)
+                if out is not None:
+                    failed.append(out)
+                continue
+            touched[seq.request_id] = request
+        outputs = failed
         for request_id, request in touched.items():
             outputs.append(self._output(request))
             if request.finished:
                 del self._requests[request_id]
         return outputs
+
+    def _postprocess_one(self, seq: Sequence, result: SeqStepOutput) -> None:
+        seq.num_computed_tokens = result.scheduled.end
+        self.block_manager.commit_computed(seq, seq.depth.cache_key())
+        self._record_prompt_logprobs(seq, result)
+        if result.sampled is not None:
+            self._append_token(seq, result.sampled)
+        elif result.scheduled.samples and result.fault is None and len(seq.output_token_ids) >= seq.max_tokens:
+            self.scheduler.finish(seq, "length")  # max_tokens == 0: prompt scoring only
 
     def _append_token(self, seq: Sequence, sampled) -> None:
         token = sampled.token_id
@@ -344,7 +404,7 @@ class LLMEngine:
             )
         first = request.seqs[0]
         depth = None
-        if request.finished and hasattr(self.model, "depth_report"):  # once, at the end (not every step)
+        if request.finished and request.error is None and hasattr(self.model, "depth_report"):  # once, at the end
             depth = self.model.depth_report(first)
             if self.record_routing and hasattr(self.model, "routing_record"):
                 depth["routing"] = [self.model.routing_record(seq) for seq in request.seqs]
@@ -358,12 +418,37 @@ class LLMEngine:
             num_cached_tokens=first.num_cached_tokens,
             depth=depth,
             metrics=RequestMetrics(first.arrival_time, first.first_scheduled_time, first.first_token_time),
+            error=request.error,
         )
 
 
 @dataclass(frozen=True)
 class _PlainPlan:
     layout: object
+
+
+@dataclass(frozen=True)
+class ValidatedRequest:
+    """A request `check_request` accepted: its tokens, normalized depth settings and their plan,
+    and max_tokens resolved against the context."""
+
+    prompt_text: str | None
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    depth: DepthParams
+    plan: Any
+    max_tokens: int
+
+
+def _is_device_fault(exc: Exception) -> bool:
+    """Faults of the machine, not of a request: out of memory, or a CUDA error (after which the
+    device's state cannot be trusted). The engine stops on these instead of failing a request."""
+    if isinstance(exc, (MemoryError, torch.OutOfMemoryError)):
+        return True
+    accelerator_error = getattr(torch, "AcceleratorError", None)
+    if accelerator_error is not None and isinstance(exc, accelerator_error):
+        return True
+    return isinstance(exc, RuntimeError) and ("CUDA error" in str(exc) or "device-side assert" in str(exc))
 
 
 def _generator(seed: int | None, index: int) -> torch.Generator | None:

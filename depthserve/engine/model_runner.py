@@ -11,7 +11,7 @@ from depthserve.engine.block_manager import BlockManager
 from depthserve.engine.scheduler import ScheduledSeq
 from depthserve.layers.attention import AttentionMetadata, KVPool, PrefillSeqMeta
 from depthserve.layers.batch import BatchItem, StepBatch
-from depthserve.sampler import Sampler, SampledToken, SamplingRow, prompt_logprobs
+from depthserve.sampler import Sampler, SampledToken, SamplingFault, SamplingRow, prompt_logprobs
 
 
 @dataclass
@@ -27,6 +27,7 @@ class SeqStepOutput:
     scheduled: ScheduledSeq
     sampled: SampledToken | None
     prompt_logprobs: list[PromptLogprob]
+    fault: str | None = None  # no token could be sampled for this sequence (SamplingFault.reason)
 
 
 class ModelRunner:
@@ -145,7 +146,10 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[sample_rows])
             rows = [self._sampling_row(item) for item in sample_items]
             for item, token in zip(sample_items, self.sampler(logits, rows)):
-                outputs[item.seq.seq_id].sampled = token
+                if isinstance(token, SamplingFault):
+                    outputs[item.seq.seq_id].fault = token.reason
+                else:
+                    outputs[item.seq.seq_id].sampled = token
         for item, row_start, wanted in prompt_jobs:
             seq = item.seq
             rows = row_start + (wanted - item.start)

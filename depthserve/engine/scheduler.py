@@ -6,6 +6,11 @@ sequences are admitted first-come-first-served while the budget, `max_num_seqs` 
 pages allow; the head of the queue is never overtaken, so a large request is not starved.
 When pages run out, the newest running sequence is preempted: its pages are freed and it
 goes back to the front of the queue, to be recomputed from its tokens (nothing is lost).
+
+Fault isolation: when running a step raised, `isolate` preempts the step's sequences and marks
+them; each then runs alone, recomputed from its tokens (which restores every cache and state it
+has), until it has passed the tokens of the failed step. A fault that recurs is then raised by
+a step of one sequence, which the engine fails alone; the others go on with the same tokens.
 """
 
 from __future__ import annotations
@@ -90,9 +95,54 @@ class Scheduler:
         seq.stop_reason = stop_reason
         self.block_manager.free(seq)
 
+    # ---- fault isolation -----------------------------------------------------------------
+    def isolate(self, scheduled: list[ScheduledSeq]) -> None:
+        """The step over `scheduled` failed: recompute each of its sequences alone up to the end of
+        its part of that step (see the module docstring)."""
+        for item in scheduled:
+            seq = item.seq
+            if seq.status is SequenceStatus.RUNNING:
+                self._preempt(seq)
+            seq.isolate_until = max(item.end, seq.isolate_until or 0)
+
+    def step_succeeded(self, scheduled: list[ScheduledSeq]) -> None:
+        for item in scheduled:
+            seq = item.seq
+            if seq.isolate_until is not None and item.end >= seq.isolate_until:
+                seq.isolate_until = None
+
+    def _next_isolated(self) -> Sequence | None:
+        for seq in (*self.running, *self.waiting):
+            if seq.isolate_until is not None:
+                return seq
+        return None
+
+    def _schedule_alone(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """A step of `seq` alone; other running sequences make room for it if pages run short."""
+        bm = self.block_manager
+        if seq.status is SequenceStatus.WAITING:
+            self._attach_cached_prefix(seq)
+        num = min(seq.num_uncomputed_tokens, self.config.max_num_batched_tokens)
+        target = seq.num_computed_tokens + num
+        while not bm.can_grow(seq, target):
+            victims = [other for other in self.running if other is not seq]
+            if not victims:  # admission checked that the request fits the cache alone
+                raise RuntimeError(f"sequence {seq.seq_id} cannot fit the KV cache even alone")
+            self._preempt(victims[-1])
+            out.preempted.append(victims[-1])
+        if seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+            self._start_running(seq)
+        bm.grow(seq, target)
+        out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, num))
+
     # ---- the step -----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        isolated = self._next_isolated()
+        if isolated is not None:
+            self._schedule_alone(isolated, out)
+            return out
         budget = self.config.max_num_batched_tokens
         budget = self._schedule_running(out, budget)
         if not out.preempted:
@@ -123,12 +173,7 @@ class Scheduler:
         bm = self.block_manager
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            if not bm.has(seq) and seq.sampling.prompt_logprobs is None:
-                # Prompt logprobs need every prompt position computed: no prefix-cache hits.
-                cached = bm.allocate_cached_prefix(seq, seq.depth.cache_key())
-                seq.num_computed_tokens = cached
-                if seq.num_preemptions == 0:
-                    seq.num_cached_tokens = cached
+            self._attach_cached_prefix(seq)
             remaining = seq.num_uncomputed_tokens
             num = min(remaining, budget)
             if num < remaining and not self.config.enable_chunked_prefill:
@@ -142,13 +187,26 @@ class Scheduler:
                     self._release_waiting(seq)
                     break
             self.waiting.popleft()
-            seq.status = SequenceStatus.RUNNING
-            if seq.first_scheduled_time is None:
-                seq.first_scheduled_time = time.monotonic()
-            self.running.append(seq)
+            self._start_running(seq)
             bm.grow(seq, seq.num_computed_tokens + num)
             out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, num))
             budget -= num
+
+    def _attach_cached_prefix(self, seq: Sequence) -> None:
+        """A waiting sequence that holds no pages starts from its cached prompt prefix, if any."""
+        bm = self.block_manager
+        if not bm.has(seq) and seq.sampling.prompt_logprobs is None:
+            # Prompt logprobs need every prompt position computed: no prefix-cache hits.
+            cached = bm.allocate_cached_prefix(seq, seq.depth.cache_key())
+            seq.num_computed_tokens = cached
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = cached
+
+    def _start_running(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.RUNNING
+        if seq.first_scheduled_time is None:
+            seq.first_scheduled_time = time.monotonic()
+        self.running.append(seq)
 
     def _release_waiting(self, seq: Sequence) -> None:
         # A sequence left waiting holds no pages: prefix-cache rows attached for an admission

@@ -42,6 +42,9 @@ class Sequence:
     num_preemptions: int = 0
     first_scheduled_time: float | None = None  # when it first left the waiting queue
     first_token_time: float | None = None
+    # After a failed step: run alone (recomputed from scratch) until this many tokens are computed,
+    # so that a fault which recurs is traced to this sequence alone (Scheduler.isolate).
+    isolate_until: int | None = None
     # Engine-side state that the scheduler never reads (sampler generator, detokenizer, logprobs).
     state: dict[str, Any] = field(default_factory=dict)
 
