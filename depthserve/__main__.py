@@ -2,6 +2,6 @@
 
 import sys
 
-from depthserve.cli import main
+from depthserve.tools.cli import main
 
 sys.exit(main())

@@ -1,14 +1,19 @@
-"""Per-request depth settings (the knobs of depth-semantics.md, one meaning each).
+"""Per-request depth: the knobs a request sets, the plan a model makes of them, the report of
+what the request spent (depth-semantics.md; no torch, so the scheduler can carry plans).
 
-A model declares the knobs it accepts as `KnobSpec`s; `DepthParams.validate` checks a
-request against them. A knob sent to a model that lacks it is an error, never ignored.
+A model declares the knobs it accepts as `KnobSpec`s; `DepthParams.normalized` checks a request
+against them (a knob sent to a model that lacks it is an error, never ignored). The model turns
+the normalized knobs into a `DepthPlan` once per request; the engine carries it on the
+sequence. When the request finishes, the model reports a `DepthReport`: typed fields that
+metrics, `usage.depth` and multi-prompt combining read without knowing the architecture.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from depthserve.cache import CacheLayout
 from depthserve.errors import InvalidDepthError
 
 KNOB_NAMES = ("loops", "selection_ratios", "thinking_steps", "depth")
@@ -134,3 +139,92 @@ class DepthParams:
                 )
             values[name] = knobs[name].check(value, model_name)
         return DepthParams(**values)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DepthPlan:
+    """One request's depth settings as its model runs them, made once per request
+    (`DepthModel.plan`) and fixed for the request's lifetime. Architectures subclass it with
+    what their forward needs (loop counts, thresholds, slot columns)."""
+
+    depth: DepthParams  # the normalized knobs
+    layout: CacheLayout  # the cache slots the request needs
+    flops_per_token: float = 0.0  # weight-matrix FLOPs of one token at these settings (estimate)
+    plain_flops_per_token: float = 0.0  # the same for the model at its default depth
+
+    @property
+    def cache_key(self) -> tuple:
+        """Part of the prefix-cache key: blocks are shared only between equal settings."""
+        return self.depth.cache_key()
+
+    @property
+    def relative_compute_estimate(self) -> float:
+        return self.flops_per_token / self.plain_flops_per_token if self.plain_flops_per_token else 1.0
+
+
+@dataclass(frozen=True)
+class DepthReport:
+    """What one finished request spent on depth (one sequence: the first of the request).
+
+    `settings` are the knobs as run and the checkpoint's trained values (equal across the prompts
+    of a request or dropped when combined); `counters` add up across prompts (an int, or a map
+    name -> int such as loop iterations per layer); `fractions` are per-prompt shares. `decisions`
+    holds per-position routing choices for inspection; like `per_token`, the room left for the
+    depth each token ran, it never goes into `usage.depth`."""
+
+    architecture: str
+    tokens: int
+    flops: float
+    plain_flops: float
+    settings: dict[str, Any] = field(default_factory=dict)
+    counters: dict[str, Any] = field(default_factory=dict)
+    fractions: dict[str, Any] = field(default_factory=dict)
+    extrapolated: tuple[int, ...] | None = None
+    decisions: Any = None
+    per_token: Any = None
+
+    @property
+    def relative_compute(self) -> float:
+        return self.flops / self.plain_flops if self.plain_flops else 1.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON of `usage.depth`."""
+        out: dict[str, Any] = {"architecture": self.architecture, **self.settings, "tokens": self.tokens,
+                               **self.counters, **self.fractions}
+        if self.extrapolated is not None:
+            out["extrapolated"] = list(self.extrapolated)
+        out.update(flops=self.flops, plain_flops=self.plain_flops, relative_compute=self.relative_compute)
+        return out
+
+
+def combine_reports(reports: list[DepthReport]) -> dict[str, Any]:
+    """`usage.depth` for a request of several prompts: tokens, FLOPs and counters summed,
+    `relative_compute` as total FLOPs over total plain FLOPs, settings and fractions kept where
+    every prompt agrees, extrapolated layers united, and each prompt's own report in `per_prompt`."""
+    if len(reports) == 1:
+        return reports[0].to_dict()
+    first = reports[0]
+    flops = sum(r.flops for r in reports)
+    plain = sum(r.plain_flops for r in reports)
+    counters: dict[str, Any] = {}
+    for name in first.counters:
+        values = [r.counters.get(name) for r in reports]
+        if all(isinstance(v, dict) for v in values):
+            merged: dict = {}
+            for value in values:
+                for key, count in value.items():
+                    merged[key] = merged.get(key, 0) + count
+            counters[name] = merged
+        else:
+            counters[name] = sum(v or 0 for v in values)
+    out: dict[str, Any] = {"architecture": first.architecture}
+    for part in ("settings", "fractions"):
+        for name, value in getattr(first, part).items():
+            if all(getattr(r, part).get(name) == value for r in reports):
+                out[name] = value
+    out.update(tokens=sum(r.tokens for r in reports), **counters)
+    if first.extrapolated is not None:
+        out["extrapolated"] = sorted({layer for r in reports for layer in r.extrapolated or ()})
+    out.update(flops=flops, plain_flops=plain, relative_compute=flops / plain if plain else 1.0,
+               per_prompt=[r.to_dict() for r in reports])
+    return out

@@ -58,6 +58,18 @@ class UnknownModelError(DepthServeError, LookupError):
     error_type = "not_found_error"
 
 
+class CheckpointFormatError(DepthServeError, ValueError):
+    """A checkpoint's `depth` section or its weights are malformed or incomplete."""
+
+
+class MissingCalibrationError(CheckpointFormatError):
+    """An ITT checkpoint has no router-score calibration table."""
+
+
+class UnknownArchitectureError(CheckpointFormatError, LookupError):
+    """A checkpoint names an architecture that no `depthserve.archs.register` call made known."""
+
+
 class CacheCapacityError(DepthServeError):
     """The engine's settings leave no room: the KV cache cannot hold one full-length sequence."""
 

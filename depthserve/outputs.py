@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from depthserve.depth import DepthReport
+
 
 @dataclass
 class Logprob:
@@ -54,7 +56,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
-    depth: dict | None = field(default=None)
+    depth: DepthReport | None = field(default=None)  # what the request spent on depth (depth models)
     metrics: RequestMetrics | None = None
     # Why the request failed (finish_reason "error"): a fault traced to it alone while running it.
     error: str | None = None

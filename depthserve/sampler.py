@@ -8,7 +8,7 @@ Sampling inverts the row's cumulative distribution at one uniform number per row
 float64 sums of 256-token chunks, then a float64 cumsum inside the chosen chunk, so tail tokens
 keep their mass). A seeded row draws that number only from its own generator, exactly one per
 step, so its tokens depend on nothing but its seed, its logits and its history, never on the batch
-around it. Unseeded rows use the global torch RNG.
+around it. Unseeded rows draw from the sampler's own generator (seeded with EngineArgs.seed).
 
 Logprobs (`SampledToken.logprob`, `rank`, `top_logprobs`) always describe the raw model
 distribution log_softmax(logits), before any penalty, bias or temperature.
@@ -79,9 +79,15 @@ EXP_FLOOR = -87.0
 
 
 class Sampler:
-    def __init__(self, eos_token_ids: set[int], vocab_size: int):
+    def __init__(self, eos_token_ids: set[int], vocab_size: int, seed: int | None = None):
         self.eos_token_ids = set(eos_token_ids)
         self.vocab_size = vocab_size
+        # Unseeded rows draw from this sampler's own generator, never from torch's global one.
+        self._generator = torch.Generator()
+        if seed is None:
+            self._generator.seed()
+        else:
+            self._generator.manual_seed(seed)
         self._work = torch.empty(0)
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken | SamplingFault]:
@@ -191,7 +197,7 @@ class Sampler:
         apply_min_p(probs, [p.min_p for p in params])
         apply_top_k(probs, [p.top_k for p in params])
         apply_top_p(probs, [p.top_p for p in params])
-        uniforms = _uniforms([rows[i].generator for i in indices], device)
+        uniforms = _uniforms([rows[i].generator for i in indices], self._generator, device)
         chosen = sample_inverse_cdf(probs, uniforms)
         return chosen, probs.gather(1, chosen.unsqueeze(1)).squeeze(1) > 0
 
@@ -440,13 +446,13 @@ def _per_row(values: torch.Tensor, picked: list[int], probs: torch.Tensor) -> to
     return out
 
 
-def _uniforms(generators: list[torch.Generator | None], device: torch.device) -> torch.Tensor:
+def _uniforms(generators: list[torch.Generator | None], shared: torch.Generator, device: torch.device) -> torch.Tensor:
     """One uniform per row in [0, 1): a seeded row draws its own from its generator, the others
-    from the global RNG."""
+    from the sampler's shared generator."""
     out = torch.empty(len(generators), dtype=torch.float64)
     unseeded = [j for j, generator in enumerate(generators) if generator is None]
     if unseeded:
-        out[unseeded] = torch.rand(len(unseeded), dtype=torch.float64)
+        out[unseeded] = torch.rand(len(unseeded), dtype=torch.float64, generator=shared)
     for j, generator in enumerate(generators):
         if generator is not None:
             out[j] = torch.rand(1, dtype=torch.float64, generator=generator)[0]

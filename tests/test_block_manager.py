@@ -9,9 +9,9 @@ import textwrap
 import numpy as np
 import pytest
 
-from depthserve.depth import DepthParams
+from depthserve.depth import DepthParams, DepthPlan
 from depthserve.engine.block_manager import BlockManager
-from depthserve.engine.cache_spec import CacheLayout, SlotKind, SlotSpec
+from depthserve.cache import CacheLayout, SlotKind, SlotSpec
 from depthserve.engine.sequence import Sequence
 from depthserve.sampling_params import SamplingParams
 
@@ -32,9 +32,8 @@ LAYOUTS = {"one": ONE, "two_heads": TWO_HEADS, "mixed": MIXED}
 
 
 def make_seq(prompt, layout=ONE, max_tokens=8, depth=None, sampling=None, rid="r"):
-    return Sequence(
-        rid, 0, list(prompt), sampling or SamplingParams(), depth or DepthParams(), layout, max_tokens
-    )
+    plan = DepthPlan(depth=depth or DepthParams(), layout=layout)
+    return Sequence(rid, 0, list(prompt), sampling or SamplingParams(), plan, max_tokens)
 
 
 def compute(bm: BlockManager, seq: Sequence, num_tokens: int) -> None:
@@ -593,14 +592,14 @@ def test_runs_without_torch_in_a_fresh_interpreter():
     script = textwrap.dedent(
         """
         import sys
-        from depthserve.depth import DepthParams
+        from depthserve.depth import DepthParams, DepthPlan
         from depthserve.engine.block_manager import BlockManager
-        from depthserve.engine.cache_spec import CacheLayout, SlotKind, SlotSpec
+        from depthserve.cache import CacheLayout, SlotKind, SlotSpec
         from depthserve.engine.sequence import Sequence
         from depthserve.sampling_params import SamplingParams
         layout = CacheLayout((SlotSpec("a", SlotKind.DENSE, 2), SlotSpec("b", SlotKind.HEAD_SUBSET, 1)))
         bm = BlockManager(64, 4)
-        seqs = [Sequence(str(i), 0, list(range(13)), SamplingParams(), DepthParams(), layout, 4) for i in range(3)]
+        seqs = [Sequence(str(i), 0, list(range(13)), SamplingParams(), DepthPlan(depth=DepthParams(), layout=layout), 4) for i in range(3)]
         for seq in seqs:
             bm.allocate_cached_prefix(seq, ())
             bm.grow(seq, 13)

@@ -14,13 +14,10 @@ import pytest
 import torch
 
 from depthserve import reference
-from depthserve.loading.checkpoint import (
-    CALIBRATION_FILE,
-    CheckpointFormatError,
-    MissingCalibrationError,
-    read_depth_spec,
-    threshold,
-)
+from depthserve.archs.itt import reference as itt_reference
+from depthserve.archs import read_depth_spec
+from depthserve.archs.itt.format import CALIBRATION_FILE, threshold
+from depthserve.errors import CheckpointFormatError, MissingCalibrationError
 from depthserve.tiny import make_tiny, synthetic_streams
 
 
@@ -125,17 +122,17 @@ def test_itt_ratio_extremes(ckpts):
 
 def test_calibration_selects_the_trained_fraction_on_its_own_tokens(ckpts):
     windows = synthetic_streams(49152, 16, 128, seed=3)  # the streams make-tiny calibrated on
-    tables = reference.calibrate(ckpts["itt"], windows)
-    ref = reference.load(ckpts["itt"], torch.float32)
+    tables = itt_reference.calibrate(ckpts["itt"], windows)
+    ref = itt_reference.load_itt(ckpts["itt"], torch.float32)
     for layer, table in tables.items():  # make-tiny stored exactly this table
-        assert torch.equal(ref.itt[layer]["quantiles"], table)
+        assert torch.equal(ref.extras[layer]["quantiles"], table)
     # The calibration table is sorted and the threshold interpolates it.
     for layer, table in tables.items():
         assert table.shape == (2, 101) and bool((table.diff(dim=1) >= 0).all())
         q = table[0].double().numpy()
         assert threshold(q, 1.0) == -np.inf and threshold(q, 0.0) == np.inf
         assert abs(threshold(q, 0.5) - float(np.float32(q[50]))) < 1e-6
-    _, decisions = reference.run(ref, windows, None, None)
+    _, decisions = itt_reference.run(ref, windows)
     for (layer, t), d in decisions.items():
         rho = ref.spec.trained_ratios[t - 1]
         assert abs(float(np.mean(d["selected"])) - rho) < 0.03, (layer, t)
@@ -155,7 +152,7 @@ def test_malformed_depth_sections_are_refused(ckpts, tmp_path):
 
 def test_itt_without_calibration_is_refused_until_calibrated(ckpts, tmp_path, tokenizer):
     from depthserve import LLM
-    from depthserve.cli import main
+    from depthserve.tools.cli import main
 
     path = make_tiny("itt", tmp_path / "itt", seed=3, tokenizer=tokenizer)
     (path / CALIBRATION_FILE).unlink()
@@ -172,7 +169,7 @@ def test_itt_without_calibration_is_refused_until_calibrated(ckpts, tmp_path, to
 
 
 def test_make_tiny_command_line(tmp_path):
-    from depthserve.cli import main
+    from depthserve.tools.cli import main
 
     assert main(["make-tiny", "--arch", "sgt", "--out", str(tmp_path / "m"), "--seed", "7", "--num-kv-heads", "4"]) == 0
     cfg = json.loads((tmp_path / "m" / "config.json").read_text())
@@ -185,7 +182,7 @@ def test_make_tiny_command_line(tmp_path):
     ("saobp", ["variant=low", "self_message=true", "lam=0.5"], "saobp", {"variant": "low", "self_message": True}),
 ])
 def test_make_tiny_options_reach_the_architecture(tmp_path, arch, options, section, expected):
-    from depthserve.cli import main
+    from depthserve.tools.cli import main
 
     argv = ["make-tiny", "--arch", arch, "--out", str(tmp_path / "m")]
     for option in options:
@@ -201,7 +198,7 @@ def test_make_tiny_options_reach_the_architecture(tmp_path, arch, options, secti
     (["--arch", "put", "--option", "bogus=1"], "bogus"),
 ])
 def test_make_tiny_refuses_options_it_cannot_use(tmp_path, capsys, argv, message):
-    from depthserve.cli import main
+    from depthserve.tools.cli import main
 
     assert main(["make-tiny", "--out", str(tmp_path / "m"), *argv]) == 2
     assert message in capsys.readouterr().err

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from depthserve import LLM, DepthParams, SamplingParams, reference
-from depthserve.engine.cache_spec import SlotKind
+from depthserve.cache import SlotKind
 from depthserve.engine.model_runner import ModelRunner
 from depthserve.errors import CacheCapacityError, InvalidDepthError
 from depthserve.loading.checkpoint import CheckpointFormatError, depth_section, read_depth_spec

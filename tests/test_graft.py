@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from depthserve import LLM, DepthParams, reference
-from depthserve.cli import main
-from depthserve.graft import (
+from depthserve.archs.llama import reference as llama_reference
+from depthserve.tools.cli import main
+from depthserve.tools.graft import (
     GRAFT_FILE,
     GraftError,
     attention_entropies,
@@ -139,7 +140,7 @@ def test_written_checkpoint(setup):
     assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["model_type"] == "llama"
     assert (out / "tokenizer.json").is_file()
     # Same weights, bit for bit.
-    src_ref, graft_ref = reference.load(src, torch.float32), reference.load(out, torch.float32)
+    src_ref, graft_ref = llama_reference.load(src, torch.float32), llama_reference.load(out, torch.float32)
     assert src_ref.w.keys() == graft_ref.w.keys()
     assert all(torch.equal(src_ref.w[k], graft_ref.w[k]) for k in src_ref.w)
 

@@ -24,9 +24,9 @@ import yaml
 from safetensors.torch import save_file
 
 from depthserve import LLM, DepthParams, SamplingParams, reference
-from depthserve.cli import main
+from depthserve.tools.cli import main
 from depthserve.errors import DepthServeError
-from depthserve.import_sgt import UnsupportedCheckpointError, import_sgt
+from depthserve.tools.import_sgt import UnsupportedCheckpointError, import_sgt
 from depthserve.tiny import _byte_tokenizer
 
 D, H, L, FF = 64, 4, 3, 96  # d_model, heads, blocks, SwiGLU width (fused ff_proj: 2 * FF rows)

@@ -17,7 +17,8 @@ import json
 import pytest
 
 from depthserve import LLM, DepthParams, SamplingParams
-from depthserve.tiny import calibrate, make_tiny
+from depthserve.tiny import make_tiny
+from depthserve.tools.calibrate import calibrate
 from tests.conftest import shared_data_file
 
 TRAINED = [0.5, 0.3]
@@ -42,10 +43,10 @@ def setup(tmp_path_factory, smollm_tokenizer):
 
 def _fractions(llm, prompts, ratios) -> dict[str, float]:
     outs = llm.generate(prompts, SamplingParams(max_tokens=1), DepthParams(selection_ratios=ratios))
-    tokens = sum(o.depth["tokens"] for o in outs)
+    tokens = sum(o.depth.tokens for o in outs)
     assert tokens == sum(map(len, prompts))
-    keys = outs[0].depth["selected_tokens"].keys()
-    return {key: sum(o.depth["selected_tokens"][key] for o in outs) / tokens for key in keys}
+    keys = outs[0].depth.counters["selected_tokens"].keys()
+    return {key: sum(o.depth.counters["selected_tokens"][key] for o in outs) / tokens for key in keys}
 
 
 @pytest.mark.parametrize("step", [1, 2])
@@ -78,5 +79,5 @@ def test_decode_fractions_are_reported(setup):
         assert set(report["decode_selected_fraction"]) == {"1:1", "1:2", "3:1", "3:2"}
         assert all(0.0 <= f <= 1.0 for f in report["decode_selected_fraction"].values())
         assert all(0.0 <= f <= 1.0 for f in report["prompt_selected_fraction"].values())
-    mean = {k: sum(o.depth["decode_selected_fraction"][k] for o in outs) / len(outs) for k in outs[0].depth["selected_tokens"]}
+    mean = {k: sum(o.depth.fractions["decode_selected_fraction"][k] for o in outs) / len(outs) for k in outs[0].depth.counters["selected_tokens"]}
     print("decode-time selected fractions (mean over 6 requests):", {k: round(v, 3) for k, v in mean.items()})

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from depthserve import LLM, DepthParams, SamplingParams, reference
-from depthserve.engine.cache_spec import SlotKind
+from depthserve.cache import SlotKind
 from depthserve.engine.model_runner import ModelRunner
 from depthserve.errors import InvalidDepthError
 from depthserve.loading.checkpoint import CheckpointFormatError, read_depth_spec

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from depthserve import DepthParams, SamplingParams, reference
-from depthserve.engine.cache_spec import SlotKind
+from depthserve.cache import SlotKind
 from depthserve.engine.model_runner import ModelRunner
 from depthserve.errors import InvalidDepthError
 from depthserve.loading.checkpoint import CheckpointFormatError, read_depth_spec
@@ -87,7 +87,8 @@ def test_depth_section_round_trip_and_checks(ckpts):
 
 
 def test_make_tiny_command_line(tmp_path, smollm_tokenizer, monkeypatch):
-    from depthserve import cli, tiny
+    from depthserve import tiny
+    from depthserve.tools import cli
 
     monkeypatch.setattr(tiny, "load_default_tokenizer", lambda: smollm_tokenizer)
     assert cli.main(["make-tiny", "--arch", "saobp", "--out", str(tmp_path / "m"), "--num-kv-heads", "4"]) == 0

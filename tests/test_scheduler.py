@@ -14,9 +14,9 @@ import textwrap
 
 import pytest
 
-from depthserve.depth import DepthParams
+from depthserve.depth import DepthParams, DepthPlan
 from depthserve.engine.block_manager import BlockManager
-from depthserve.engine.cache_spec import CacheLayout, SlotKind, SlotSpec
+from depthserve.cache import CacheLayout, SlotKind, SlotSpec
 from depthserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput
 from depthserve.engine.sequence import Sequence, SequenceStatus
 from depthserve.sampling_params import SamplingParams
@@ -37,7 +37,8 @@ MIXED = CacheLayout(
 def make_seq(rid, prompt, max_tokens, layout=ONE, depth=None, sampling=None):
     if isinstance(prompt, int):
         prompt = [hash((rid, i)) % 30000 for i in range(prompt)]
-    return Sequence(rid, 0, list(prompt), sampling or SamplingParams(), depth or DepthParams(), layout, max_tokens)
+    plan = DepthPlan(depth=depth or DepthParams(), layout=layout)
+    return Sequence(rid, 0, list(prompt), sampling or SamplingParams(), plan, max_tokens)
 
 
 def fake_token(seq: Sequence, position: int) -> int:
@@ -752,16 +753,16 @@ def test_runs_without_torch_in_a_fresh_interpreter():
     script = textwrap.dedent(
         """
         import sys
-        from depthserve.depth import DepthParams
+        from depthserve.depth import DepthParams, DepthPlan
         from depthserve.engine.block_manager import BlockManager
-        from depthserve.engine.cache_spec import CacheLayout, SlotKind, SlotSpec
+        from depthserve.cache import CacheLayout, SlotKind, SlotSpec
         from depthserve.engine.scheduler import Scheduler, SchedulerConfig
         from depthserve.engine.sequence import Sequence
         from depthserve.sampling_params import SamplingParams
         layout = CacheLayout((SlotSpec("kv", SlotKind.DENSE, 1),))
         bm = BlockManager(8, 2)
         sched = Scheduler(SchedulerConfig(max_num_batched_tokens=8), bm)
-        seqs = [Sequence(str(i), 0, [1, 2, 3, 4], SamplingParams(), DepthParams(), layout, 6) for i in range(3)]
+        seqs = [Sequence(str(i), 0, [1, 2, 3, 4], SamplingParams(), DepthPlan(depth=DepthParams(), layout=layout), 6) for i in range(3)]
         for seq in seqs:
             sched.add(seq)
         for _ in range(200):

@@ -58,7 +58,7 @@ def check_against_reference(path, prompts, depths, outputs, routed: bool) -> dic
         tokens = prompt + out.token_ids[:-1]  # every position the engine computed
         force = None
         if routed:
-            engine_routing = out.depth["routing"][0]
+            engine_routing = out.depth.decisions
             _, decisions = reference.forward(path, tokens, depth, return_decisions=True)
             assert set(engine_routing) == set(decisions), (engine_routing.keys(), decisions.keys())
             force = {}
@@ -92,7 +92,6 @@ def _run_mixed(path, depths, prefix_caching=True):
     pages = max(need) + 4
     assert sum(need) > 3 * pages
     llm = tiny_llm(path, pages=pages, max_model_len=160, max_num_batched_tokens=32, enable_prefix_caching=prefix_caching)
-    llm.engine.record_routing = True
     outputs = llm.generate(prompts, per_request, ds)
     return llm, prompts, ds, outputs
 
@@ -256,17 +255,16 @@ def _engines(ckpts, name) -> LLM:
 def test_itt_decisions_are_the_same_in_the_prompt_and_when_generated(ckpts):
     path = ckpts["itt-gqa"]
     llm = tiny_llm(path, max_num_batched_tokens=16)
-    llm.engine.record_routing = True
     prompt = _prompts()[6]
     depth = DepthParams(selection_ratios=[0.7, 0.3])
     generated = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), depth)[0]
     tokens = prompt + generated.token_ids[:-1]
     as_prompt = llm.generate([tokens], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True), depth)[0]
     _, decisions = reference.forward(path, tokens, depth, return_decisions=True)
-    decode = generated.depth["routing"][0]
-    prefill = as_prompt.depth["routing"][0]
+    decode = generated.depth.decisions
+    prefill = as_prompt.depth.decisions
     for key, ref in decisions.items():
         confident = ref["margin"] > DELTA
         assert np.array_equal(decode[key][: len(tokens)][confident], prefill[key][: len(tokens)][confident]), key
-    fractions = generated.depth["decode_selected_fraction"]
+    fractions = generated.depth.fractions["decode_selected_fraction"]
     assert set(fractions) == {"1:1", "1:2", "3:1", "3:2"} and all(f is not None for f in fractions.values())

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from depthserve.engine.cache_spec import CacheLayout, SlotKind
+from depthserve.cache import CacheLayout, SlotKind
 from depthserve.engine.sequence import Sequence
 
 

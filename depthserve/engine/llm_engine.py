@@ -5,12 +5,12 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
+from depthserve.archs.base import DepthModel
 from depthserve.config import EngineArgs
-from depthserve.depth import DepthParams
+from depthserve.depth import DepthParams, DepthPlan
 from depthserve.detokenizer import IncrementalDetokenizer
 from depthserve.engine.block_manager import BlockManager
 from depthserve.engine.model_runner import ModelRunner, SeqStepOutput
@@ -66,30 +66,24 @@ class LLMEngine:
         args.validate()
         self.args = args
         if args.num_threads:
-            torch.set_num_threads(args.num_threads)
-        torch.manual_seed(args.seed)
+            torch.set_num_threads(args.num_threads)  # asked for explicitly: torch's threads are per process
         self.device = _resolve_device(args.device)
         self.dtype = _resolve_dtype(args.dtype, self.device)
         source = resolve_model(args.model)
         self.model_name = source.name
         self.tokenizer = load_tokenizer(source)
-        loaded = load_model(source, self.dtype, self.device, args.max_model_len, args.load_progress)
-        self.model = loaded.model
+        loaded = load_model(source, self.dtype, self.device, args.max_model_len, args.load_progress,
+                            max_loops=args.max_loops)
+        self.model: DepthModel = loaded.model
         self.hf_config = loaded.hf_config
         self.max_model_len = loaded.max_model_len
-        self.vocab_size = self.model.config.vocab_size
+        self.vocab_size = loaded.vocab_size
         self.eos_token_ids = self._eos_ids()
-        if args.max_loops is not None and hasattr(self.model, "max_loops"):
-            self.model.max_loops = args.max_loops  # the server's ceiling of the SGT `loops` knob
-        # Test hook: put each ITT sequence's per-position routing decisions in RequestOutput.depth.
-        self.record_routing = False
 
         page_bytes = ModelRunner.page_bytes(args.block_size, self.model.head_dim, self.dtype)
         # Caches that live only during a step (Dreamer's per-token depth cache) take their worst
         # case for a full step out of the cache memory first; the pages get the rest.
-        self.step_cache_reserved_bytes = 0
-        if hasattr(self.model, "step_cache_bytes_bound"):
-            self.step_cache_reserved_bytes = self.model.step_cache_bytes_bound(args.max_num_batched_tokens)
+        self.step_cache_reserved_bytes = self.model.step_cache_bytes_bound(args.max_num_batched_tokens)
         num_pages = int(max(self._kv_cache_bytes() - self.step_cache_reserved_bytes, 0) // page_bytes)
         if num_pages < 1:
             raise CacheCapacityError(
@@ -98,7 +92,7 @@ class LLMEngine:
                 "kv_cache_memory_gib or lower max_num_batched_tokens"
             )
         self.block_manager = BlockManager(num_pages, args.block_size, args.enable_prefix_caching, page_bytes)
-        base_layout = self._plan(DepthParams()).layout
+        base_layout = self.model.plan(DepthParams().normalized(self.model.depth_knobs())).layout
         if not self.block_manager.fits_ever(base_layout, self.max_model_len):
             raise CacheCapacityError(
                 f"the KV cache ({num_pages} pages) cannot hold one sequence of max_model_len="
@@ -114,7 +108,7 @@ class LLMEngine:
         )
         if not args.enable_chunked_prefill and args.max_num_batched_tokens < self.max_model_len:
             raise ValueError("without chunked prefill, max_num_batched_tokens must be >= max_model_len")
-        sampler = Sampler(self.eos_token_ids, self.vocab_size)
+        sampler = Sampler(self.eos_token_ids, self.vocab_size, seed=args.seed)
         self.runner = ModelRunner(self.model, self.block_manager, sampler, self.dtype, self.device)
         self._requests: dict[str, _Request] = {}
         logger.info(
@@ -150,7 +144,7 @@ class LLMEngine:
         made here, once per request.
         """
         depth = (depth or DepthParams()).normalized(self.model.depth_knobs(), self.model_name)
-        plan = self._plan(depth)
+        plan = self.model.plan(depth)
         sampling.validate()
         sampling.check_vocab(self.vocab_size)
         prompt_text, token_ids = self._tokenize(prompt)
@@ -164,15 +158,7 @@ class LLMEngine:
             raise UnadmittableRequestError(
                 f"the KV cache ({self.block_manager.num_pages} pages) can never hold this request "
                 f"({len(token_ids)} prompt tokens + {max_tokens} new); lower max_tokens")
-        return ValidatedRequest(prompt_text, token_ids, sampling, depth, plan, max_tokens)
-
-    def _plan(self, depth: DepthParams):
-        """The request's (normalized) depth settings as the model runs them, with the cache layout
-        they need."""
-        plan_depth = getattr(self.model, "plan_depth", None)
-        if plan_depth is None:
-            return _PlainPlan(self.model.cache_layout(depth))
-        return plan_depth(depth)
+        return ValidatedRequest(prompt_text, token_ids, sampling, plan, max_tokens)
 
     def add_request(
         self,
@@ -193,20 +179,19 @@ class LLMEngine:
         sampling, token_ids = request.sampling, request.prompt_token_ids
         entry = _Request(request_id, request.prompt_text, token_ids, sampling)
         for index in range(sampling.n):
-            seq = Sequence(request_id, index, list(token_ids), sampling, request.depth, request.plan.layout,
-                           request.max_tokens)
+            seq = Sequence(request_id, index, list(token_ids), sampling, request.plan, request.max_tokens)
             if arrival_time is not None:
                 seq.arrival_time = arrival_time
-            seq.state["depth_plan"] = request.plan
-            seq.state["generator"] = _generator(sampling.seed, index)
-            seq.state["detokenizer"] = IncrementalDetokenizer(
+            seq.generator = _generator(sampling.seed, index)
+            seq.detokenizer = IncrementalDetokenizer(
                 self.tokenizer, token_ids,
                 skip_special_tokens=sampling.skip_special_tokens,
                 stop=sampling.stop,
                 include_stop_str_in_output=sampling.include_stop_str_in_output,
             )
-            seq.state["logprobs"] = [] if sampling.logprobs is not None else None
-            seq.state["cumulative_logprob"] = 0.0
+            seq.logprobs = [] if sampling.logprobs is not None else None
+            seq.prompt_logprobs = [None] if sampling.prompt_logprobs is not None else None
+            seq.depth_record = self.model.new_record(request.plan)
             entry.seqs.append(seq)
         self._requests[request_id] = entry
         for seq in entry.seqs:
@@ -260,7 +245,7 @@ class LLMEngine:
             "prefix_cache_queries": bm.prefix_queries,
             "prefix_cache_hits": bm.prefix_hits,
         }
-        if hasattr(self.model, "step_cache_bytes"):
+        if self.step_cache_reserved_bytes:
             # Caches that live only during one step, outside the page pool (Dreamer's per-token
             # depth cache, SlotKind.TOKEN_DEPTH): held now (0 between steps) and the last step's peak.
             now, last = self.model.step_cache_bytes()
@@ -281,7 +266,7 @@ class LLMEngine:
         if plan.empty:
             return []
         # A seeded sequence's draws must not depend on a failed attempt: its re-run draws again.
-        seeded = [(g, g.get_state()) for item in plan.scheduled if (g := item.seq.state["generator"]) is not None]
+        seeded = [(g, g.get_state()) for item in plan.scheduled if (g := item.seq.generator) is not None]
         try:
             results = self.runner.execute(plan.scheduled)
         except Exception as exc:
@@ -343,7 +328,7 @@ class LLMEngine:
 
     def _postprocess_one(self, seq: Sequence, result: SeqStepOutput) -> None:
         seq.num_computed_tokens = result.scheduled.end
-        self.block_manager.commit_computed(seq, seq.depth.cache_key())
+        self.block_manager.commit_computed(seq, seq.plan.cache_key)
         self._record_prompt_logprobs(seq, result)
         if result.sampled is not None:
             self._append_token(seq, result.sampled)
@@ -355,13 +340,13 @@ class LLMEngine:
         seq.output_token_ids.append(token)
         if seq.first_token_time is None:
             seq.first_token_time = time.monotonic()
-        seq.state["cumulative_logprob"] += sampled.logprob
-        if seq.state["logprobs"] is not None:
+        seq.cumulative_logprob += sampled.logprob
+        if seq.logprobs is not None:
             entry = {token: Logprob(sampled.logprob, sampled.rank, self._decode_one(token))}
             for rank, (alt, lp) in enumerate(sampled.top_logprobs, start=1):
                 entry.setdefault(alt, Logprob(lp, rank, self._decode_one(alt)))
-            seq.state["logprobs"].append(entry)
-        stop_string = seq.state["detokenizer"].add_token(token)
+            seq.logprobs.append(entry)
+        stop_string = seq.detokenizer.add_token(token)
         sampling = seq.sampling
         num_out = len(seq.output_token_ids)
         if stop_string is not None:
@@ -374,7 +359,7 @@ class LLMEngine:
             self.scheduler.finish(seq, "length")
 
     def _record_prompt_logprobs(self, seq: Sequence, result: SeqStepOutput) -> None:
-        collected = seq.state.get("prompt_logprobs")
+        collected = seq.prompt_logprobs
         for item in result.prompt_logprobs:
             if item.position != len(collected):
                 continue  # already scored before a preemption
@@ -394,25 +379,22 @@ class LLMEngine:
             completions.append(
                 CompletionOutput(
                     index=seq.index,
-                    text=seq.state["detokenizer"].text(finished),
+                    text=seq.detokenizer.text(finished),
                     token_ids=list(seq.output_token_ids),
-                    cumulative_logprob=seq.state["cumulative_logprob"],
-                    logprobs=seq.state["logprobs"],
+                    cumulative_logprob=seq.cumulative_logprob,
+                    logprobs=seq.logprobs,
                     finish_reason=seq.finish_reason,
                     stop_reason=seq.stop_reason,
                 )
             )
         first = request.seqs[0]
-        depth = None
-        if request.finished and request.error is None and hasattr(self.model, "depth_report"):  # once, at the end
-            depth = self.model.depth_report(first)
-            if self.record_routing and hasattr(self.model, "routing_record"):
-                depth["routing"] = [self.model.routing_record(seq) for seq in request.seqs]
+        finished = request.finished and request.error is None
+        depth = self.model.report(first) if finished else None  # once, at the end (not every step)
         return RequestOutput(
             request_id=request.request_id,
             prompt=request.prompt,
             prompt_token_ids=request.prompt_token_ids,
-            prompt_logprobs=first.state.get("prompt_logprobs"),
+            prompt_logprobs=first.prompt_logprobs,
             outputs=completions,
             finished=request.finished,
             num_cached_tokens=first.num_cached_tokens,
@@ -423,20 +405,14 @@ class LLMEngine:
 
 
 @dataclass(frozen=True)
-class _PlainPlan:
-    layout: object
-
-
-@dataclass(frozen=True)
 class ValidatedRequest:
-    """A request `check_request` accepted: its tokens, normalized depth settings and their plan,
-    and max_tokens resolved against the context."""
+    """A request `check_request` accepted: its tokens, its depth plan (normalized knobs and the
+    cache layout they need) and max_tokens resolved against the context."""
 
     prompt_text: str | None
     prompt_token_ids: list[int]
     sampling: SamplingParams
-    depth: DepthParams
-    plan: Any
+    plan: DepthPlan
     max_tokens: int
 
 

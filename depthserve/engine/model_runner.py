@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from depthserve.archs.base import DepthModel
 from depthserve.engine.block_manager import BlockManager
 from depthserve.engine.scheduler import ScheduledSeq
 from depthserve.layers.attention import AttentionMetadata, KVPool, PrefillSeqMeta
@@ -31,7 +32,7 @@ class SeqStepOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, block_manager: BlockManager, sampler: Sampler,
+    def __init__(self, model: DepthModel, block_manager: BlockManager, sampler: Sampler,
                  dtype: torch.dtype, device: torch.device):
         self.model = model
         self.block_manager = block_manager
@@ -76,7 +77,7 @@ class ModelRunner:
         decode_lens: list[int] = []
         row = 0
         num_prefill_tokens = 0
-        depth_model = getattr(self.model, "uses_step_batch", False)
+        depth_model = self.model.uses_step_batch
         items: list[BatchItem] = []
         for item in batch:
             full_table = self.block_manager.page_table(item.seq)
@@ -135,8 +136,8 @@ class ModelRunner:
             if item.samples and len(seq.output_token_ids) < seq.max_tokens:
                 sample_rows.append(row + item.num_tokens - 1)
                 sample_items.append(item)
-            if seq.sampling.prompt_logprobs is not None:
-                done = len(seq.state.setdefault("prompt_logprobs", [None]))
+            if seq.prompt_logprobs is not None:
+                done = len(seq.prompt_logprobs)
                 # Position p predicts prompt token p + 1; score each prompt token once.
                 wanted = np.arange(max(item.start, done - 1), min(item.end, seq.num_prompt_tokens - 1))
                 if len(wanted):
@@ -164,7 +165,7 @@ class ModelRunner:
         seq = item.seq
         return SamplingRow(
             params=seq.sampling,
-            generator=seq.state.get("generator"),
+            generator=seq.generator,
             prompt_token_ids=seq.prompt_token_ids,
             output_token_ids=seq.output_token_ids,
         )

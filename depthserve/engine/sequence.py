@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from depthserve.depth import DepthParams
-from depthserve.engine.cache_spec import CacheLayout
+from depthserve.cache import CacheLayout
+from depthserve.depth import DepthParams, DepthPlan
 from depthserve.sampling_params import SamplingParams
 
 
@@ -28,8 +28,7 @@ class Sequence:
     index: int  # choice index within the request (n > 1)
     prompt_token_ids: list[int]
     sampling: SamplingParams
-    depth: DepthParams
-    layout: CacheLayout
+    plan: DepthPlan  # the request's depth settings as its model runs them (made once per request)
     max_tokens: int  # resolved: never past the context
     arrival_time: float = field(default_factory=time.monotonic)
     seq_id: int = field(default_factory=lambda: next(_ids))
@@ -45,8 +44,21 @@ class Sequence:
     # After a failed step: run alone (recomputed from scratch) until this many tokens are computed,
     # so that a fault which recurs is traced to this sequence alone (Scheduler.isolate).
     isolate_until: int | None = None
-    # Engine-side state that the scheduler never reads (sampler generator, detokenizer, logprobs).
-    state: dict[str, Any] = field(default_factory=dict)
+    # What the engine keeps per sequence beside the scheduler's fields (the scheduler never reads them).
+    generator: Any = None  # torch.Generator of a seeded request (one per sequence), else None
+    detokenizer: Any = None  # IncrementalDetokenizer
+    logprobs: list | None = None  # one entry per output token when the request asks for logprobs
+    cumulative_logprob: float = 0.0
+    prompt_logprobs: list | None = None  # filled as the prompt is computed, when asked for
+    depth_record: Any = None  # the model's per-position decisions (DepthModel.new_record)
+
+    @property
+    def depth(self) -> DepthParams:
+        return self.plan.depth
+
+    @property
+    def layout(self) -> CacheLayout:
+        return self.plan.layout
 
     @property
     def num_prompt_tokens(self) -> int:

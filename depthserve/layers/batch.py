@@ -38,7 +38,13 @@ class BatchItem:
 
     @property
     def plan(self) -> Any:
-        return self.seq.state.get("depth_plan")
+        """The sequence's DepthPlan (the architecture's subclass)."""
+        return self.seq.plan
+
+    @property
+    def record(self) -> Any:
+        """The sequence's record of decisions (DepthModel.new_record), filled by the forward."""
+        return self.seq.depth_record
 
 
 @dataclass

@@ -15,10 +15,10 @@ def load_hf_dir(path: Path, progress: bool = True) -> tuple[dict[str, Any], dict
     """(config, every tensor of every *.safetensors file). A native-format checkpoint's `depth`
     section is checked here (docs/checkpoint-format.md); its extra tensors (ITT routers, step
     encodings, the calibration table file) load with the rest."""
-    from depthserve.loading.checkpoint import read_depth_spec
+    from depthserve.archs import resolve_architecture
 
     config = json.loads((path / "config.json").read_text())
-    read_depth_spec(config)  # a malformed depth section fails before any weight is read
+    resolve_architecture(config)  # a malformed depth section fails before any weight is read
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {path}")

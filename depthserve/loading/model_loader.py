@@ -1,4 +1,10 @@
-"""Build a model from a resolved source: pick the architecture, load its weights."""
+"""Build a model from a resolved source: one path for every architecture.
+
+read the checkpoint (GGUF or HF directory) -> its registered architecture and spec -> the model,
+built on the meta device (no random init) -> the weights, by name (loading/weights.py) -> cast and
+moved -> `finish_load` (tensors that keep their own dtype) -> on CPU in fp32, linear layers laid
+out for small batches (layers/linear.py).
+"""
 
 from __future__ import annotations
 
@@ -7,75 +13,37 @@ from typing import Any
 
 import torch
 
-from depthserve.architectures import module_of_spec
+from depthserve.archs import BuildOptions, DepthModel, resolve_architecture
 from depthserve.layers.linear import optimize_linears_for_cpu
 from depthserve.loading.gguf_loader import load_gguf
-from depthserve.loading.checkpoint import ITTSpec, SGTSpec, read_depth_spec
 from depthserve.loading.hf_loader import load_hf_dir
 from depthserve.loading.registry import ModelSource
-from depthserve.models.llama import LlamaConfig, LlamaForCausalLM
+from depthserve.loading.weights import load_weights
 
 
 @dataclass
 class LoadedModel:
-    model: torch.nn.Module
+    model: DepthModel
     hf_config: dict[str, Any]
     max_model_len: int
+    vocab_size: int
 
 
 def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device, max_model_len: int | None,
-               progress: bool = True, cpu_linear: bool = True) -> LoadedModel:
+               progress: bool = True, cpu_linear: bool = True, max_loops: int | None = None) -> LoadedModel:
     if source.format == "gguf":
         hf_config, weights = load_gguf(source.path, progress)
     else:
         hf_config, weights = load_hf_dir(source.path, progress)
-    spec = read_depth_spec(hf_config)  # the native format's `depth` section (absent: plain Llama)
-    module = module_of_spec(spec)
-    if module is not None:  # an architecture with its own module (depthserve/architectures.py)
-        context = int(hf_config.get("max_position_embeddings", 4096))
-        max_len = min(max_model_len or context, context)
-        model = module.build_model(hf_config, spec, max_len)
-        model.checkpoint_path = str(source.path)
-        model.load_hf_state_dict(weights)
-        model = model.to(device=device, dtype=dtype).eval()
-        if hasattr(model, "finish_load"):
-            model.finish_load(device)
-        return LoadedModel(model=model, hf_config=hf_config, max_model_len=max_len)
-    archs = hf_config.get("architectures") or ["LlamaForCausalLM"]
-    if archs[0] not in ("LlamaForCausalLM", "MistralForCausalLM"):
-        raise ValueError(f"architecture {archs[0]} is not supported")
-    cfg = LlamaConfig.from_hf(hf_config)
-    context = cfg.max_position_embeddings
+    architecture, spec = resolve_architecture(hf_config)
+    context = int(hf_config.get("max_position_embeddings", 4096))
     max_len = min(max_model_len or context, context)
     with torch.device("meta"):
-        model = _build(cfg, spec, max_len)
+        model = architecture.build(hf_config, spec, BuildOptions(max_len=max_len, max_loops=max_loops))
     model = model.to_empty(device="cpu")
-    model.rope_cos, model.rope_sin = _rope(cfg, max_len)
-    model.checkpoint_path = str(source.path)
-    model.load_hf_state_dict(weights)
+    load_weights(model, weights, str(source.path))
     model = model.to(device=device, dtype=dtype).eval()
-    if hasattr(model, "finish_load"):
-        model.finish_load(device)
-    # The rotary tables stay fp32 whatever the model dtype.
-    model.rope_cos, model.rope_sin = (t.to(device=device, dtype=torch.float32) for t in _rope(cfg, max_len))
+    model.finish_load(device)
     if device.type == "cpu" and dtype == torch.float32 and cpu_linear:
         optimize_linears_for_cpu(model)
-    return LoadedModel(model=model, hf_config=hf_config, max_model_len=max_len)
-
-
-def _build(cfg: LlamaConfig, spec, max_len: int) -> torch.nn.Module:
-    if isinstance(spec, SGTSpec):
-        from depthserve.models.sgt import SGTForCausalLM
-
-        return SGTForCausalLM(cfg, spec, max_positions=max_len)
-    if isinstance(spec, ITTSpec):
-        from depthserve.models.itt import ITTForCausalLM
-
-        return ITTForCausalLM(cfg, spec, max_positions=max_len)
-    return LlamaForCausalLM(cfg, max_positions=max_len)
-
-
-def _rope(cfg: LlamaConfig, max_len: int):
-    from depthserve.layers.rotary import rope_tables
-
-    return rope_tables(cfg.head_dim, max_len, cfg.rope_theta)
+    return LoadedModel(model=model, hf_config=hf_config, max_model_len=max_len, vocab_size=int(hf_config["vocab_size"]))

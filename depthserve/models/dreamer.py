@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from depthserve.depth import DepthParams, KnobSpec
-from depthserve.engine.cache_spec import CacheLayout, SlotKind, SlotSpec
+from depthserve.cache import CacheLayout, SlotKind, SlotSpec
 from depthserve.kernels import ops
 from depthserve.layers.attention import paged_attention
 from depthserve.layers.norm import RMSNorm

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from depthserve.depth import DepthParams, KnobSpec
-from depthserve.engine.cache_spec import CacheLayout, SlotKind, SlotSpec
+from depthserve.cache import CacheLayout, SlotKind, SlotSpec
 from depthserve.layers.attention import AttentionMetadata, KVPool, paged_attention
 from depthserve.layers.norm import RMSNorm
 from depthserve.layers.rotary import rope_tables

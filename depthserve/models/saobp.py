@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from depthserve.depth import DepthParams, KnobSpec
-from depthserve.engine.cache_spec import CacheLayout, SlotKind, SlotSpec
+from depthserve.cache import CacheLayout, SlotKind, SlotSpec
 from depthserve.errors import InvalidDepthError
 from depthserve.kernels import ops
 from depthserve.layers.attention import AttentionMetadata, KVPool

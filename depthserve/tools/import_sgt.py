@@ -30,14 +30,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from depthserve.loading.checkpoint import (
-    CheckpointFormatError,
-    LlamaSpec,
-    SGTLayer,
-    SGTSpec,
-    depth_section,
-    write_checkpoint,
-)
+from depthserve.archs.llama.format import LlamaSpec
+from depthserve.archs.llama.format import to_section as llama_section
+from depthserve.archs.sgt.format import SGTLayer, SGTSpec
+from depthserve.archs.sgt.format import to_section as sgt_section
+from depthserve.loading.checkpoint import CheckpointFormatError, write_checkpoint
 
 WTE = "transformer.wte.weight"
 LN_F = "transformer.ln_f.weight"
@@ -489,7 +486,7 @@ def native_config(cfg: dict[str, Any], shape: OlmoShape, spec: LlamaSpec | SGTSp
         "eos_token_id": eos if eos is not None else tokenizer.eos_token_id,
         "pad_token_id": cfg.get("pad_token_id"),
         "torch_dtype": dtype,
-        "depth": depth_section(spec),
+        "depth": sgt_section(spec) if isinstance(spec, SGTSpec) else llama_section(spec),
     }
 
 

@@ -185,9 +185,11 @@ def build_parser() -> argparse.ArgumentParser:
     p_chat.add_argument("--depth", default=None, help='depth knobs as JSON, e.g. \'{"loops": 2}\'')
     p_chat.set_defaults(func=cmd_chat)
 
-    from depthserve import graft, import_sgt, tiny
+    from depthserve import tiny
+    from depthserve.tools import calibrate, graft, import_sgt
 
-    tiny.add_subcommands(sub)  # make-tiny, calibrate
+    tiny.add_subcommands(sub)  # make-tiny
+    calibrate.add_subcommands(sub)  # calibrate
     import_sgt.add_subcommands(sub)  # import-sgt
     graft.add_subcommands(sub)  # graft-sgt
     return parser

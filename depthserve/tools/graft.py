@@ -27,14 +27,9 @@ from typing import Any
 import torch
 
 from depthserve.errors import DepthServeError
-from depthserve.loading.checkpoint import (
-    LlamaSpec,
-    SGTLayer,
-    SGTSpec,
-    depth_section,
-    read_depth_spec,
-    write_checkpoint,
-)
+from depthserve.archs.llama import reference
+from depthserve.archs.sgt.format import SGTLayer, SGTSpec, to_section
+from depthserve.loading.checkpoint import depth_section, write_checkpoint
 
 GRAFT_FILE = "graft.json"
 DEFAULT_MAX_LEN = 512
@@ -76,11 +71,11 @@ def load_source(model: str | Path) -> SourceModel:
     if source.format == "hf":
         config = json.loads((source.path / "config.json").read_text())
         try:
-            spec = read_depth_spec(config)
+            architecture, _ = depth_section(config)
         except CheckpointFormatError as exc:
             raise GraftError(f"{model}: {exc}") from exc
-        if not isinstance(spec, LlamaSpec):
-            raise GraftError(f"{model} is already a {spec.architecture} checkpoint; graft a plain Llama checkpoint")
+        if architecture != "llama":
+            raise GraftError(f"{model} is already a {architecture} checkpoint; graft a plain Llama checkpoint")
         config, weights = load_hf_dir(source.path, progress=False)
     else:
         config, weights = load_gguf(source.path, progress=False)
@@ -98,7 +93,7 @@ def calibration_sequences(tokenizer, calib_file: str | Path, max_len: int = DEFA
     document), as `depthserve calibrate` reads them: every document from position 0, cut every
     `max_len` tokens; the first `num_sequences` (None: all). Sequences shorter than 2 tokens are
     dropped (Eq. 4 divides by log N)."""
-    from depthserve.tiny import text_sequences
+    from depthserve.tools.calibrate import text_sequences
 
     path = Path(calib_file)
     if not path.is_file():
@@ -116,17 +111,15 @@ def calibration_sequences(tokenizer, calib_file: str | Path, max_len: int = DEFA
     return sequences[:num_sequences] if num_sequences is not None else sequences
 
 
-def _reference_model(source: SourceModel):
-    from depthserve import reference
-
-    return reference.Reference(source.hf_config, LlamaSpec(), source.weights, {})
+def _reference_model(source: SourceModel) -> reference.Reference:
+    return reference.Reference(source.hf_config, source.weights)
 
 
 def last_token_entropy(ref, layer: int, a: torch.Tensor) -> torch.Tensor:
     """Eq. 4 for every query head of `layer`: -1/log N * sum_j A_Nj log A_Nj, with A_N the last
     token's causal attention distribution over all N tokens. a: [N, d], the layer's RMSNorm_a input.
     Returns [heads]."""
-    from depthserve.reference import attention_dims, rope
+    attention_dims, rope = reference.attention_dims, reference.rope
 
     cfg, w = ref.cfg, ref.w
     H, H_kv, hd, theta = attention_dims(cfg)
@@ -146,8 +139,6 @@ def last_token_entropy(ref, layer: int, a: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def sequence_entropies(ref, ids: list[int]) -> torch.Tensor:
     """[layers, heads] Eq. 4 entropies of one sequence, through the plain forward (section 0)."""
-    from depthserve import reference
-
     n = len(ids)
     if n < 2:
         raise GraftError("a calibration sequence needs at least 2 tokens (Eq. 4 divides by log N)")
@@ -219,7 +210,7 @@ def graft_config(source: SourceModel, spec: SGTSpec) -> dict[str, Any]:
     cfg.setdefault("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
     cfg["tie_word_embeddings"] = bool(cfg.get("tie_word_embeddings", False))
     cfg["torch_dtype"] = "float32"
-    cfg["depth"] = depth_section(spec)
+    cfg["depth"] = to_section(spec)
     return cfg
 
 

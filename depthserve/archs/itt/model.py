@@ -16,51 +16,18 @@ layer -> scatter, never a masked dense pass.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
-from depthserve.depth import DepthParams, KnobSpec
-from depthserve.engine.cache_spec import CacheLayout, SlotKind, SlotSpec
+from depthserve.archs.base import BuildOptions
+from depthserve.archs.itt.format import ITTPlan, ITTRecord, ITTSpec, knobs, pop_itt_weights, routed_slot_name
+from depthserve.archs.itt.format import plan as itt_plan
+from depthserve.archs.itt.format import report as itt_report
+from depthserve.archs.llama.format import LlamaConfig
+from depthserve.archs.llama.model import LlamaDecoderLayer, LlamaForCausalLM
+from depthserve.depth import DepthParams, DepthReport, KnobSpec
 from depthserve.kernels import ops
 from depthserve.layers.batch import BatchItem, StepBatch
-from depthserve.loading.checkpoint import ITTSpec, pop_itt_weights, threshold
-from depthserve.models.flops import attention_flops, layer_weight_flops, plain_flops
-from depthserve.models.llama import LlamaConfig, LlamaDecoderLayer, LlamaForCausalLM
-
-
-def routed_slot_name(layer: int, step: int) -> str:
-    return f"itt{layer}.step{step}"
-
-
-@dataclass(frozen=True)
-class ITTPlan:
-    """One request's ratios and thresholds, fixed for its lifetime."""
-
-    ratios: tuple[float, ...]  # rho_1..rho_T after thinking_steps
-    thresholds: np.ndarray  # [ITT layers, T] tau of (layer, step) (+inf: step off)
-    layout: CacheLayout
-
-
-class ITTRecord:
-    """Per-position routing decisions of one sequence: 1 selected, 0 skipped, -1 off / unknown."""
-
-    def __init__(self, num_layers: int, steps: int):
-        self.selected = np.full((64, num_layers, steps), -1, dtype=np.int8)
-        self.scores = np.zeros((64, num_layers, steps), dtype=np.float32)
-
-    def write(self, start: int, selected: np.ndarray, scores: np.ndarray) -> None:
-        """Decisions [n, layers, steps] for positions start..start+n."""
-        end = start + len(selected)
-        if end > len(self.selected):
-            grow = max(end, 2 * len(self.selected))
-            self.selected = np.concatenate([self.selected, np.full((grow - len(self.selected),) + self.selected.shape[1:],
-                                                                   -1, np.int8)])
-            self.scores = np.concatenate([self.scores, np.zeros((grow - len(self.scores),) + self.scores.shape[1:],
-                                                                np.float32)])
-        self.selected[start:end] = selected
-        self.scores[start:end] = scores
 
 
 class StepRouting:
@@ -89,11 +56,8 @@ class StepRouting:
         for item in items:
             if not any(r > 0 for r in item.plan.ratios):
                 continue  # every step off: nothing routed, nothing to record
-            record = item.seq.state.get("itt_record")
-            if record is None:
-                record = item.seq.state["itt_record"] = ITTRecord(self.num_layers, self.steps)
             rows = slice(item.row, item.row + item.num_tokens)
-            record.write(item.start, self.selected[rows], self.scores[rows])
+            item.record.write(item.start, self.selected[rows], self.scores[rows])
 
 
 class ITTDecoderLayer(LlamaDecoderLayer):
@@ -139,16 +103,16 @@ class ITTForCausalLM(LlamaForCausalLM):
         self.spec = spec
         for position, layer in enumerate(spec.layers):
             self.layers[layer] = ITTDecoderLayer(cfg, layer, spec, position)
-        self.checkpoint_path = "this checkpoint"
         self._fp32: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def forward(self, input_ids, positions, pool, meta) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         routing = StepRouting(meta.batch, len(self.spec.layers), self.spec.steps)
+        layout = self._base_plan.layout
         for i, layer in enumerate(self.layers):
             extra = (routing,) if isinstance(layer, ITTDecoderLayer) else ()
-            x = layer(x, cos, sin, pool, meta, self._layout.columns(i), *extra)
+            x = layer(x, cos, sin, pool, meta, layout.columns(i), *extra)
         routing.commit(meta.batch.items)
         return self.norm(x)
 
@@ -157,96 +121,36 @@ class ITTForCausalLM(LlamaForCausalLM):
 
     # ---- depth ------------------------------------------------------------------------------------
     def depth_knobs(self) -> dict[str, KnobSpec]:
-        T = self.spec.steps
-        return {
-            "selection_ratios": KnobSpec(
-                "selection_ratios",
-                f"fraction of tokens routed to each of the {T} extra steps (trained: {list(self.spec.trained_ratios)})",
-                0.0, 1.0, list(self.spec.trained_ratios), kind="ratio_list", length=T,
-            ),
-            "thinking_steps": KnobSpec(
-                "thinking_steps",
-                f"number of extra steps enabled; the checkpoint has parameters for {T}, no more",
-                0, T, T,
-            ),
-        }
+        return knobs(self.spec)
 
-    def plan_depth(self, depth: DepthParams) -> ITTPlan:
-        depth = depth.normalized(self.depth_knobs())
-        ratios = list(depth.selection_ratios if depth.selection_ratios is not None else self.spec.trained_ratios)
-        if depth.thinking_steps is not None:
-            ratios = [r if t < depth.thinking_steps else 0.0 for t, r in enumerate(ratios)]
-        thresholds = np.array([[threshold(layer.quantiles[t], ratios[t]) for t in range(self.spec.steps)]
-                               for layer in self.itt_layers()], dtype=np.float32)
-        kv = self.config.num_kv_heads
-        dense = tuple(SlotSpec(f"layer{i}", SlotKind.DENSE, kv) for i in range(self.config.num_layers))
-        routed = tuple(SlotSpec(routed_slot_name(layer, t), SlotKind.ROUTED, kv)
-                       for layer in self.spec.layers for t in range(1, self.spec.steps + 1) if ratios[t - 1] > 0)
-        return ITTPlan(tuple(ratios), thresholds, CacheLayout(dense, routed))
+    def plan(self, depth: DepthParams) -> ITTPlan:
+        return itt_plan(self.config, self.spec, depth, [layer.quantiles for layer in self.itt_layers()])
 
-    def cache_layout(self, depth: DepthParams) -> CacheLayout:
-        return self.plan_depth(depth).layout
+    def new_record(self, plan: ITTPlan) -> ITTRecord:
+        return ITTRecord(len(self.spec.layers), self.spec.steps)
 
-    def depth_report(self, seq) -> dict:
-        plan: ITTPlan = seq.state["depth_plan"]
-        record: ITTRecord | None = seq.state.get("itt_record")
-        tokens = seq.num_computed_tokens
-        prompt = min(seq.num_prompt_tokens, tokens)
-        cfg = self.config
-        T = self.spec.steps
-        selected, prompt_frac, decode_frac = {}, {}, {}
-        extra = 0.0
-        for position, layer in enumerate(self.spec.layers):
-            for t in range(1, T + 1):
-                if plan.ratios[t - 1] <= 0:
-                    continue  # step off: no routing, no update, nothing to report
-                key = f"{layer}:{t}"
-                flags = record.selected[:tokens, position, t - 1] == 1 if record is not None else np.zeros(tokens, bool)
-                n = int(flags.sum())
-                selected[key] = n
-                prompt_frac[key] = float(flags[:prompt].mean()) if prompt else None
-                decode_frac[key] = float(flags[prompt:].mean()) if tokens > prompt else None
-                # f_t on n tokens (the j-th selected attends to j keys) plus the router on every token.
-                extra += n * layer_weight_flops(cfg) + attention_flops(cfg.num_heads, cfg.head_dim, n * (n + 1) / 2)
-                extra += tokens * 2 * cfg.hidden_size
-        base = plain_flops(cfg, tokens, len(seq.output_token_ids))
-        return {
-            "architecture": "itt",
-            "selection_ratios": list(plan.ratios),
-            "tokens": tokens,
-            "selected_tokens": selected,  # "layer:step" -> tokens selected (enabled steps only)
-            "prompt_selected_fraction": prompt_frac,
-            "decode_selected_fraction": decode_frac,
-            "flops": base + extra,  # this request's FLOPs (depthserve/models/flops.py)
-            "plain_flops": base,  # the plain model's FLOPs on the same tokens
-            "relative_compute": (base + extra) / base if base else 1.0,
-        }
-
-    def routing_record(self, seq) -> dict[tuple[int, int], np.ndarray] | None:
-        """(layer, step) -> per-position decisions (1 / 0 / -1 off) over the computed tokens."""
-        record: ITTRecord | None = seq.state.get("itt_record")
-        plan: ITTPlan = seq.state["depth_plan"]
-        out = {}
-        for position, layer in enumerate(self.spec.layers):
-            for t in range(1, self.spec.steps + 1):
-                if plan.ratios[t - 1] > 0 and record is not None:
-                    out[(layer, t)] = record.selected[: seq.num_computed_tokens, position, t - 1].copy()
-        return out
+    def report(self, seq) -> DepthReport:
+        return itt_report(self.config, self.spec, seq.plan, seq.depth_record, seq.num_computed_tokens,
+                      seq.num_prompt_tokens, len(seq.output_token_ids))
 
     # ---- weights -----------------------------------------------------------------------------------
-    def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
-        extras = pop_itt_weights(self.spec, weights, self.checkpoint_path, require_calibration=True)
-        super().load_hf_state_dict(weights)
+    def take_weights(self, weights: dict[str, torch.Tensor], source: str) -> set[str]:
+        extras = pop_itt_weights(self.spec, weights, source, require_calibration=True)
         for layer in self.itt_layers():
             entry = extras[layer.index]
             self._fp32[layer.index] = (entry["router_w"].float().clone(), entry["phi"].float().clone())
             layer.router_bias = [float(b) for b in entry["router_b"].float()]
             layer.quantiles = entry["quantiles"].double().numpy()
-        self.finish_load(torch.device("cpu"))
+        return set()
 
     def finish_load(self, device: torch.device) -> None:
         """Router weights and step encodings stay fp32 whatever dtype the model was cast to."""
+        super().finish_load(device)
         for layer in self.itt_layers():
             router, phi = self._fp32[layer.index]
             layer.router_weight = router.to(device)
             layer.step_encoding = phi.to(device)
+
+
+def build(hf_config: dict, spec: ITTSpec, options: BuildOptions) -> ITTForCausalLM:
+    return ITTForCausalLM(LlamaConfig.from_hf(hf_config), spec, options.max_len)

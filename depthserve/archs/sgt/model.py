@@ -13,32 +13,19 @@ selected query heads), so a loop slot costs |G_l| / H_kv of a dense layer slot.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 from torch import nn
 
-from depthserve.depth import DepthParams, KnobSpec
-from depthserve.engine.cache_spec import CacheLayout, SlotKind, SlotSpec
+from depthserve.archs.base import BuildOptions
+from depthserve.archs.llama.format import LlamaConfig
+from depthserve.archs.llama.model import LlamaDecoderLayer, LlamaForCausalLM
+from depthserve.archs.sgt.format import SGTLayer, SGTPlan, SGTSpec, kv_heads_of, loop_slot_name, loops_knob
+from depthserve.archs.sgt.format import plan as sgt_plan
+from depthserve.archs.sgt.format import report as sgt_report
+from depthserve.depth import DepthParams, DepthReport, KnobSpec
 from depthserve.layers.attention import paged_attention
 from depthserve.layers.rotary import apply_rope
-from depthserve.loading.checkpoint import SGTLayer, SGTSpec
-from depthserve.models.flops import plain_flops
-from depthserve.models.llama import LlamaConfig, LlamaDecoderLayer, LlamaForCausalLM
-
-
-def loop_slot_name(layer: int, iteration: int) -> str:
-    return f"layer{layer}.loop{iteration}"
-
-
-@dataclass(frozen=True)
-class SGTPlan:
-    """One request's loop counts, fixed for its lifetime, and where its loop slots sit."""
-
-    loops: dict[int, int]  # looped layer -> iterations
-    layout: CacheLayout
-    columns: dict[str, slice]  # loop slot name -> columns of the request's page table
 
 
 class HeadSubsetAttention(nn.Module):
@@ -53,7 +40,7 @@ class HeadSubsetAttention(nn.Module):
         self.q_heads = [spec.heads[i] for i in order]
         self.head_scales = [float(scales[i]) for i in order]
         kv_of = [h // group for h in self.q_heads]
-        self.kv_heads = sorted(set(kv_of))  # the KV heads this slot stores
+        self.kv_heads = kv_heads_of(cfg, spec)  # the KV heads this slot stores
         per_group = [kv_of.count(g) for g in self.kv_heads]
         if len(set(per_group)) == 1:
             # Every stored KV head serves the same number of query heads: grouped attention as is.
@@ -130,75 +117,32 @@ class SGTDecoderLayer(LlamaDecoderLayer):
 class SGTForCausalLM(LlamaForCausalLM):
     uses_step_batch = True
 
-    def __init__(self, cfg: LlamaConfig, spec: SGTSpec, max_positions: int):
+    def __init__(self, cfg: LlamaConfig, spec: SGTSpec, max_positions: int, max_loops: int):
         super().__init__(cfg, max_positions)
         self.spec = spec
-        self.max_loops = spec.max_loops
+        self.max_loops = max_loops
         for layer in spec.layers:
             self.layers[layer.layer] = SGTDecoderLayer(cfg, layer.layer, layer)
 
-    # ---- depth ------------------------------------------------------------------------------------
     def depth_knobs(self) -> dict[str, KnobSpec]:
-        trained = {s.layer: s.loops for s in self.spec.layers}
-        default = next(iter(trained.values())) if len(set(trained.values())) == 1 else trained
-        return {
-            "loops": KnobSpec(
-                "loops",
-                f"extra head-subset attention iterations per looped layer {list(trained)} "
-                f"(an integer for all, or a map layer -> count; trained: {trained}; "
-                f"above the trained count is extrapolation, up to max_loops={self.max_loops})",
-                0, self.max_loops, default, kind="int_or_map", keys=tuple(trained),
-            )
-        }
+        return {"loops": loops_knob(self.spec, self.max_loops)}
 
-    def plan_depth(self, depth: DepthParams) -> SGTPlan:
-        depth = depth.normalized(self.depth_knobs())
-        loops = {s.layer: s.loops for s in self.spec.layers}
-        if isinstance(depth.loops, int):
-            loops = {layer: depth.loops for layer in loops}
-        elif isinstance(depth.loops, dict):
-            loops.update(depth.loops)  # layers not in the map keep their trained count
-        slots = [SlotSpec(f"layer{i}", SlotKind.DENSE, self.config.num_kv_heads) for i in range(self.config.num_layers)]
-        for s in self.spec.layers:
-            heads = self.layers[s.layer].loop_attn.num_kv
-            slots += [SlotSpec(loop_slot_name(s.layer, k), SlotKind.HEAD_SUBSET, heads) for k in range(1, loops[s.layer] + 1)]
-        layout = CacheLayout(tuple(slots))
-        columns = {name: cols for name, cols in layout.slot_columns().items() if ".loop" in name}
-        return SGTPlan(loops, layout, columns)
+    def plan(self, depth: DepthParams) -> SGTPlan:
+        return sgt_plan(self.config, self.spec, depth)
 
-    def cache_layout(self, depth: DepthParams) -> CacheLayout:
-        return self.plan_depth(depth).layout
+    def report(self, seq) -> DepthReport:
+        return sgt_report(self.config, self.spec, seq.plan, seq.num_computed_tokens, len(seq.output_token_ids))
 
-    def depth_report(self, seq) -> dict:
-        plan: SGTPlan = seq.state["depth_plan"]
-        trained = {s.layer: s.loops for s in self.spec.layers}
-        tokens = seq.num_computed_tokens
-        cfg = self.config
-        base = plain_flops(cfg, tokens, len(seq.output_token_ids))
-        extra = 0.0
-        ctx_sum = tokens * (tokens + 1) / 2
-        for s in self.spec.layers:
-            attn = self.layers[s.layer].loop_attn
-            d, hd = cfg.hidden_size, cfg.head_dim
-            weights = 2 * d * (attn.num_q + 2 * attn.num_kv) * hd + 2 * attn.num_q * hd * d
-            extra += plan.loops[s.layer] * (tokens * weights + 4 * attn.num_q * hd * ctx_sum)
-        return {
-            "architecture": "sgt",
-            "loops": dict(plan.loops),
-            "trained_loops": trained,
-            "extrapolated": sorted(layer for layer, n in plan.loops.items() if n > trained[layer]),
-            "tokens": tokens,
-            # per looped layer: (token, iteration) pairs run over the tokens this request processed
-            "loop_iterations": {layer: tokens * n for layer, n in plan.loops.items()},
-            "flops": base + extra,  # this request's FLOPs (depthserve/models/flops.py)
-            "plain_flops": base,  # the plain model's FLOPs on the same tokens
-            "relative_compute": (base + extra) / base if base else 1.0,
-        }
-
-    # ---- weights -----------------------------------------------------------------------------------
-    def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
-        super().load_hf_state_dict(weights)
+    def after_load(self, loaded: set[str]) -> set[str]:
+        """Each loop iteration runs the layer's own heads: the subset's rows of its W_Q/W_K/W_V."""
+        derived = super().after_load(loaded)
         for s in self.spec.layers:
             layer = self.layers[s.layer]
             layer.loop_attn.copy_from(self.config, layer.self_attn)
+            derived |= {f"layers.{s.layer}.loop_attn.{name}" for name, _ in layer.loop_attn.named_parameters()}
+        return derived
 
+
+def build(hf_config: dict, spec: SGTSpec, options: BuildOptions) -> SGTForCausalLM:
+    return SGTForCausalLM(LlamaConfig.from_hf(hf_config), spec, options.max_len,
+                          spec.max_loops if options.max_loops is None else options.max_loops)

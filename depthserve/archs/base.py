@@ -1,0 +1,137 @@
+"""The seam where an architecture plugs into the engine: the `DepthModel` protocol the engine calls,
+the `Architecture` record that registers one, and the one registry.
+
+An architecture lives in its own folder (`depthserve/archs/<name>/`): `format.py` (its config
+section, weight names, knobs, plan and FLOP accounting), `model.py` (the engine's model: only
+the modules and their forward, read like the paper), `reference.py` (the plain full-sequence
+oracle the tests compare against) and `tiny.py` (random-weight test checkpoints). It registers
+itself with one `register(Architecture(...))` call; nothing else in the engine names it.
+
+The engine never probes a model with hasattr: every optional hook has its default here, and a
+model class states what it is by subclassing `DepthModel` next to `nn.Module`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+from depthserve.cache import SlotKind
+from depthserve.depth import DepthParams, DepthPlan, DepthReport, KnobSpec
+from depthserve.errors import UnknownArchitectureError
+
+if TYPE_CHECKING:
+    import torch
+
+    from depthserve.engine.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    """What the engine decides about a model at load time (everything else is the checkpoint's)."""
+
+    max_len: int  # positions the rotary tables cover (the engine's max_model_len)
+    max_loops: int | None = None  # ceiling of a loop-count knob; None: the checkpoint's own
+
+
+class DepthModel(Protocol):
+    """What the engine asks of a model. Subclass it beside `torch.nn.Module`; the methods with a
+    body are defaults an architecture overrides only when it has the feature."""
+
+    # True when the forward needs `meta.batch` (per-sequence rows, plans, page tables).
+    uses_step_batch: ClassVar[bool] = False
+
+    @property
+    def head_dim(self) -> int: ...
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, pool: Any, meta: Any) -> torch.Tensor:
+        """Hidden states [tokens, hidden] of a packed step (AttentionMetadata `meta`, pages `pool`)."""
+        ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+    def plan(self, depth: DepthParams) -> DepthPlan:
+        """A request's normalized knobs as this model runs them (called once per request)."""
+        ...
+
+    def depth_knobs(self) -> dict[str, KnobSpec]:
+        return {}
+
+    def new_record(self, plan: DepthPlan) -> Any:
+        """An empty per-sequence record of the decisions the forward takes (routing, experts), which
+        the forward fills through the step's batch items; None when there is nothing to record."""
+        return None
+
+    def report(self, seq: Sequence) -> DepthReport | None:
+        """What a finished sequence spent on depth; None for a plain model."""
+        return None
+
+    def step_cache_bytes_bound(self, max_step_tokens: int) -> int:
+        """The most bytes of caches that live for one step only (outside the page pool)."""
+        return 0
+
+    def step_cache_bytes(self) -> tuple[dict[SlotKind, int], dict[SlotKind, int]]:
+        """Bytes of step-lived caches: held now, and the last step's peak."""
+        return {}, {}
+
+    def finish_load(self, device: torch.device) -> None:
+        """After the weights are loaded and the model is cast: tensors that keep their own dtype
+        (rotary tables, fp32 routers), rebuilt on `device`."""
+
+    # ---- checkpoint names (depthserve/loading/weights.py reads these) ------------------------------
+    checkpoint_prefix: ClassVar[str] = "model."
+    packed_modules: ClassVar[dict[str, tuple[str, int]]] = {}
+
+    def take_weights(self, weights: dict[str, torch.Tensor], source: str) -> set[str]:
+        """Pop the checkpoint tensors this architecture places itself; return the parameters filled."""
+        return set()
+
+    def after_load(self, loaded: set[str]) -> set[str]:
+        """Fill parameters derived from loaded ones (tied heads, copies); return their names."""
+        return set()
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """One architecture, as the registry knows it."""
+
+    name: str
+    # format: the config.json `depth` section (None when absent) and the HF config -> a typed spec
+    read_spec: Callable[[dict[str, Any] | None, dict[str, Any]], Any]
+    # model: the engine's model for a config and spec, weights not loaded yet
+    build: Callable[[dict[str, Any], Any, BuildOptions], DepthModel]
+    # reference: logits [n, V] of the plain full-sequence forward (the test oracle)
+    reference_forward: Callable[..., Any]
+    # tiny: write a random-weight checkpoint (out, seed, like, num_kv_heads, tokenizer, **options) -> out
+    make_tiny: Callable[..., Path] | None = None
+    description: str = ""
+
+
+REGISTRY: dict[str, Architecture] = {}
+
+
+def register(architecture: Architecture) -> Architecture:
+    """Make an architecture known to the loader, the reference dispatch and make-tiny."""
+    REGISTRY[architecture.name] = architecture
+    return architecture
+
+
+def get_architecture(name: str) -> Architecture:
+    from depthserve.archs import load_builtin_architectures
+
+    load_builtin_architectures()
+    try:
+        return REGISTRY[name]
+    except KeyError:
+        raise UnknownArchitectureError(
+            f"depth.architecture {name!r} is not a known architecture; known: {sorted(REGISTRY)} "
+            "(register one with depthserve.archs.register)") from None
+
+
+def architecture_names() -> list[str]:
+    from depthserve.archs import load_builtin_architectures
+
+    load_builtin_architectures()
+    return sorted(REGISTRY)

@@ -1,0 +1,264 @@
+"""ITT's checkpoint section and tensors, knobs, routing plan, decision record and FLOP counting
+(depth-semantics.md section 2).
+
+config.json `depth.itt`: the ITT `layers`, `steps` T, step scales `alphas`, `trained_ratios` (the
+request default), `skip_rule` and the `calibration` metadata. Per ITT layer the weights hold the
+routers r_1..r_T (+ bias) and step encodings phi_0..phi_T; `itt_calibration.safetensors` holds
+101 router-score quantiles per (layer, step), written by `depthserve calibrate`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from depthserve.archs.llama.format import LlamaConfig, attention_flops, dense_slots, layer_weight_flops, plain_flops
+from depthserve.cache import CacheLayout, SlotKind, SlotSpec
+from depthserve.depth import DepthParams, DepthPlan, DepthReport, KnobSpec
+from depthserve.loading.checkpoint import (
+    FORMAT_VERSION,
+    CheckpointFormatError,
+    MissingCalibrationError,
+    float_list,
+    int_list,
+    write_config,
+)
+
+SKIP_RULES = ("paper", "identity")
+NUM_QUANTILES = 101
+CALIBRATION_FILE = "itt_calibration.safetensors"
+
+
+@dataclass(frozen=True)
+class ITTSpec:
+    layers: tuple[int, ...]  # ITT layer indices
+    steps: int  # T extra steps
+    alphas: tuple[float, ...]  # alpha_1..alpha_T
+    trained_ratios: tuple[float, ...]  # rho_1..rho_T (the request default)
+    skip_rule: str = "paper"
+    calibration: dict[str, Any] | None = None  # metadata of the table (None: no table)
+    architecture: str = "itt"
+
+
+def read_spec(section: dict[str, Any] | None, hf_config: dict[str, Any]) -> ITTSpec:
+    body = (section or {}).get("itt")
+    if not isinstance(body, dict):
+        raise CheckpointFormatError("depth.architecture is 'itt' but depth.itt is missing")
+    num_layers = hf_config["num_hidden_layers"]
+    layers = int_list(body.get("layers"), "itt.layers")
+    if not layers or len(set(layers)) != len(layers) or not all(0 <= l < num_layers for l in layers):
+        raise CheckpointFormatError(f"depth.itt.layers must be distinct layer indices in 0..{num_layers - 1}")
+    steps = body.get("steps")
+    if not isinstance(steps, int) or steps < 1:
+        raise CheckpointFormatError("depth.itt.steps must be a positive integer")
+    alphas = float_list(body.get("alphas"), "itt.alphas", steps)
+    ratios = float_list(body.get("trained_ratios"), "itt.trained_ratios", steps)
+    if not all(0.0 <= r <= 1.0 for r in ratios):
+        raise CheckpointFormatError("depth.itt.trained_ratios must lie in [0, 1]")
+    skip = body.get("skip_rule", "paper")
+    if skip not in SKIP_RULES:
+        raise CheckpointFormatError(f"depth.itt.skip_rule must be one of {SKIP_RULES}, got {skip!r}")
+    calibration = body.get("calibration")
+    if calibration is not None and not isinstance(calibration, dict):
+        raise CheckpointFormatError("depth.itt.calibration must be null or an object")
+    return ITTSpec(tuple(sorted(layers)), steps, alphas, ratios, skip, calibration)
+
+
+def to_section(spec: ITTSpec) -> dict[str, Any]:
+    return {
+        "format_version": FORMAT_VERSION,
+        "architecture": "itt",
+        "itt": {
+            "layers": list(spec.layers),
+            "steps": spec.steps,
+            "alphas": list(spec.alphas),
+            "trained_ratios": list(spec.trained_ratios),
+            "skip_rule": spec.skip_rule,
+            "calibration": spec.calibration,
+        },
+    }
+
+
+# ---- tensor names and the calibration table --------------------------------------------------------
+def router_weight(layer: int) -> str:
+    return f"model.layers.{layer}.itt.router.weight"  # [T, d]: r_1..r_T
+
+
+def router_bias(layer: int) -> str:
+    return f"model.layers.{layer}.itt.router.bias"  # [T]: b_1..b_T
+
+
+def step_encoding(layer: int) -> str:
+    return f"model.layers.{layer}.itt.step_encoding"  # [T + 1, d]: phi_0..phi_T
+
+
+def quantiles_name(layer: int) -> str:
+    return f"model.layers.{layer}.itt.score_quantiles"  # [T, 101] fp32, levels 0.00, 0.01, ..., 1.00
+
+
+def pop_itt_weights(spec: ITTSpec, weights: dict, source: str, require_calibration: bool = True) -> dict:
+    """Take the ITT tensors out of a state dict: {layer: {"router_w", "router_b", "phi", "quantiles"}}.
+
+    Without a calibration table, raises MissingCalibrationError naming `depthserve calibrate`
+    unless `require_calibration` is False (then "quantiles" is None).
+    """
+    out = {}
+    for layer in spec.layers:
+        entry = {}
+        for key, name in (("router_w", router_weight(layer)), ("router_b", router_bias(layer)),
+                          ("phi", step_encoding(layer))):
+            if name not in weights:
+                raise CheckpointFormatError(f"{source}: ITT weight {name} is missing")
+            entry[key] = weights.pop(name)
+        if tuple(entry["router_w"].shape[:1]) != (spec.steps,) or tuple(entry["router_b"].shape) != (spec.steps,):
+            raise CheckpointFormatError(f"{source}: layer {layer} router must have {spec.steps} rows")
+        if entry["phi"].shape[0] != spec.steps + 1:
+            raise CheckpointFormatError(f"{source}: layer {layer} step_encoding must have T + 1 = {spec.steps + 1} rows")
+        table = weights.pop(quantiles_name(layer), None)
+        if table is not None and tuple(table.shape) != (spec.steps, NUM_QUANTILES):
+            raise CheckpointFormatError(f"{source}: layer {layer} score_quantiles must be [{spec.steps}, {NUM_QUANTILES}]")
+        entry["quantiles"] = table
+        out[layer] = entry
+    missing = [layer for layer, entry in out.items() if entry["quantiles"] is None]
+    if require_calibration and (missing or spec.calibration is None):
+        raise MissingCalibrationError(
+            f"the ITT checkpoint {source} has no router-score calibration table (layers {missing or list(spec.layers)}); "
+            f"write one with `depthserve calibrate --model {source} --text FILE`"
+        )
+    return out
+
+
+def write_calibration(path: Path, tables: dict[int, Any], metadata: dict[str, Any]) -> None:
+    """Write the quantile table file and record its metadata in config.json."""
+    from safetensors.torch import save_file
+
+    save_file({quantiles_name(layer): t.float().contiguous() for layer, t in tables.items()},
+              str(path / CALIBRATION_FILE))
+    config = json.loads((path / "config.json").read_text())
+    config["depth"]["itt"]["calibration"] = {"file": CALIBRATION_FILE, "num_quantiles": NUM_QUANTILES, **metadata}
+    write_config(path, config)
+
+
+# ---- knobs, routing thresholds and the plan ------------------------------------------------------------
+def knobs(spec: ITTSpec) -> dict[str, KnobSpec]:
+    T = spec.steps
+    return {
+        "selection_ratios": KnobSpec(
+            "selection_ratios",
+            f"fraction of tokens routed to each of the {T} extra steps (trained: {list(spec.trained_ratios)})",
+            0.0, 1.0, list(spec.trained_ratios), kind="ratio_list", length=T,
+        ),
+        "thinking_steps": KnobSpec(
+            "thinking_steps", f"number of extra steps enabled; the checkpoint has parameters for {T}, no more", 0, T, T,
+        ),
+    }
+
+
+def threshold(quantiles, ratio: float) -> float:
+    """tau_t(rho): the (1 - rho) quantile of the calibrated score distribution (linear between levels).
+
+    rho = 1 selects every token (-inf); rho = 0 means the step is off (+inf: nothing selected, and
+    the caller must apply no update at all). Computed in float64, returned as the float32 value.
+    """
+    if ratio >= 1.0:
+        return -math.inf
+    if ratio <= 0.0:
+        return math.inf
+    q = [float(v) for v in quantiles]
+    level = (1.0 - ratio) * (len(q) - 1)
+    i = min(int(math.floor(level)), len(q) - 2)
+    frac = level - i
+    value = q[i] + (q[i + 1] - q[i]) * frac
+    return struct.unpack("f", struct.pack("f", value))[0]
+
+
+def routed_slot_name(layer: int, step: int) -> str:
+    return f"itt{layer}.step{step}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ITTPlan(DepthPlan):
+    ratios: tuple[float, ...]  # rho_1..rho_T as run (steps after thinking_steps are 0)
+    thresholds: np.ndarray  # [ITT layers, T] float32 tau_t(rho_t)
+
+
+def ratios_of(spec: ITTSpec, depth: DepthParams) -> tuple[float, ...]:
+    """selection_ratios (default: trained), zeroed after `thinking_steps`."""
+    ratios = list(depth.selection_ratios if depth.selection_ratios is not None else spec.trained_ratios)
+    if depth.thinking_steps is not None:
+        ratios = [r if t < depth.thinking_steps else 0.0 for t, r in enumerate(ratios)]
+    return tuple(ratios)
+
+
+def plan(cfg: LlamaConfig, spec: ITTSpec, depth: DepthParams, quantiles: list[np.ndarray]) -> ITTPlan:
+    """`quantiles`: each ITT layer's [T, 101] calibration table, in layer order."""
+    ratios = ratios_of(spec, depth)
+    thresholds = np.array([[threshold(table[t], ratios[t]) for t in range(spec.steps)] for table in quantiles],
+                          dtype=np.float32)
+    routed = tuple(SlotSpec(routed_slot_name(layer, t), SlotKind.ROUTED, cfg.num_kv_heads)
+                   for layer in spec.layers for t in range(1, spec.steps + 1) if ratios[t - 1] > 0)
+    base = cfg.num_layers * layer_weight_flops(cfg)
+    # Each enabled step: the router on every token plus f_t on the selected share (about rho_t).
+    extra = len(spec.layers) * sum(2 * cfg.hidden_size + r * layer_weight_flops(cfg) for r in ratios if r > 0)
+    return ITTPlan(depth=depth, layout=CacheLayout(dense_slots(cfg), routed), flops_per_token=base + extra,
+                   plain_flops_per_token=base, ratios=ratios, thresholds=thresholds)
+
+
+# ---- the decisions of one sequence, and the report -----------------------------------------------------
+class ITTRecord:
+    """Per-position routing decisions of one sequence: 1 selected, 0 skipped, -1 off / unknown."""
+
+    def __init__(self, num_layers: int, steps: int):
+        self.selected = np.full((64, num_layers, steps), -1, dtype=np.int8)
+        self.scores = np.zeros((64, num_layers, steps), dtype=np.float32)
+
+    def write(self, start: int, selected: np.ndarray, scores: np.ndarray) -> None:
+        """Decisions [n, layers, steps] for positions start..start+n."""
+        end = start + len(selected)
+        if end > len(self.selected):
+            grow = max(end, 2 * len(self.selected))
+            self.selected = np.concatenate([self.selected, np.full((grow - len(self.selected),) + self.selected.shape[1:],
+                                                                   -1, np.int8)])
+            self.scores = np.concatenate([self.scores, np.zeros((grow - len(self.scores),) + self.scores.shape[1:],
+                                                                np.float32)])
+        self.selected[start:end] = selected
+        self.scores[start:end] = scores
+
+
+def report(cfg: LlamaConfig, spec: ITTSpec, plan: ITTPlan, record: ITTRecord, tokens: int, prompt_tokens: int,
+           generated: int) -> DepthReport:
+    prompt = min(prompt_tokens, tokens)
+    selected, prompt_frac, decode_frac, decisions = {}, {}, {}, {}
+    extra = 0.0
+    for position, layer in enumerate(spec.layers):
+        for t in range(1, spec.steps + 1):
+            if plan.ratios[t - 1] <= 0:
+                continue  # step off: no routing, no update, nothing to report
+            key = f"{layer}:{t}"
+            flags = record.selected[:tokens, position, t - 1]
+            decisions[(layer, t)] = flags.copy()
+            chosen = flags == 1
+            n = int(chosen.sum())
+            selected[key] = n
+            prompt_frac[key] = float(chosen[:prompt].mean()) if prompt else None
+            decode_frac[key] = float(chosen[prompt:].mean()) if tokens > prompt else None
+            # f_t on n tokens (the j-th selected attends to j keys) plus the router on every token.
+            extra += n * layer_weight_flops(cfg) + attention_flops(cfg.num_heads, cfg.head_dim, n * (n + 1) / 2)
+            extra += tokens * 2 * cfg.hidden_size
+    base = plain_flops(cfg, tokens, generated)
+    return DepthReport(
+        architecture="itt",
+        tokens=tokens,
+        flops=base + extra,
+        plain_flops=base,
+        settings={"selection_ratios": list(plan.ratios)},
+        counters={"selected_tokens": selected},  # "layer:step" -> tokens selected (enabled steps only)
+        fractions={"prompt_selected_fraction": prompt_frac, "decode_selected_fraction": decode_frac},
+        decisions=decisions,  # (layer, step) -> per-position 1 / 0 / -1 over the computed tokens
+    )

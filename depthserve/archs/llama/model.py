@@ -1,0 +1,119 @@
+"""Llama-family decoder (Llama, SmolLM2): depth-semantics.md section 0.
+
+h  = x + W_O · Attn(RMSNorm_a(x))
+x' = h + W_down · (SiLU(W_gate · RMSNorm_m(h)) ⊙ W_up · RMSNorm_m(h))
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from depthserve.archs.base import BuildOptions, DepthModel
+from depthserve.archs.llama.format import PACKED_MODULES, LlamaConfig, plain_plan
+from depthserve.depth import DepthParams, DepthPlan
+from depthserve.layers.attention import AttentionMetadata, KVPool, paged_attention
+from depthserve.layers.norm import RMSNorm
+from depthserve.layers.rotary import apply_rope, rope_tables
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: LlamaConfig, slot: int):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.scale = cfg.head_dim**-0.5
+        self.slot = slot
+
+    def qkv(self, x, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries [n, H, hd] and keys [n, H_kv, hd] with RoPE applied, values [n, H_kv, hd]."""
+        n = x.shape[0]
+        qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qk = apply_rope(qk.reshape(n, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        return q, k, v.view(n, self.num_kv_heads, self.head_dim)
+
+    def forward(self, x, cos, sin, pool: KVPool, meta: AttentionMetadata, columns: slice) -> torch.Tensor:
+        q, k, v = self.qkv(x, cos, sin)
+        out = paged_attention(q, k, v, pool, meta, columns, self.scale)
+        return self.o_proj(out.reshape(x.shape[0], self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: LlamaConfig, index: int):
+        super().__init__()
+        self.index = index
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = LlamaAttention(cfg, slot=index)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = LlamaMLP(cfg)
+
+    def forward(self, x, cos, sin, pool, meta, columns) -> torch.Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, pool, meta, columns)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaForCausalLM(nn.Module, DepthModel):
+    packed_modules = PACKED_MODULES
+
+    def __init__(self, cfg: LlamaConfig, max_positions: int):
+        super().__init__()
+        self.config = cfg
+        self.max_positions = max_positions
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        cos, sin = rope_tables(cfg.head_dim, max_positions, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self._base_plan = plain_plan(cfg, DepthParams())
+
+    @property
+    def head_dim(self) -> int:
+        return self.config.head_dim
+
+    def plan(self, depth: DepthParams) -> DepthPlan:
+        return self._base_plan
+
+    def forward(self, input_ids, positions, pool: KVPool, meta: AttentionMetadata) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        layout = self._base_plan.layout
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, pool, meta, layout.columns(i))
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def after_load(self, loaded: set[str]) -> set[str]:
+        """The LM head is the embedding matrix when the checkpoint ties them or has no head."""
+        if self.config.tie_word_embeddings or "lm_head.weight" not in loaded:
+            self.lm_head.weight = self.embed_tokens.weight
+            return {"lm_head.weight"}
+        return set()
+
+    def finish_load(self, device: torch.device) -> None:
+        """The rotary tables stay fp32 whatever the model dtype."""
+        cos, sin = rope_tables(self.config.head_dim, self.max_positions, self.config.rope_theta)
+        self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
+
+
+def build(hf_config: dict, spec, options: BuildOptions) -> LlamaForCausalLM:
+    return LlamaForCausalLM(LlamaConfig.from_hf(hf_config), options.max_len)
