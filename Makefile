@@ -12,9 +12,9 @@ PYTEST_ARGS ?=
 EVAL_VENV ?= .venv-eval
 EVAL_STAMP := $(EVAL_VENV)/.installed
 EVAL_ARGS ?=
-C4_SAMPLE ?= /work/shared/data/c4_sample.jsonl
+C4_SAMPLE ?= ../shared/data/c4_sample.jsonl
 
-.PHONY: install serve test bench eval eval-install clean
+.PHONY: install serve test test-fast bench eval eval-install clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,11 @@ serve: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# The tests not marked slow (parity with transformers, the mixed-batch engine = reference runs, the
+# soak and the other long ones are): a few minutes on 2 CPU cores.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 # Quick versions of every benchmark, then the charts (bench/results/plots/): about 3 minutes on 2 CPU cores
 # (the first run also builds two SmolLM2-shaped SGT/ITT checkpoints, ~0.5 GB each, in ~/.cache/depthserve).

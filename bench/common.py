@@ -18,7 +18,7 @@ from pathlib import Path
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 PLOTS_DIR = RESULTS_DIR / "plots"
-C4_SAMPLE = Path("/work/shared/data/c4_sample.jsonl")
+C4_SAMPLE = Path(__file__).resolve().parents[2] / "shared" / "data" / "c4_sample.jsonl"  # ../shared beside the checkout
 
 
 def cpu_model() -> str:

@@ -21,7 +21,7 @@ every setting alike. Every request decodes one token per step, so a step's time 
 request's per-token latency at this concurrency; a setting's step time is the median of its
 timed steps.
 Predicted compute: the mean `relative_compute` of the requests' depth reports (FLOPs of the
-setting / FLOPs of the plain model over the same tokens; depthserve/models/flops.py).
+setting / FLOPs of the plain model over the same tokens; depthserve/archs/llama/format.py).
 
 Derived figures (extra-step time = the median over the lockstep rounds of a setting's step time
 minus the same round's step time with the extra depth off, i.e. thinking_steps=0 for ITT, loops=0
@@ -44,6 +44,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -92,10 +93,9 @@ def checkpoint_options(arch: str, ns: argparse.Namespace, num_layers: int) -> di
     from depthserve.tiny import every_other_layer
 
     if arch == "sgt":
-        return {"sgt_layers": [int(x) for x in ns.sgt_layers.split(",")], "sgt_heads": ns.sgt_heads,
-                "sgt_loops": ns.sgt_loops}
+        return {"layers": [int(x) for x in ns.sgt_layers.split(",")], "heads": ns.sgt_heads, "loops": ns.sgt_loops}
     if arch == "itt":
-        return {"itt_layers": every_other_layer(num_layers, "odd"), "itt_steps": ns.itt_steps}
+        return {"layers": every_other_layer(num_layers, "odd"), "steps": ns.itt_steps}
     return {}
 
 
@@ -192,7 +192,7 @@ class SettingRun:
             aborted = self.engine.abort_request(request_id)
             if aborted is not None:
                 self.latest[request_id] = aborted
-        reports = [self.latest[r].depth or {} for r in self.ids]
+        reports = [self.latest[r].depth.to_dict() if self.latest[r].depth else {} for r in self.ids]
         step_ms = 1000 * statistics.median(self.samples)
         row = {
             "setting": self.setting.name,
@@ -299,7 +299,7 @@ def format_row(arch: str, row: dict) -> str:
 # ---- derived figures ----------------------------------------------------------------------------
 def layer_flop_share(cfg) -> float:
     """Share of a plain decode token's weight FLOPs spent in the decoder layers (the rest: LM head)."""
-    from depthserve.models.flops import layer_weight_flops
+    from depthserve.archs.llama.format import layer_weight_flops
 
     layers = cfg.num_layers * layer_weight_flops(cfg)
     return layers / (layers + 2 * cfg.hidden_size * cfg.vocab_size)
@@ -368,7 +368,8 @@ def derive_itt(rows: list[dict], baseline: dict, cfg, layer_steps: int, concurre
     return out
 
 
-def itt_linear_floor(model, rows: list[dict], ns: argparse.Namespace, sync) -> dict[str, Any]:
+def itt_linear_floor(model, rows: list[dict], ns: argparse.Namespace, sync,
+                     matmuls_ms: Callable[[Any, int, Callable[[], None]], float] | None = None) -> dict[str, Any]:
     """(a) of the ITT layers' weight matmuls alone: their time on the rows that ratio 0.5 and
     ratio 1.0 select per pass, timed in turn like the sweep's steps. Every thinking pass runs
     a layer's qkv, o, gate_up and down projections on its selected rows; if these alone cost more
@@ -381,7 +382,7 @@ def itt_linear_floor(model, rows: list[dict], ns: argparse.Namespace, sync) -> d
     samples: dict[float, list[float]] = {ratio: [] for ratio in counts}
     for round_ in range(ns.decode_steps):
         for ratio in (list(counts) if round_ % 2 == 0 else list(counts)[::-1]):
-            samples[ratio].append(_thinking_matmuls_ms(model, counts[ratio], sync))
+            samples[ratio].append((matmuls_ms or thinking_matmuls_ms)(model, counts[ratio], sync))
     ms = {ratio: statistics.median(values) for ratio, values in samples.items()}
     return {
         "method": ("the ITT layers' qkv, o, gate_up and down projections run model.spec.steps times each on "
@@ -393,7 +394,8 @@ def itt_linear_floor(model, rows: list[dict], ns: argparse.Namespace, sync) -> d
     }
 
 
-def _thinking_matmuls_ms(model, num_rows: int, sync) -> float:
+def thinking_matmuls_ms(model, num_rows: int, sync) -> float:
+    """The ITT layers' weight matmuls of every thinking pass on `num_rows` rows."""
     return common.layer_matmuls_ms(model, model.itt_layers(), num_rows, model.spec.steps, sync)
 
 

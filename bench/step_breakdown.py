@@ -79,34 +79,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 # ---- timers -----------------------------------------------------------------------------------------
-def part_targets(arch: str) -> dict[str, list[tuple[Any, str]]]:
-    """(owner, attribute) of the callables that make up each timed part of `arch`'s step."""
-    from depthserve.kernels import ops
+def part_targets(arch: str, kernels: list[Any]) -> dict[str, list[tuple[Any, str]]]:
+    """(owner, attribute) of the callables that make up each timed part of `arch`'s step; the
+    kernels are those of the engines timed (each engine binds its own, `engine.runner.kernels`)."""
     from depthserve.layers.batch import StepBatch
+
+    def ops(*names: str) -> list[tuple[Any, str]]:
+        return [(bound, name) for bound in kernels for name in names]
+
     from depthserve.layers.linear import CpuLinear
 
     targets: dict[str, list[tuple[Any, str]]] = {
         "weight matmuls": [(CpuLinear, "forward"), (torch.nn.Linear, "forward")],
-        "paged attention": [(ops, "store_kv"), (ops, "paged_decode_attention"), (ops, "paged_prefill_attention_varlen")],
+        "paged attention": ops("store_kv", "paged_decode_attention", "paged_prefill_attention_varlen"),
     }
     if arch == "itt":
-        from depthserve.models.itt import StepRouting
+        from depthserve.archs.itt.model import StepRouting
 
-        targets["ITT routing"] = [(ops, "itt_route"), (ops, "itt_update"), (StepBatch, "routed_meta"),
-                                  (StepRouting, "record")]
+        targets["ITT routing"] = ops("itt_route", "itt_update") + [(StepBatch, "routed_meta"), (StepRouting, "record")]
     elif arch == "sgt":
         targets["SGT loop metadata"] = [(StepBatch, "slot_meta")]
     elif arch == "dreamer":
-        from depthserve.models.dreamer import DreamerForCausalLM as Dreamer
+        from depthserve.archs.dreamer.model import DreamerForCausalLM as Dreamer
 
         targets["Dreamer experts"] = [(Dreamer, "_router"), (Dreamer, "_grouped"), (Dreamer, "_ea")]
         targets["Dreamer depth attention"] = [(Dreamer, "_da")]
         targets["Dreamer bookkeeping"] = [(StepBatch, "slot_meta"), (Dreamer, "_record")]
     elif arch == "put":
-        from depthserve.models import put
+        from depthserve.archs.put.model import ConvContext
 
-        targets["PUT conv state"] = [(put.ConvContext, "__init__"), (put.ConvContext, "taps"),
-                                     (put.ConvContext, "write_back")]
+        targets["PUT conv state"] = [(ConvContext, "__init__"), (ConvContext, "window"), (ConvContext, "write_back")]
     return targets
 
 
@@ -176,7 +178,7 @@ def run(ns: argparse.Namespace) -> list[dict[str, Any]]:
     llms = [first] + [depth_sweep.engine_llm(path, ns) for _ in settings[1:]]
     prompts = common.random_prompts(ns.concurrency, ns.input_len, first.engine.vocab_size, ns.seed)
     runs = [depth_sweep.SettingRun(llm, setting, prompts, ns, lambda: None) for llm, setting in zip(llms, settings)]
-    targets = part_targets(ns.arch)
+    targets = part_targets(ns.arch, [llm.engine.runner.kernels for llm in llms])
     per_step: list[list[dict[str, float]]] = [[] for _ in runs]
     for step in range(ns.decode_steps):
         for k in range(len(runs)):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from depthserve.errors import ConfigurationError
 from depthserve.loading.registry import DEFAULT_MODEL
 
 
@@ -23,13 +24,18 @@ class EngineArgs:
     seed: int = 0  # for unseeded sampling
     max_loops: int | None = None  # ceiling of the SGT `loops` knob; default: the checkpoint's max_loops
     load_progress: bool = True
+    # auto: Triton kernels for tensors on CUDA (when triton imports), torch otherwise; torch: always
+    # torch; triton: Triton on any device (on CPU under TRITON_INTERPRET=1, set before triton is imported)
+    kernel_backend: str = "auto"
 
     def validate(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
-            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+            raise ConfigurationError(f"block_size must be a power of two, got {self.block_size}")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
-            raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
+            raise ConfigurationError("max_num_batched_tokens and max_num_seqs must be positive")
         if self.kv_cache_memory_gib is not None and self.kv_cache_memory_gib <= 0:
-            raise ValueError("kv_cache_memory_gib must be positive")
+            raise ConfigurationError("kv_cache_memory_gib must be positive")
+        if self.kernel_backend not in ("auto", "torch", "triton"):
+            raise ConfigurationError(f"kernel_backend must be auto, torch or triton, got {self.kernel_backend!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+            raise ConfigurationError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")

@@ -70,7 +70,11 @@ class UnknownArchitectureError(CheckpointFormatError, LookupError):
     """A checkpoint names an architecture that no `depthserve.archs.register` call made known."""
 
 
-class CacheCapacityError(DepthServeError):
+class ConfigurationError(DepthServeError, ValueError):
+    """An engine setting is invalid (EngineArgs, a command-line option)."""
+
+
+class CacheCapacityError(ConfigurationError):
     """The engine's settings leave no room: the KV cache cannot hold one full-length sequence."""
 
 

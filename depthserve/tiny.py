@@ -10,10 +10,13 @@ Options after the tokenizer are the architecture's own (`depthserve make-tiny --
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from depthserve.errors import ConfigurationError
 
 if TYPE_CHECKING:
     import torch
@@ -26,7 +29,13 @@ def make_tiny(arch: str, out: str | Path, seed: int = 0, like: str | None = None
 
     architecture = get_architecture(arch)
     if architecture.make_tiny is None:
-        raise ValueError(f"the architecture {arch!r} has no tiny checkpoint")
+        raise ConfigurationError(f"the architecture {arch!r} has no tiny checkpoint")
+    accepted = [p.name for p in inspect.signature(architecture.make_tiny).parameters.values()
+                if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        raise ConfigurationError(f"{arch} takes no option {unknown}: an option applies to its own architecture "
+                                 f"({arch}'s options: {accepted or 'none'})")
     return architecture.make_tiny(Path(out), seed, like, num_kv_heads, tokenizer, **options)
 
 
@@ -134,7 +143,7 @@ def cli_options(ns: argparse.Namespace) -> dict[str, Any]:
     for arch, values in flags.items():
         given = {k: v for k, v in values.items() if v is not None}
         if given and arch != ns.arch:
-            raise ValueError(f"--{arch}-* options apply to --arch {arch} only, not {ns.arch}")
+            raise ConfigurationError(f"--{arch}-* options apply to --arch {arch} only, not {ns.arch}")
         if arch == ns.arch:
             options.update(given)
     if isinstance(options.get("layers"), str) and ns.arch == "itt":

@@ -1,10 +1,10 @@
 """Attention and cache kernels, installed as `depthserve.kernels`.
 
-`ops` is the one dispatch point: the model code calls `ops.<name>` and gets the Triton
-kernel on a GPU (when one is registered for that op) or the torch fallback, which has the
-same signature and is what the CPU path runs.
+Every op has a torch implementation (the CPU path and the reference) and the hot ones a Triton
+kernel of the same signature; `dispatch.Kernels(backend)` binds them. The engine passes its
+binding to the model in each step's metadata; `ops` is the "auto" one (Triton on CUDA tensors).
 """
 
-from depthserve.kernels.dispatch import ops
+from depthserve.kernels.dispatch import Kernels, ops
 
-__all__ = ["ops"]
+__all__ = ["Kernels", "ops"]

@@ -1,95 +1,90 @@
-"""The single place where an op is bound to an implementation.
+"""The one place where an op is bound to an implementation.
 
-`ops.<name>(...)` runs the Triton kernel when the op's first tensor argument lives on a CUDA
-device (and Triton imports), else the torch fallback of the same signature. `force_triton()`
-runs the Triton kernels on any device: on CPU that needs `TRITON_INTERPRET=1` set before the
-first kernel is used (the kernel tests and the engine tests' Triton variant do this).
+Each family of ops has a torch implementation (`kernels/<family>.py`: the CPU path and the
+reference) and, for the hot ones, a Triton kernel of the same signature and meaning
+(`kernels/triton/<family>.py`). A `Kernels` object binds every op once, by its backend:
+
+- "auto": the Triton kernel when the op's first tensor lives on a CUDA device (and triton
+  imports), else the torch implementation;
+- "torch": always torch;
+- "triton": the Triton kernel on any device (on CPU that needs `TRITON_INTERPRET=1` set before
+  the first kernel runs: the tests' Triton variants).
+
+The engine picks the backend (EngineArgs.kernel_backend, `--kernel-backend`) and passes its
+Kernels to the model in every step's metadata (`AttentionMetadata.kernels`), so two engines in
+one process may run different backends. `ops` is the "auto" binding, for code outside an engine
+step (benchmarks timing one op).
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib
-import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from types import ModuleType
 
 import torch
 
-from depthserve.kernels import torch_ops
+from depthserve.errors import ConfigurationError
 
-OP_NAMES = (
-    "store_kv",
-    "paged_decode_attention",
-    "paged_prefill_attention",
-    "paged_prefill_attention_varlen",
-    "itt_route",
-    "itt_update",
-    "depth_attention",
-    "saobp_decode_attention",
-    "saobp_bias_update",
-    "saobp_prefill_attention",
-)
+FAMILIES: dict[str, tuple[str, ...]] = {
+    "paged": ("store_kv", "paged_decode_attention", "paged_prefill_attention", "paged_prefill_attention_varlen"),
+    "itt": ("itt_route", "itt_update"),
+    "depth": ("depth_attention",),
+    "saobp": ("saobp_decode_attention", "saobp_bias_update", "saobp_prefill_attention"),
+}
+OP_NAMES = tuple(name for names in FAMILIES.values() for name in names)
 # paged_prefill_attention: the varlen kernel covers single prompts; saobp_prefill_attention: torch only
-_TRITON_OPS = frozenset(OP_NAMES) - {"paged_prefill_attention", "saobp_prefill_attention"}
-
-_force_triton = os.environ.get("DEPTHSERVE_FORCE_TRITON", "") == "1"
+TRITON_OPS = frozenset(OP_NAMES) - {"paged_prefill_attention", "saobp_prefill_attention"}
+BACKENDS = ("auto", "torch", "triton")
 
 
 @functools.cache
-def _triton_module():
+def _module(family: str, triton: bool) -> ModuleType | None:
+    name = f"depthserve.kernels.{'triton.' if triton else ''}{family}"
     try:
-        return importlib.import_module("depthserve.kernels.triton_ops")
+        return importlib.import_module(name)
     except ImportError:
+        if not triton:
+            raise
         return None
 
 
 def triton_available() -> bool:
-    return _triton_module() is not None
+    return _module("paged", True) is not None
 
 
-@contextlib.contextmanager
-def force_triton(enabled: bool = True) -> Iterator[None]:
-    """Run every op that has a Triton kernel through it, on any device, inside the block."""
-    global _force_triton
-    previous, _force_triton = _force_triton, enabled
-    try:
-        yield
-    finally:
-        _force_triton = previous
+class Kernels:
+    """Every op of OP_NAMES as an attribute, bound by `backend` (see the module docstring)."""
+
+    def __init__(self, backend: str = "auto"):
+        if backend not in BACKENDS:
+            raise ConfigurationError(f"kernel backend must be one of {BACKENDS}, got {backend!r}")
+        if backend == "triton" and not triton_available():
+            raise ConfigurationError("kernel_backend='triton' needs triton, which cannot be imported "
+                                     "(pip install 'depthserve[gpu]')")
+        self.backend = backend
+        for family, names in FAMILIES.items():
+            for name in names:
+                setattr(self, name, self._bind(family, name))
+
+    def _bind(self, family: str, name: str) -> Callable:
+        fallback = getattr(_module(family, False), name)
+        kernels = _module(family, True) if name in TRITON_OPS and self.backend != "torch" else None
+        if kernels is None:
+            return fallback
+        kernel = getattr(kernels, name)
+        if self.backend == "triton":
+            return kernel
+
+        @functools.wraps(fallback)
+        def by_device(*args, **kwargs):
+            first = args[0] if args else None
+            on_gpu = isinstance(first, torch.Tensor) and first.is_cuda
+            return (kernel if on_gpu else fallback)(*args, **kwargs)
+
+        return by_device
 
 
-def _uses_triton(name: str, first_arg) -> bool:
-    if name not in _TRITON_OPS:
-        return False
-    on_gpu = isinstance(first_arg, torch.Tensor) and first_arg.is_cuda
-    if not (on_gpu or _force_triton):
-        return False
-    if not triton_available():
-        if _force_triton:
-            raise RuntimeError("force_triton() is on but triton cannot be imported")
-        return False
-    return True
+ops = Kernels("auto")
 
-
-def _dispatcher(name: str) -> Callable:
-    fallback = getattr(torch_ops, name)
-
-    @functools.wraps(fallback)
-    def call(*args, **kwargs):
-        if _uses_triton(name, args[0] if args else None):
-            return getattr(_triton_module(), name)(*args, **kwargs)
-        return fallback(*args, **kwargs)
-
-    return call
-
-
-class _Ops:
-    """Namespace of dispatched ops (attributes are the names in OP_NAMES)."""
-
-    def __init__(self) -> None:
-        for name in OP_NAMES:
-            setattr(self, name, _dispatcher(name))
-
-
-ops = _Ops()

@@ -18,6 +18,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from depthserve.engine.async_llm import AsyncLLM
@@ -26,12 +27,20 @@ from depthserve.server.metrics import ServerMetrics
 from depthserve.server.openapi import document_errors
 from depthserve.server.protocol import (
     ChatCompletionRequest,
+    ChatCompletionResponse,
     CompletionRequest,
+    CompletionResponse,
     DetokenizeRequest,
+    DetokenizeResponse,
+    ModelList,
     TokenizeRequest,
+    TokenizeResponse,
     error_body,
 )
-from depthserve.server.serving import ADMITTED, OpenAIServing, sse
+from depthserve.server.serving_chat import OpenAIServingChat
+from depthserve.server.serving_completion import OpenAIServingCompletion
+from depthserve.server.serving_engine import ADMITTED, OpenAIServing, sse
+from depthserve.server.tokenization import TokenizerWorker
 
 logger = logging.getLogger("depthserve.server")
 DEFAULT_MAX_BODY_BYTES = 4 << 20
@@ -63,13 +72,17 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 def build_app(llm: AsyncLLM, served_model_name: str | None = None, api_key: str | None = None,
               depth_presets: dict[str, dict] | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     metrics = ServerMetrics(llm.stats)
-    serving = OpenAIServing(llm, served_model_name or llm.model_name, depth_presets, metrics)
+    worker = TokenizerWorker(llm.model_info.tokenizer, llm.model_info.max_model_len)
+    shared = (llm, served_model_name or llm.model_name, depth_presets, metrics, worker)
+    serving = OpenAIServing(*shared)
+    completions = OpenAIServingCompletion(*shared)
+    chats = OpenAIServingChat(*shared)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         yield
         await llm.shutdown()
-        serving.tokenizer_worker.shutdown()
+        worker.shutdown()
 
     app = FastAPI(title="depthserve", lifespan=lifespan)
     # A plain ASGI middleware: unlike @app.middleware("http") it leaves the client's disconnect
@@ -110,35 +123,35 @@ def build_app(llm: AsyncLLM, served_model_name: str | None = None, api_key: str 
         await llm.reset_prefix_cache()
         return {"status": "ok"}
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=ModelList)
     async def models():
         return serving.list_models()
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", response_model=TokenizeResponse)
     async def tokenize(body: TokenizeRequest):
         if body.model is not None:
             serving.preset_depth(body.model)
         return await serving.tokenize(body.prompt, body.messages, body.add_special_tokens)
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", response_model=DetokenizeResponse)
     async def detokenize(body: DetokenizeRequest):
         return await serving.detokenize(body.tokens)
 
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
+    @app.post("/v1/completions", response_model=CompletionResponse)
+    async def completion(body: CompletionRequest, request: Request):
         request_id = f"cmpl-{request.state.request_id}-{uuid.uuid4().hex[:8]}"
         if body.stream:
-            jobs, params, depth = await serving.completion_jobs(body)
-            return await _stream(serving.completion_stream(body, request_id, jobs, params, depth))
-        return await _unless_disconnected(request, serving.completion(body, request_id))
+            jobs, params, depth = await completions.jobs(body)
+            return await _stream(completions.stream(body, request_id, jobs, params, depth))
+        return await _unless_disconnected(request, completions.complete(body, request_id))
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse)
     async def chat(body: ChatCompletionRequest, request: Request):
         request_id = f"chatcmpl-{request.state.request_id}-{uuid.uuid4().hex[:8]}"
         if body.stream:
-            jobs, params, depth = await serving.chat_jobs(body)
-            return await _stream(serving.chat_stream(body, request_id, jobs, params, depth))
-        return await _unless_disconnected(request, serving.chat(body, request_id))
+            jobs, params, depth = await chats.jobs(body)
+            return await _stream(chats.stream(body, request_id, jobs, params, depth))
+        return await _unless_disconnected(request, chats.complete(body, request_id))
 
     document_errors(app)
     return app
@@ -248,7 +261,7 @@ async def _errors_as_events(chunks: AsyncGenerator[str, None]) -> AsyncIterator[
         await chunks.aclose()
 
 
-async def _unless_disconnected(request: Request, work: Awaitable[dict]) -> dict | Response:
+async def _unless_disconnected(request: Request, work: Awaitable[BaseModel]) -> BaseModel | Response:
     """Run a non-streaming request; abort it (freeing its cache) if the client disconnects."""
     task = asyncio.ensure_future(work)
     while True:

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from depthserve.depth import DepthReport
 from depthserve.outputs import RequestMetrics
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -84,20 +85,19 @@ class ServerMetrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
-    def record_depth(self, depth: dict | None) -> None:
+    def record_depth(self, depth: DepthReport | None) -> None:
         """Add a finished request's depth usage (RequestOutput.depth) to the depth counters."""
-        if not depth:
+        if depth is None:
             return
-        for layer, count in (depth.get("loop_iterations") or {}).items():
+        for layer, count in depth.counters.get("loop_iterations", {}).items():
             self.loop_iterations.labels(layer=str(layer)).inc(count)
-        for key, count in (depth.get("selected_tokens") or {}).items():
+        for key, count in depth.counters.get("selected_tokens", {}).items():
             layer, _, step = str(key).partition(":")
             self.itt_selected.labels(layer=layer, step=step).inc(count)
-        if depth.get("flops") is not None and depth.get("plain_flops") is not None:
-            self.depth_flops.labels(kind="spent").inc(depth["flops"])
-            self.depth_flops.labels(kind="plain").inc(depth["plain_flops"])
+        self.depth_flops.labels(kind="spent").inc(depth.flops)
+        self.depth_flops.labels(kind="plain").inc(depth.plain_flops)
         for knob in ("depth", "loops"):
-            value = depth.get(knob)
+            value = depth.settings.get(knob)
             if isinstance(value, int) and not isinstance(value, bool):
                 self.depth_settings.labels(knob=knob, value=str(value)).inc()
 

@@ -189,3 +189,129 @@ class DetokenizeRequest(StrictModel):
 
 def error_body(message: str, err_type: str, code: int, param: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
+
+
+# ---- responses ------------------------------------------------------------------------------------
+class ResponseModel(BaseModel):
+    """Response bodies: OpenAI's shapes (plus the depth extension), documented in /openapi.json."""
+
+
+def _absent_if_none(value: Any) -> bool:
+    return value is None
+
+
+class UsageInfo(ResponseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    # What the request spent on depth (a depth model only): DepthReport.to_dict(), or for several
+    # prompts their sums with each prompt's own report under `per_prompt` (docs/server.md).
+    depth: dict[str, Any] | None = Field(default=None, exclude_if=_absent_if_none)
+
+
+class CompletionLogprobs(ResponseModel):
+    """The legacy completions logprobs object (what lm-evaluation-harness reads)."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(ResponseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(ResponseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = Field(default=None, exclude_if=_absent_if_none)
+
+
+class TopLogprob(ResponseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(ResponseModel):
+    content: list[TokenLogprob]
+
+
+class ChatMessageOut(ResponseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(ResponseModel):
+    index: int
+    message: ChatMessageOut
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(ResponseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+
+
+class ChatDelta(ResponseModel):
+    role: Literal["assistant"] | None = Field(default=None, exclude_if=_absent_if_none)
+    content: str | None = Field(default=None, exclude_if=_absent_if_none)
+
+
+class ChatChunkChoice(ResponseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(ResponseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: UsageInfo | None = Field(default=None, exclude_if=_absent_if_none)
+
+
+class ModelCard(ResponseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "depthserve"
+    max_model_len: int
+    depth_knobs: dict[str, dict[str, Any]]  # knob name -> KnobSpec fields (name, description, range, default)
+    depth_preset: dict[str, Any] | None = None
+
+
+class ModelList(ResponseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeResponse(ResponseModel):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeResponse(ResponseModel):
+    prompt: str

@@ -1,8 +1,8 @@
 """Text <-> token ids for the server, on a thread of their own (never on the event loop).
 
 Tokenizing a long prompt takes seconds; on the event loop it would stall every other request and
-`/health`. The worker owns a copy of the tokenizer (the engine thread's detokenizers use the
-original), and refuses text longer than any prompt the model can take before tokenizing it: no
+`/health`. The worker uses the server's copy of the tokenizer (ModelInfo; the engine thread's
+detokenizers use the original), and refuses text longer than any prompt the model can take before tokenizing it: no
 token covers more characters than the vocabulary's longest entry, so a text of more than
 `max_model_len x longest entry` characters has more than `max_model_len` tokens.
 """
@@ -10,7 +10,6 @@ token covers more characters than the vocabulary's longest entry, so a text of m
 from __future__ import annotations
 
 import asyncio
-import copy
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -30,7 +29,7 @@ def longest_token_chars(tokenizer) -> int:
 
 class TokenizerWorker:
     def __init__(self, tokenizer, max_model_len: int):
-        self.tokenizer = copy.deepcopy(tokenizer)
+        self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.max_prompt_chars = max_model_len * longest_token_chars(tokenizer)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="depthserve-tokenizer")

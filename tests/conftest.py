@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+import torch
+
+# The tests that run the Triton kernels (the kernel tests, the engine on kernel_backend="triton")
+# run them interpreted where there is no CUDA. The interpreter is chosen when triton is first
+# imported, which any test module may do, so it is set here, before all of them.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 

@@ -21,6 +21,11 @@ def tiny_llm(path, pages: int | None = None, max_model_len: int = 256, **kwargs)
                block_size=BLOCK_SIZE, kv_cache_memory_gib=gib, **kwargs)
 
 
+def cache_layout(model, depth: DepthParams):
+    """The cache layout a request with these depth settings gets from `model` (its plan's)."""
+    return model.plan(depth.normalized(model.depth_knobs())).layout
+
+
 def depth_params(knobs: dict | None) -> DepthParams:
     """DepthParams from a knob dict; None is the model's defaults."""
     return DepthParams.from_dict(knobs) if knobs is not None else DepthParams()
@@ -54,3 +59,22 @@ def check_logprobs(logprobs: torch.Tensor, prompt_len: int, completion, stats: d
             _record(stats, abs(float(logprobs[position - 1, alt]) - lp.logprob), tol,
                     f"prompt position {position}: logprob of {alt}")
         stats["prompt_positions"] = stats.get("prompt_positions", 0) + 1
+
+
+def generate_on_both_backends(model: str, prompts, params, depths=None, **llm_kwargs) -> tuple[list, list, LLM]:
+    """The same requests through an fp32 CPU engine on the torch kernels and one on the Triton
+    kernels (interpreted on CPU): (torch outputs, Triton outputs, the Triton engine)."""
+    outputs = []
+    for backend in ("torch", "triton"):
+        llm = LLM(model, device="cpu", dtype="float32", load_progress=False, kernel_backend=backend, **llm_kwargs)
+        outputs.append(llm.generate(prompts, params, depths))
+    return outputs[0], outputs[1], llm
+
+
+def assert_same_generations(expected, got, tol: float = 1e-4) -> None:
+    """Equal tokens, and every logprob the expected run reports within `tol` in the other."""
+    for e, g in zip(expected, got, strict=True):
+        assert g.token_ids == e.token_ids
+        for e_step, g_step in zip(e.logprobs, g.logprobs, strict=True):
+            for token, lp in e_step.items():
+                assert abs(g_step[token].logprob - lp.logprob) < tol, (token, lp.logprob, g_step[token].logprob)

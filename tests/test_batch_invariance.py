@@ -12,6 +12,8 @@ import pytest
 
 from depthserve import LLM, SamplingParams
 
+pytestmark = pytest.mark.slow  # part of make test, left out of make test-fast
+
 TEXT = (
     "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
     "combined movable metal type, oil-based ink and a wooden screw press. Within fifty years, "

@@ -17,6 +17,7 @@ import common  # noqa: E402
 import serving  # noqa: E402
 
 from depthserve import tiny  # noqa: E402
+from depthserve.errors import ConfigurationError  # noqa: E402
 
 
 def test_summarize_and_percentiles():
@@ -66,21 +67,32 @@ def test_server_arg():
 
 
 def test_make_tiny_depth_layout_options():
-    sgt = tiny._sgt_spec(30, 9, [10, 15, 20], 2, 1)
+    import argparse
+
+    from depthserve.archs.itt.tiny import tiny_spec as itt_spec
+    from depthserve.archs.sgt.tiny import tiny_spec as sgt_spec
+
+    sgt = sgt_spec(30, 9, [10, 15, 20], 2, 1)
     assert [(s.layer, s.heads, s.loops) for s in sgt.layers] == [(10, (0, 1), 1), (15, (0, 1), 1), (20, (0, 1), 1)]
     assert sgt.max_loops == 3
-    itt = tiny._itt_spec(30, tiny.every_other_layer(30, "odd"), 3)
+    itt = itt_spec(30, tiny.every_other_layer(30, "odd"), 3)
     assert itt.layers == tuple(range(1, 30, 2)) and itt.steps == 3
     assert itt.alphas == (1.0, 0.5, 0.25) and itt.trained_ratios == (0.5, 0.3, 0.1)
     # The defaults are unchanged by the new options.
-    assert tiny._itt_spec(4) == tiny._itt_spec(4, None, None)
-    assert tiny._itt_spec(4).alphas == (1.0, 0.5) and tiny._itt_spec(4).trained_ratios == (0.5, 0.3)
-    assert [(s.layer, s.heads, s.loops) for s in tiny._sgt_spec(4, 4).layers] == [
+    assert itt_spec(4) == itt_spec(4, None, None)
+    assert itt_spec(4).alphas == (1.0, 0.5) and itt_spec(4).trained_ratios == (0.5, 0.3)
+    assert [(s.layer, s.heads, s.loops) for s in sgt_spec(4, 4).layers] == [
         (1, (3, 0), 2), (2, (1, 2, 3), 1), (3, (1, 0), 1)]
     with pytest.raises(ValueError):
-        tiny._sgt_spec(30, 9, [10], [[0], [1]])
-    with pytest.raises(ValueError):
-        tiny.make_tiny("sgt", "/nonexistent", itt_steps=3)
+        sgt_spec(30, 9, [10], [[0], [1]])
+    with pytest.raises(ConfigurationError, match="applies to its own architecture"):  # another architecture's
+        tiny.make_tiny("sgt", "/nonexistent", steps=3)
+    flags = dict(arch="sgt", like=None, arch_options=[], sgt_layers=None, sgt_heads=None, sgt_loops=None,
+                 itt_layers=None, itt_steps=3)
+    with pytest.raises(ValueError, match="--itt"):
+        tiny.cli_options(argparse.Namespace(**flags))
+    assert tiny.cli_options(argparse.Namespace(**{**flags, "arch": "itt", "itt_layers": "odd"})) == {
+        "layers": [1, 3], "steps": 3}
 
 
 def test_plot_skips_missing_kinds_and_draws_a_depth_sweep_and_a_step_breakdown(tmp_path, capsys):
@@ -167,7 +179,7 @@ def test_throughput_takes_matmul_floor_readings_in_every_repeat_and_bounds_the_d
     assert "decode_ratio_if_only_matmuls" not in throughput.matmul_floor([5.0], {"decode_ms_per_step": None})
 
 
-def test_itt_linear_floor_times_the_selected_rows_of_every_thinking_pass(tmp_path, monkeypatch):
+def test_itt_linear_floor_times_the_selected_rows_of_every_thinking_pass(tmp_path):
     import argparse
 
     import depth_sweep
@@ -176,19 +188,19 @@ def test_itt_linear_floor_times_the_selected_rows_of_every_thinking_pass(tmp_pat
     model = tiny_llm(tiny.make_tiny("itt", tmp_path / "itt", seed=1)).engine.model
     layers = model.itt_layers()
     seen = _count_matmul_rows(model, layers)
-    assert depth_sweep._thinking_matmuls_ms(model, 5, lambda: None) > 0
+    assert depth_sweep.thinking_matmuls_ms(model, 5, lambda: None) > 0
     assert len(seen) == 4 * model.spec.steps * len(layers) and {n for _, n in seen} == {5}
 
     # (a) of the matmuls alone: ms per row at ratio 0.5's selection over ms per row at 1.0's.
-    monkeypatch.setattr(depth_sweep, "_thinking_matmuls_ms", lambda model, n, sync: 10.0 + n)
+    fake_ms = lambda model, n, sync: 10.0 + n  # noqa: E731
     steps = model.spec.steps
     rows = [{"knobs": {"selection_ratios": [r] * steps}, "decode_selected_fraction_mean": f}
             for r, f in ((0.5, 0.52), (1.0, 1.0))] + [{"knobs": {"thinking_steps": 0}}]
     ns = argparse.Namespace(concurrency=32, decode_steps=3)
-    floor = depth_sweep.itt_linear_floor(model, rows, ns, lambda: None)
+    floor = depth_sweep.itt_linear_floor(model, rows, ns, lambda: None, fake_ms)
     assert floor["rows"] == {"0.5": 17, "1.0": 32}
     assert floor["a_linear_layers_only"] == pytest.approx((27.0 / 17) / (42.0 / 32))
-    assert depth_sweep.itt_linear_floor(model, rows[1:], ns, lambda: None) == {}
+    assert depth_sweep.itt_linear_floor(model, rows[1:], ns, lambda: None, fake_ms) == {}
 
 
 def test_step_breakdown_counts_each_parts_own_time_and_removes_its_timers_afterwards():
@@ -247,6 +259,7 @@ def test_step_breakdown_splits_each_parts_extra_time_into_fixed_and_per_selected
 
 
 @pytest.mark.parametrize("arch", ["itt", "sgt", "dreamer", "put"])
+@pytest.mark.slow
 def test_step_breakdown_times_every_part_of_real_decode_steps(tmp_path, arch):
     import step_breakdown
 
@@ -254,11 +267,11 @@ def test_step_breakdown_times_every_part_of_real_decode_steps(tmp_path, arch):
     ns = step_breakdown.parse_args(["--arch", arch, "--checkpoint", str(path), "--concurrency", "3",
                                     "--input-len", "8", "--decode-steps", "2", "--warmup-steps", "1"])
     rows = step_breakdown.run(ns)
-    mechanism = set(step_breakdown.part_targets(arch)) - {"weight matmuls", "paged attention"}
+    mechanism = set(step_breakdown.part_targets(arch, [])) - {"weight matmuls", "paged attention"}
     assert mechanism, "every depth architecture times its own mechanism"
     assert rows[0]["is_baseline"] and len(rows) >= 2
     for row in rows:
-        assert set(row["parts_ms"]) == set(step_breakdown.part_targets(arch)) | {"rest"}
+        assert set(row["parts_ms"]) == set(step_breakdown.part_targets(arch, [])) | {"rest"}
         assert len(row["parts_ms_samples"]) == 2
         assert row["parts_ms"]["weight matmuls"] > 0 and row["parts_ms"]["paged attention"] > 0
     deepest = rows[-1]

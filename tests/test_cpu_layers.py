@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from depthserve.kernels import torch_ops
+from depthserve.kernels import paged
 from depthserve.layers.linear import CpuLinear, column_splits
 
 
@@ -58,7 +58,7 @@ def test_paged_prefill_attention_is_causal_attention(q_heads, kv_heads, start, n
     q = torch.randn(num_queries, q_heads, head_dim, generator=gen)
     scale = head_dim**-0.5
 
-    out = torch_ops.paged_prefill_attention(q, k_pages, v_pages, table, context_len, scale)
+    out = paged.paged_prefill_attention(q, k_pages, v_pages, table, context_len, scale)
 
     keys = k_pages[table].reshape(kv_heads, blocks * block_size, head_dim)[:, :context_len]
     values = v_pages[table].reshape(kv_heads, blocks * block_size, head_dim)[:, :context_len]

@@ -19,11 +19,12 @@ import torch
 from depthserve import LLM, DepthParams, SamplingParams, reference
 from depthserve.cache import SlotKind
 from depthserve.engine.model_runner import ModelRunner
-from depthserve.errors import CacheCapacityError, InvalidDepthError
-from depthserve.loading.checkpoint import CheckpointFormatError, depth_section, read_depth_spec
-from depthserve.models import dreamer
+from depthserve.archs import read_depth_spec
+from depthserve.archs.dreamer import format as dreamer
+from depthserve.archs.dreamer import model as dreamer_model
+from depthserve.errors import CacheCapacityError, CheckpointFormatError, InvalidDepthError
 from depthserve.tiny import make_tiny, synthetic_streams
-from tests.depth_helpers import check_logprobs, depth_params, tiny_llm
+from tests.depth_helpers import cache_layout, check_logprobs, depth_params, tiny_llm
 
 TOL = 1e-4
 DELTA = 1e-4
@@ -42,7 +43,7 @@ VARIANTS = {  # name -> (make_tiny options, KV heads)
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory, smollm_tokenizer):
     root = tmp_path_factory.mktemp("dreamer")
-    return {name: dreamer.make_tiny(root / name, seed=5, num_kv_heads=kv, tokenizer=smollm_tokenizer, **opts)
+    return {name: make_tiny("dreamer", root / name, seed=5, num_kv_heads=kv, tokenizer=smollm_tokenizer, **opts)
             for name, (opts, kv) in VARIANTS.items()}
 
 
@@ -59,8 +60,8 @@ def check_against_reference(path, prompts, depths, outputs) -> dict:
     for prompt, depth, out in zip(prompts, depths, outputs):
         tokens = prompt + out.token_ids[:-1]
         n = len(tokens)
-        record = out.depth["routing"][0]
-        used = out.depth["depth"]
+        record = out.depth.decisions
+        used = out.depth.settings["depth"]
         _, decisions = reference.forward(path, tokens, depth, return_decisions=True)
         assert {key[1] for key in decisions} == set(range(used))
         assert (record["ea"][:n, used:] == -1).all() and (record["attn"][:n, used:] == -1).all()
@@ -87,6 +88,7 @@ def check_against_reference(path, prompts, depths, outputs) -> dict:
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
+@pytest.mark.slow
 def test_mixed_depth_batch_equals_reference(ckpts, name):
     path = ckpts[name]
     prompts = _prompts()
@@ -95,13 +97,12 @@ def test_mixed_depth_batch_equals_reference(ckpts, name):
                                   prompt_logprobs=1 if i % 4 == 2 else None) for i in range(len(prompts))]
     probe = tiny_llm(path)
     bm, model = probe.engine.block_manager, probe.engine.model
-    need = [bm.pages_for(model.cache_layout(d), len(p) + 10) for p, d in zip(prompts, depths)]
+    need = [bm.pages_for(cache_layout(model, d), len(p) + 10) for p, d in zip(prompts, depths)]
     pages = max(need) + 4
     assert sum(need) > 3 * pages
     # plus what the engine sets aside for a 32-token step's depth cache
     depth_cache_pages = -(-model.step_cache_bytes_bound(32) // ModelRunner.page_bytes(8, 16, torch.float32))
     llm = tiny_llm(path, pages=pages + depth_cache_pages, max_model_len=112, max_num_batched_tokens=32)
-    llm.engine.record_routing = True
     outputs = llm.generate(prompts, per_request, depths)
     engine = llm.engine
     assert engine.scheduler.num_preemptions > 0, "the KV budget was meant to force preemption"
@@ -113,12 +114,13 @@ def test_mixed_depth_batch_equals_reference(ckpts, name):
     assert engine.block_manager.num_used_pages == 0
     assert engine.model.token_depth_live_values == 0
     for d, out in zip(depths, outputs):
-        report = out.depth
+        report = out.depth.to_dict()
         assert report["depth"] == (d.depth or D) and report["trained_depth"] == D
         assert report["tokens"] == len(out.prompt_token_ids) + len(out.outputs[0].token_ids) - 1
         assert (report["relative_compute"] == 1.0) == (report["depth"] == D)
         assert (report["relative_compute"] < 1.0) == (report["depth"] < D)
-    flops = [engine.model.depth_flops(100, n, 10) for n in range(1, D + 1)]
+    model = engine.model
+    flops = [dreamer.depth_flops(model.config, model.spec, 100, n, 10) for n in range(1, D + 1)]
     assert flops == sorted(flops) and len(set(flops)) == D
 
 
@@ -221,7 +223,7 @@ def test_format_round_trip_and_make_tiny(ckpts, tmp_path, smollm_tokenizer):
     spec = read_depth_spec(cfg)
     assert spec.architecture == "dreamer" and cfg["depth"]["architecture"] == "dreamer"
     assert (spec.depth, spec.attn_experts, spec.da_rope, spec.da_heads) == (D, 3, "reversed_half", 1)
-    assert depth_section(spec) == cfg["depth"] and dreamer.read_spec(spec.to_section(), cfg) == spec
+    assert dreamer.to_section(spec) == cfg["depth"] and dreamer.read_spec(dreamer.to_section(spec), cfg) == spec
     # make-tiny's dispatch writes the default Dreamer checkpoint
     other = make_tiny("dreamer", tmp_path / "cli", seed=1, tokenizer=smollm_tokenizer)
     assert read_depth_spec(json.loads((other / "config.json").read_text())).architecture == "dreamer"
@@ -280,7 +282,7 @@ def test_moe_runs_grouped_by_expert(ckpts, monkeypatch, padded):
     llm = _invalid_llm(ckpts)
     model = llm.engine.model
     h = torch.randn(37, model.config.hidden_size)
-    monkeypatch.setattr(dreamer, "PADDED_EXPERTS_MAX_ROWS_PER_PAIR", 10**6 if padded else 0)
+    monkeypatch.setattr(dreamer_model, "PADDED_EXPERTS_MAX_ROWS_PER_PAIR", 10**6 if padded else 0)
     calls = []
     real = torch.Tensor.index_select
 

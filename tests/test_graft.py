@@ -25,7 +25,8 @@ from depthserve.tools.graft import (
     load_source,
     select_heads,
 )
-from depthserve.loading.checkpoint import SGTSpec, read_depth_spec
+from depthserve.archs import read_depth_spec
+from depthserve.archs.sgt.format import SGTSpec
 from depthserve.tiny import make_tiny
 
 DOCS = [
@@ -95,7 +96,7 @@ def test_uniform_attention_has_entropy_one(setup):
     """Eq. 4's normalisation: zero queries give a uniform distribution over N tokens, entropy log N / log N."""
     source = load_source(setup["src"])
     source.weights["model.layers.1.self_attn.q_proj.weight"].zero_()
-    ref = reference.Reference(source.hf_config, read_depth_spec(source.hf_config), source.weights, {})
+    ref = llama_reference.Reference(source.hf_config, source.weights, read_depth_spec(source.hf_config))
     a = torch.randn(13, source.hf_config["hidden_size"])
     torch.testing.assert_close(last_token_entropy(ref, 1, a), torch.ones(4), rtol=0, atol=1e-6)
 

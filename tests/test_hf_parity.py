@@ -10,6 +10,8 @@ from depthserve import LLM, SamplingParams
 from tests.conftest import shared_data_file
 from tests.hf_oracle import hf_greedy, hf_prompt_logprobs
 
+pytestmark = pytest.mark.slow  # part of make test, left out of make test-fast
+
 CHAT_PROMPTS = [
     "What is the capital of France?",
     "Write a haiku about the sea.",

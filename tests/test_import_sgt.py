@@ -24,10 +24,10 @@ import yaml
 from safetensors.torch import save_file
 
 from depthserve import LLM, DepthParams, SamplingParams, reference
-from depthserve.tools.cli import main
 from depthserve.errors import DepthServeError
-from depthserve.tools.import_sgt import UnsupportedCheckpointError, import_sgt
 from depthserve.tiny import _byte_tokenizer
+from depthserve.tools.cli import main
+from depthserve.tools.import_sgt import UnsupportedCheckpointError, import_sgt
 
 D, H, L, FF = 64, 4, 3, 96  # d_model, heads, blocks, SwiGLU width (fused ff_proj: 2 * FF rows)
 HD = D // H

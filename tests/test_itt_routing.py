@@ -22,6 +22,8 @@ from depthserve.tools.calibrate import calibrate
 from tests.conftest import shared_data_file
 
 TRAINED = [0.5, 0.3]
+ITT_LAYERS = (1, 3)  # make-tiny's ITT layers of a 4-layer model, T = 2 steps
+ALL_STEPS = {f"{layer}:{step}" for layer in ITT_LAYERS for step in (1, 2)}
 
 
 @pytest.fixture(scope="module")
@@ -58,26 +60,37 @@ def test_held_out_fraction_is_the_requested_ratio(setup, step):
         ratios[step - 1] = rho
         fractions = _fractions(llm, held_out, ratios)
         print(f"step {step} at rho={rho}: " + ", ".join(f"{k}={v:.3f}" for k, v in fractions.items()))
-        for key, fraction in fractions.items():
-            if key.endswith(f":{step}"):
-                assert abs(fraction - rho) <= 0.05, (key, rho, fraction)
+        assert set(fractions) == ALL_STEPS
+        for layer in ITT_LAYERS:
+            assert abs(fractions[f"{layer}:{step}"] - rho) <= 0.05, (layer, step, rho, fractions)
     assert llm.engine.block_manager.num_used_pages == 0
 
 
 def test_calibration_text_fraction_is_exact(setup):
     llm, calibration_docs, _ = setup
     fractions = _fractions(llm, calibration_docs, TRAINED)
+    assert set(fractions) == ALL_STEPS
     for key, fraction in fractions.items():
         assert abs(fraction - TRAINED[int(key[-1]) - 1]) <= 0.01, (key, fraction)
 
 
 def test_decode_fractions_are_reported(setup):
+    """The reported prompt and decode fractions are the shares of selected positions among the
+    prompt's and the generated tokens' recorded decisions, and the counts add up."""
     llm, _, held_out = setup
-    outs = llm.generate([p[:64] for p in held_out[:6]], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
-    for out in outs:
+    prompts = [p[:64] for p in held_out[:6]]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
         report = out.depth
-        assert set(report["decode_selected_fraction"]) == {"1:1", "1:2", "3:1", "3:2"}
-        assert all(0.0 <= f <= 1.0 for f in report["decode_selected_fraction"].values())
-        assert all(0.0 <= f <= 1.0 for f in report["prompt_selected_fraction"].values())
-    mean = {k: sum(o.depth.fractions["decode_selected_fraction"][k] for o in outs) / len(outs) for k in outs[0].depth.counters["selected_tokens"]}
+        assert set(report.fractions["decode_selected_fraction"]) == ALL_STEPS
+        assert set(report.fractions["prompt_selected_fraction"]) == ALL_STEPS
+        computed = len(prompt) + len(out.token_ids) - 1  # the last sampled token is never run
+        assert report.tokens == computed
+        for (layer, step), flags in report.decisions.items():
+            key = f"{layer}:{step}"
+            selected = flags[:computed] == 1
+            assert report.counters["selected_tokens"][key] == int(selected.sum())
+            assert report.fractions["prompt_selected_fraction"][key] == pytest.approx(selected[: len(prompt)].mean())
+            assert report.fractions["decode_selected_fraction"][key] == pytest.approx(selected[len(prompt):].mean())
+    mean = {k: sum(o.depth.fractions["decode_selected_fraction"][k] for o in outs) / len(outs) for k in sorted(ALL_STEPS)}
     print("decode-time selected fractions (mean over 6 requests):", {k: round(v, 3) for k, v in mean.items()})

@@ -4,16 +4,15 @@ subsets (page-table rows repeated per query head), empty and full selections."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the kernels' import
 triton = pytest.importorskip("triton", reason="triton is not installed (pip install '.[test]')")
 
-from depthserve.kernels import torch_ops, triton_ops  # noqa: E402
+from depthserve.kernels.dispatch import Kernels  # noqa: E402
+from depthserve.kernels.triton.paged import decode_splits  # noqa: E402
+
+torch_ops, triton_ops = Kernels("torch"), Kernels("triton")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # fp32 everywhere: IEEE dot products on both paths, so only summation order differs.
@@ -71,8 +70,8 @@ def test_paged_decode_attention_matches_torch(batch, q_heads, kv_heads, block_si
 
 
 def test_decode_splits_grow_with_context_and_shrink_with_batch():
-    few = triton.cdiv(4096, 32) // triton_ops.decode_splits(1, 1, 4096)
-    many = triton.cdiv(4096, 32) // triton_ops.decode_splits(256, 8, 4096)
+    few = triton.cdiv(4096, 32) // decode_splits(1, 1, 4096)
+    many = triton.cdiv(4096, 32) // decode_splits(256, 8, 4096)
     assert few > many >= 1
 
 
@@ -167,16 +166,17 @@ def test_depth_attention_matches_torch(max_depth, heads):
 
 
 def test_dispatch_picks_torch_on_cpu_and_triton_when_forced(monkeypatch):
-    from depthserve.kernels import dispatch
+    from depthserve.kernels import depth as torch_depth
+    from depthserve.kernels.triton import depth as triton_depth
 
+    assert Kernels("torch").depth_attention is torch_depth.depth_attention
     calls = []
-    monkeypatch.setattr(triton_ops, "depth_attention", lambda *a: calls.append("triton"))
+    monkeypatch.setattr(triton_depth, "depth_attention", lambda *a: calls.append("triton"))
     q = torch.randn(2, 1, 4)
     k = torch.randn(2, 3, 1, 4)
     valid = torch.tensor([1, 3])
     if DEVICE == "cpu":
-        dispatch.ops.depth_attention(q, k, k, valid, 1.0)
+        Kernels("auto").depth_attention(q, k, k, valid, 1.0)
         assert calls == []
-    with dispatch.force_triton():
-        dispatch.ops.depth_attention(q, k, k, valid, 1.0)
+    Kernels("triton").depth_attention(q, k, k, valid, 1.0)
     assert calls[-1] == "triton"

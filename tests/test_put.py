@@ -17,13 +17,15 @@ import torch
 from safetensors.torch import load_file
 
 from depthserve import LLM, DepthParams, SamplingParams, reference
+from depthserve.archs import read_depth_spec
+from depthserve.archs.put import format as put_format
+from depthserve.archs.put import reference as put_reference
+from depthserve.archs.put.tiny import make_tiny as make_tiny_put
 from depthserve.cache import SlotKind
 from depthserve.engine.model_runner import ModelRunner
-from depthserve.errors import InvalidDepthError
-from depthserve.loading.checkpoint import CheckpointFormatError, read_depth_spec
-from depthserve.models import put, put_reference
+from depthserve.errors import CheckpointFormatError, InvalidDepthError
 from depthserve.tiny import make_tiny, synthetic_streams
-from tests.depth_helpers import check_logprobs, depth_params, tiny_llm
+from tests.depth_helpers import cache_layout, check_logprobs, depth_params, tiny_llm
 
 TOL = 1e-4
 NEAR_TIE = 1e-4
@@ -38,7 +40,7 @@ def ckpts(tmp_path_factory, smollm_tokenizer):
     return {
         "gqa": make_tiny("put", root / "put-gqa", seed=5, tokenizer=smollm_tokenizer),
         # conv kernel 3: a state of two rows, longer than a decode chunk
-        "k3": put.make_tiny(root / "put-k3", 6, None, 4, smollm_tokenizer,
+        "k3": make_tiny_put(root / "put-k3", 6, None, 4, smollm_tokenizer,
                             n_prefix=1, n_core=1, n_suffix=1, steps=2, conv_kernel=3),
     }
 
@@ -79,7 +81,7 @@ def test_make_tiny_writes_the_put_format(ckpts):
     assert cfg["depth"] == {"format_version": 1, "architecture": "put",
                             "put": {"n_prefix": 1, "n_core": 2, "n_suffix": 1, "T": 3, "conv_kernel": 2}}
     spec = read_depth_spec(cfg)
-    assert spec == put.PUTSpec(1, 2, 1, 3, 2) and spec.to_section() == cfg["depth"]
+    assert spec == put_format.PUTSpec(1, 2, 1, 3, 2) and put_format.to_section(spec) == cfg["depth"]
     assert cfg["num_hidden_layers"] == 4 and (path / "tokenizer.json").is_file()
     w = load_file(str(path / "model.safetensors"))
     ffn, d = cfg["intermediate_size"], cfg["hidden_size"]
@@ -143,13 +145,14 @@ def test_dwconv_is_causal_with_zeros_before_the_first_token():
 
 
 # ---- the engine ----------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_mixed_loops_batch_equals_reference_with_chunks_and_preemption(ckpts):
     path = ckpts["gqa"]
     prompts, depths = _prompts(), [depth_params(d) for d in DEPTHS]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
     probe = tiny_llm(path)
     bm, model = probe.engine.block_manager, probe.engine.model
-    need = [bm.pages_for(model.cache_layout(d), len(p) + params.max_tokens) for p, d in zip(prompts, depths)]
+    need = [bm.pages_for(cache_layout(model, d), len(p) + params.max_tokens) for p, d in zip(prompts, depths)]
     pages = max(need) + 4
     assert sum(need) > 3 * pages
     # A budget of 29 tokens shared by the running sequences: prefill chunks of uneven sizes.
@@ -163,12 +166,12 @@ def test_mixed_loops_batch_equals_reference_with_chunks_and_preemption(ckpts):
         out = final[f"r{i}"]
         _check(path, prompt, depth, out.outputs[0], stats)
         report = out.depth
-        assert report["loops"] == (depth.loops or 3) and report["trained_loops"] == 3
-        assert report["tokens"] == len(prompt) + params.max_tokens - 1
-        assert report["core_layer_passes"] == report["tokens"] * report["loops"] * 2
+        assert report.settings["loops"] == (depth.loops or 3) and report.settings["trained_loops"] == 3
+        assert report.tokens == len(prompt) + params.max_tokens - 1
+        assert report.counters["core_layer_passes"] == report.tokens * report.settings["loops"] * 2
     print("put mixed batch: preemptions", engine.scheduler.num_preemptions, stats)
     assert engine.block_manager.num_used_pages == 0 and engine.block_manager.num_free_pages == pages
-    by_loops = {o.depth["loops"]: o.depth["relative_compute"] for o in final.values()}
+    by_loops = {o.depth.settings["loops"]: o.depth.relative_compute for o in final.values()}
     assert 1.0 <= by_loops[1] < 1.01 < by_loops[2] < by_loops[3]
 
 
@@ -196,7 +199,7 @@ def test_state_is_accounted_in_bytes_and_freed_on_every_path(ckpts):
     prompt = _ids(40, seed=9)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     for loops in (1, 2, 3):
-        layout = model.cache_layout(DepthParams(loops=loops))
+        layout = cache_layout(model, DepthParams(loops=loops))
         state = loops * 2 * 1 * model.config.intermediate_size * 4  # loops x n_core x (k-1) x d_ff x fp32
         assert layout.state_bytes == state
         # one dense slot per prefix layer, per (step, core layer), per suffix layer

@@ -1,6 +1,6 @@
 """SAOBP (depth-semantics section 5): the format, the reference and the engine = reference.
 
-The reference (depthserve.models.saobp.reference_forward) computes the refined attention from each
+The reference (depthserve.archs.saobp.reference.forward) computes the refined attention from each
 head's materialised [n, n] attention matrix in float64; here it is itself checked against a literal
 double loop over rows and keys. The engine keeps the running per-key bias in the paged cache and
 must give the same logprobs (1e-4, fp32) and greedy tokens for mixed batches of 13 requests with
@@ -18,13 +18,16 @@ import pytest
 import torch
 
 from depthserve import DepthParams, SamplingParams, reference
+from depthserve.archs import read_depth_spec
+from depthserve.archs.llama.reference import norm, rope
+from depthserve.archs.saobp import format as saobp_format
+from depthserve.archs.saobp import reference as saobp_reference
+from depthserve.archs.saobp.tiny import make_tiny as make_tiny_saobp
 from depthserve.cache import SlotKind
 from depthserve.engine.model_runner import ModelRunner
-from depthserve.errors import InvalidDepthError
-from depthserve.loading.checkpoint import CheckpointFormatError, read_depth_spec
-from depthserve.models import saobp
+from depthserve.errors import CheckpointFormatError, InvalidDepthError
 from depthserve.tiny import make_tiny, synthetic_streams
-from tests.depth_helpers import check_logprobs, tiny_llm
+from tests.depth_helpers import cache_layout, check_logprobs, tiny_llm
 
 TOL = 1e-4  # logprobs, fp32 engine vs the float64 reference
 LONG_TOL = 1e-3  # at 4096 tokens
@@ -41,10 +44,10 @@ VARIANTS = {  # name -> make_tiny options
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory, smollm_tokenizer):
     root = tmp_path_factory.mktemp("saobp")
-    out = {name: saobp.make_tiny(root / name, 5, None, None, smollm_tokenizer, lam=1.0, **opts)
+    out = {name: make_tiny_saobp(root / name, 5, None, None, smollm_tokenizer, lam=1.0, **opts)
            for name, opts in VARIANTS.items()}
     # MHA, SAOBP on layers 1 and 2 only.
-    out["mha-layers"] = saobp.make_tiny(root / "mha-layers", 6, None, 4, smollm_tokenizer, lam=1.0, layers=[1, 2])
+    out["mha-layers"] = make_tiny_saobp(root / "mha-layers", 6, None, 4, smollm_tokenizer, lam=1.0, layers=[1, 2])
     out["llama-same"] = make_tiny("llama", root / "llama-same", seed=5, tokenizer=smollm_tokenizer)
     return out
 
@@ -71,11 +74,11 @@ def test_depth_section_round_trip_and_checks(ckpts):
     assert cfg["depth"] == {"format_version": 1, "architecture": "saobp",
                             "saobp": {"lambda": 1.0, "variant": "high", "self_message": True, "layers": None}}
     spec = read_depth_spec(cfg)
-    assert isinstance(spec, saobp.SAOBPSpec) and spec.to_section() == cfg["depth"]
+    assert isinstance(spec, saobp_format.SAOBPSpec) and saobp_format.to_section(spec) == cfg["depth"]
     assert read_depth_spec(json.loads((ckpts["mha-layers"] / "config.json").read_text())).layers == (1, 2)
     # Defaults: variant "high", self_message false, every layer.
     minimal = dict(cfg, depth={"format_version": 1, "architecture": "saobp", "saobp": {"lambda": 0.2}})
-    assert read_depth_spec(minimal) == saobp.SAOBPSpec(0.2, "high", False, None)
+    assert read_depth_spec(minimal) == saobp_format.SAOBPSpec(0.2, "high", False, None)
     bad = [({}, "depth.saobp is missing"), ({"saobp": {"variant": "high"}}, "lambda"),
            ({"saobp": {"lambda": -1}}, "lambda"), ({"saobp": {"lambda": 1, "variant": "mid"}}, "variant"),
            ({"saobp": {"lambda": 1, "self_message": 1}}, "self_message"),
@@ -106,8 +109,6 @@ def test_make_tiny_command_line(tmp_path, smollm_tokenizer, monkeypatch):
 # ---- the reference -------------------------------------------------------------------------------------
 def _literal_attention(ref, layer, x, spec):
     """Section 5 with explicit loops over rows j, keys k and sending rows i (tiny n only)."""
-    from depthserve.reference import rope
-
     cfg, w = ref.cfg, ref.w
     H, H_kv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
     p = f"model.layers.{layer}.self_attn."
@@ -142,19 +143,17 @@ def _literal_attention(ref, layer, x, spec):
 
 @pytest.mark.parametrize("name", ["high", "low-self"])
 def test_reference_attention_is_the_literal_equations(ckpts, name):
-    from depthserve.reference import load, norm
-
-    ref = load(ckpts[name])
+    ref = saobp_reference.load_saobp(ckpts[name])
     ids = torch.tensor(_prompts()[2][:12])
     x = norm(ref, 0, "a", ref.w["model.embed_tokens.weight"][ids])
-    got = saobp.reference_attention(ref, 0, x, ref.spec)
+    got = saobp_reference.saobp_attention(ref, 0, x, ref.spec)
     torch.testing.assert_close(got, _literal_attention(ref, 0, x, ref.spec), rtol=0, atol=1e-10)
 
 
 def test_reference_bias_matters_and_is_causal(ckpts, tmp_path, smollm_tokenizer):
     ids = _prompts()[6]
     base = reference.forward(ckpts["llama-same"], ids)
-    zero = saobp.make_tiny(tmp_path / "zero", 5, None, None, smollm_tokenizer, lam=0.0)
+    zero = make_tiny_saobp(tmp_path / "zero", 5, None, None, smollm_tokenizer, lam=0.0)
     torch.testing.assert_close(reference.forward(zero, ids), base, rtol=0, atol=1e-9)  # lambda = 0: plain Llama
     outs = {name: reference.forward(ckpts[name], ids) for name in VARIANTS}
     for name, logits in outs.items():
@@ -172,7 +171,7 @@ def _run_mixed(path, max_num_batched_tokens=29):
                                   prompt_logprobs=1 if i % 3 == 2 else None) for i in range(len(prompts))]
     probe = tiny_llm(path, max_model_len=160)
     bm, model = probe.engine.block_manager, probe.engine.model
-    need = [bm.pages_for(model.cache_layout(DepthParams()), len(p) + 12) for p in prompts]
+    need = [bm.pages_for(cache_layout(model, DepthParams()), len(p) + 12) for p in prompts]
     pages = max(need) + 4
     assert sum(need) > 3 * pages
     # A per-step budget of 29 tokens: prompt chunks of uneven sizes (29, or what is left beside decodes).
@@ -182,6 +181,7 @@ def _run_mixed(path, max_num_batched_tokens=29):
 
 
 @pytest.mark.parametrize("name", list(VARIANTS) + ["mha-layers"])
+@pytest.mark.slow
 def test_mixed_batch_equals_reference(ckpts, name):
     t0 = time.perf_counter()
     llm, prompts, outputs = _run_mixed(ckpts[name])
@@ -215,7 +215,7 @@ def test_bias_slot_is_accounted_in_bytes(ckpts):
     llm = tiny_llm(ckpts["high"])
     engine = llm.engine
     model, cfg = engine.model, engine.model.config
-    layout = model.cache_layout(DepthParams())
+    layout = cache_layout(model, DepthParams())
     bias = [s for s in layout.slots if s.kind is SlotKind.PER_KEY_BIAS]
     assert len(bias) == 1 and not layout.uses_prefix_cache
     page_bytes = ModelRunner.page_bytes(8, cfg.head_dim, torch.float32)
@@ -247,6 +247,7 @@ def test_any_depth_knob_is_an_error_and_leaves_no_blocks(ckpts, depth):
         reference.forward(ckpts["low"], [1, 2, 3], depth)
 
 
+@pytest.mark.slow
 def test_4096_tokens_lambda_1_matches_float64_reference(ckpts):
     """A 4090-token prompt (chunks of 512) and 6 generated tokens: every prompt position's logprob
     and every generated token's within 1e-3 of the float64 reference."""

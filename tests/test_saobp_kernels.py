@@ -7,15 +7,11 @@ of a prompt into chunks leaves the same outputs and the same bias."""
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the kernels' import
-
-from depthserve.kernels import torch_ops  # noqa: E402
+from depthserve.kernels import saobp as torch_ops
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ATOL = 2e-5
@@ -52,9 +48,9 @@ CASES = [
 @pytest.fixture(scope="module")
 def triton_ops():
     pytest.importorskip("triton", reason="triton is not installed (pip install '.[test]')")
-    from depthserve.kernels import triton_ops
+    from depthserve.kernels.triton import saobp
 
-    return triton_ops
+    return saobp
 
 
 @pytest.mark.parametrize("variant", ["high", "low"])
@@ -158,26 +154,20 @@ def test_triton_decode_rows_equal_torch_rows(triton_ops):
 
 
 @pytest.mark.parametrize("opts", [dict(variant="high"), dict(variant="low", self_message=True)])
+@pytest.mark.slow
 def test_engine_through_triton_matches_torch_path(triton_ops, tmp_path, smollm_tokenizer, opts):
     """The engine with every op that has a kernel forced through Triton (decode attention with the
     bias and the bias update included) gives the torch path's tokens and logprobs."""
-    from depthserve import LLM, SamplingParams
-    from depthserve.kernels.dispatch import force_triton
-    from depthserve.models import saobp
+    from depthserve import SamplingParams
+    from depthserve.archs.saobp.tiny import make_tiny
     from depthserve.tiny import synthetic_streams
+    from tests.depth_helpers import assert_same_generations, generate_on_both_backends
 
-    path = saobp.make_tiny(tmp_path / "m", 2, None, None, smollm_tokenizer, lam=1.0, **opts)
-    llm = LLM(str(path), device="cpu", dtype="float32", load_progress=False, max_model_len=64, block_size=8,
-              max_num_batched_tokens=12)
+    path = make_tiny(tmp_path / "m", 2, None, None, smollm_tokenizer, lam=1.0, **opts)
     stream = synthetic_streams(49152, 1, 64, seed=4)[0].tolist()
     prompts = [stream[:13], stream[20:23], stream[30:50]]
     params = SamplingParams(temperature=0.0, max_tokens=4, logprobs=1, ignore_eos=True)
-    expected = llm.generate(prompts, params)
-    with force_triton():
-        got = llm.generate(prompts, params)
-    for e, g in zip(expected, got):
-        assert g.token_ids == e.token_ids
-        for e_step, g_step in zip(e.logprobs, g.logprobs):
-            for token, lp in e_step.items():
-                assert abs(g_step[token].logprob - lp.logprob) < 1e-4
+    expected, got, llm = generate_on_both_backends(str(path), prompts, params, max_model_len=64, block_size=8,
+                                                   max_num_batched_tokens=12)
+    assert_same_generations(expected, got)
     assert llm.engine.block_manager.num_used_pages == 0

@@ -78,6 +78,7 @@ def test_chat_matches_offline_and_streams_the_same_text(client, offline):
     assert preset.choices[0].message.content == expected.text
 
 
+@pytest.mark.slow
 def test_stream_equals_non_stream_with_stop_strings_and_multibyte_text(client, offline):
     prompt = "Translate to Japanese and Greek: good morning, my friend. Answer:"
     for stop in (None, ["."], [" o"]):
@@ -130,6 +131,7 @@ async def _stream_one(base: str, index: int, disconnect: bool) -> str | None:
     return "".join(text)
 
 
+@pytest.mark.slow
 def test_concurrent_streams_with_disconnects_leave_no_blocks(server, offline):
     base, llm = server
     wait_idle(llm)
@@ -299,6 +301,7 @@ def _hf_continuation_logprobs(prompts: list[list[int]], lengths: list[int], batc
     return sums
 
 
+@pytest.mark.slow
 def test_arc_easy_scoring_over_http_equals_llm_score_and_transformers(server, offline):
     """First 100 ARC-easy questions: loglikelihood of ` {choice}` after `Question: ...\\nAnswer:`,
     normalised by the continuation's bytes. HTTP scoring (echo + logprobs) = LLM.score (first 10), and the

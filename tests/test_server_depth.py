@@ -83,7 +83,7 @@ def test_depth_over_http_equals_offline_generate(depth_server):
     chat = client.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0.0,
                                           extra_body={"depth": depth})
     assert chat.choices[0].message.content == expected.text
-    assert chat.usage.model_extra["depth"]["relative_compute"] == pytest.approx(expected.depth["relative_compute"])
+    assert chat.usage.model_extra["depth"]["relative_compute"] == pytest.approx(expected.depth.relative_compute)
 
 
 def test_usage_reports_depth_and_metrics_counters_move(depth_server):
@@ -93,8 +93,8 @@ def test_usage_reports_depth_and_metrics_counters_move(depth_server):
     before = _depth_counter(base, arch)
     body = {"model": model, "prompt": PROMPTS, "max_tokens": 4, "temperature": 0.0, "depth": depth}
     usage = httpx.post(f"{base}/v1/completions", json=body).json()["usage"]["depth"]
-    singles = [o.depth for o in offline.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=4),
-                                                 DepthParams.from_dict(depth))]
+    singles = [o.depth.to_dict() for o in offline.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=4),
+                                                           DepthParams.from_dict(depth))]
     # Several prompts: counts add up, relative compute is total FLOPs over total plain FLOPs.
     assert usage["per_prompt"] == [json.loads(json.dumps(s)) for s in singles]
     assert usage["tokens"] == sum(s["tokens"] for s in singles)
@@ -316,7 +316,7 @@ def test_dreamer_and_put_over_http_equal_offline_and_feed_the_metrics(tmp_path, 
             assert [c.text for c in sorted(got.choices, key=lambda c: c.index)] == [e.text for e in expected]
             usage = got.usage.model_extra["depth"]
             assert [p[knob] for p in usage["per_prompt"]] == [value] * len(PROMPTS)
-            assert usage["flops"] == pytest.approx(sum(e.depth["flops"] for e in expected))
+            assert usage["flops"] == pytest.approx(sum(e.depth.flops for e in expected))
             spent += usage["flops"]
             plain += usage["plain_flops"]
             assert metric_value(base, "depthserve_depth_requests_by_setting_total",

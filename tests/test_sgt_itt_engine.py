@@ -18,7 +18,7 @@ from depthserve import LLM, DepthParams, SamplingParams, reference
 from depthserve.engine.model_runner import ModelRunner
 from depthserve.errors import InvalidDepthError
 from depthserve.tiny import make_tiny, synthetic_streams
-from tests.depth_helpers import check_logprobs, depth_params, tiny_llm
+from tests.depth_helpers import cache_layout, check_logprobs, depth_params, tiny_llm
 
 TOL = 1e-4  # logprobs, fp32 engine vs the float64 reference
 DELTA = 1e-4  # routing margin below which a decision may differ (rounding)
@@ -88,7 +88,7 @@ def _run_mixed(path, depths, prefix_caching=True):
     # KV budget: a little more than the costliest request alone, far less than the batch needs.
     probe = tiny_llm(path, max_model_len=160)
     bm, model = probe.engine.block_manager, probe.engine.model
-    need = [bm.pages_for(model.cache_layout(d), len(p) + params.max_tokens) for p, d in zip(prompts, ds)]
+    need = [bm.pages_for(cache_layout(model, d), len(p) + params.max_tokens) for p, d in zip(prompts, ds)]
     pages = max(need) + 4
     assert sum(need) > 3 * pages
     llm = tiny_llm(path, pages=pages, max_model_len=160, max_num_batched_tokens=32, enable_prefix_caching=prefix_caching)
@@ -97,6 +97,7 @@ def _run_mixed(path, depths, prefix_caching=True):
 
 
 @pytest.mark.parametrize("name", ["sgt-gqa", "sgt-mha"])
+@pytest.mark.slow
 def test_sgt_mixed_batch_equals_reference(ckpts, name):
     llm, prompts, depths, outputs = _run_mixed(ckpts[name], SGT_DEPTHS)
     engine = llm.engine
@@ -106,7 +107,7 @@ def test_sgt_mixed_batch_equals_reference(ckpts, name):
     print(name, "preemptions", engine.scheduler.num_preemptions, "prefix hits", engine.block_manager.prefix_hits, stats)
     assert engine.block_manager.num_used_pages == 0
     # The report: loop iterations, extrapolation beyond the trained counts, relative compute.
-    by_loops = {str(d.loops): o.depth for d, o in zip(depths, outputs)}
+    by_loops = {str(d.loops): o.depth.to_dict() for d, o in zip(depths, outputs)}
     assert by_loops["0"]["relative_compute"] == 1.0 and set(by_loops["0"]["loop_iterations"].values()) == {0}
     assert by_loops["2"]["loop_iterations"] == {layer: 2 * by_loops["2"]["tokens"] for layer in (1, 2, 3)}
     assert by_loops["3"]["extrapolated"] == [1, 2, 3] and by_loops["2"]["extrapolated"] == [2, 3]
@@ -114,6 +115,7 @@ def test_sgt_mixed_batch_equals_reference(ckpts, name):
 
 
 @pytest.mark.parametrize("name", ["itt-gqa", "itt-mha"])
+@pytest.mark.slow
 def test_itt_mixed_batch_equals_reference(ckpts, name):
     llm, prompts, depths, outputs = _run_mixed(ckpts[name], ITT_DEPTHS)
     engine = llm.engine
@@ -123,7 +125,7 @@ def test_itt_mixed_batch_equals_reference(ckpts, name):
     assert stats["within_delta"] <= 0.01 * stats["decisions"]
     assert engine.block_manager.num_used_pages == 0
     for depth, out in zip(depths, outputs):
-        report = out.depth
+        report = out.depth.to_dict()
         ratios = report["selection_ratios"]
         enabled = {f"{layer}:{t}" for layer in (1, 3) for t in (1, 2) if ratios[t - 1] > 0}
         assert set(report["selected_tokens"]) == enabled  # "layer:step" -> count, enabled steps only
@@ -150,7 +152,7 @@ def test_sgt_outputs_are_the_same_alone_and_from_the_prefix_cache(ckpts):
 
 @pytest.mark.parametrize("name", ["sgt-gqa", "sgt-mha"])
 def test_loop_slot_bytes_grow_by_the_stored_heads(ckpts, name):
-    from depthserve.loading.checkpoint import read_depth_spec
+    from depthserve.archs import read_depth_spec
 
     llm = tiny_llm(ckpts[name])
     engine = llm.engine
@@ -193,8 +195,8 @@ def test_costly_requests_are_admitted_first_come_first_served(ckpts):
     order = [("a", prompts[9], cheap), ("b", prompts[11], costly), ("c", prompts[1], cheap), ("d", prompts[2], cheap)]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     probe = tiny_llm(path, max_model_len=160)
-    bm, layout = probe.engine.block_manager, probe.engine.model.cache_layout
-    need = {rid: bm.pages_for(layout(d), len(p) + params.max_tokens) for rid, p, d in order}
+    bm, model = probe.engine.block_manager, probe.engine.model
+    need = {rid: bm.pages_for(cache_layout(model, d), len(p) + params.max_tokens) for rid, p, d in order}
     assert need["b"] > 3 * need["a"]  # the scheduler prices depth: loops=3 costs more pages
     pages = need["b"] + 16  # b fits alone, not beside a; c and d would fit beside a
     assert need["a"] + need["b"] > pages and need["a"] + need["c"] + need["d"] < pages

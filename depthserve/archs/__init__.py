@@ -23,7 +23,7 @@ from depthserve.archs.base import (
     register,
 )
 
-BUILTIN = ("llama", "sgt", "itt")  # TEMP: dreamer, put, saobp being ported
+BUILTIN = ("llama", "sgt", "itt", "dreamer", "put", "saobp")
 
 __all__ = ["REGISTRY", "Architecture", "BuildOptions", "DepthModel", "UnknownArchitectureError", "BUILTIN",
            "architecture_names", "get_architecture", "register", "load_builtin_architectures",

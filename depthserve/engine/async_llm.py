@@ -70,6 +70,7 @@ class AsyncLLM:
 
     def __init__(self, engine: LLMEngine, max_waiting_requests: int = 256):
         self.engine = engine
+        self.model_info = engine.model_info()  # before the engine thread starts: read-only from here on
         self.max_waiting_requests = max_waiting_requests
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, _Stream] = {}
@@ -89,12 +90,8 @@ class AsyncLLM:
 
     # ---- state the server reads ---------------------------------------------------------
     @property
-    def tokenizer(self):
-        return self.engine.tokenizer
-
-    @property
     def model_name(self) -> str:
-        return self.engine.model_name
+        return self.model_info.name
 
     @property
     def is_healthy(self) -> bool:

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from depthserve.archs.base import DepthModel
 from depthserve.config import EngineArgs
-from depthserve.depth import DepthParams, DepthPlan
+from depthserve.depth import DepthParams, DepthPlan, KnobSpec
 from depthserve.detokenizer import IncrementalDetokenizer
 from depthserve.engine.block_manager import BlockManager
 from depthserve.engine.model_runner import ModelRunner, SeqStepOutput
@@ -18,11 +20,13 @@ from depthserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
 from depthserve.engine.sequence import Sequence, SequenceStatus
 from depthserve.errors import (
     CacheCapacityError,
+    ConfigurationError,
     EmptyPromptError,
     InvalidRequestError,
     PromptTooLongError,
     UnadmittableRequestError,
 )
+from depthserve.kernels.dispatch import Kernels
 from depthserve.loading.model_loader import load_model
 from depthserve.loading.registry import resolve_model
 from depthserve.loading.tokenizer import load_tokenizer
@@ -69,6 +73,7 @@ class LLMEngine:
             torch.set_num_threads(args.num_threads)  # asked for explicitly: torch's threads are per process
         self.device = _resolve_device(args.device)
         self.dtype = _resolve_dtype(args.dtype, self.device)
+        kernels = Kernels(args.kernel_backend)
         source = resolve_model(args.model)
         self.model_name = source.name
         self.tokenizer = load_tokenizer(source)
@@ -107,15 +112,19 @@ class LLMEngine:
             self.block_manager,
         )
         if not args.enable_chunked_prefill and args.max_num_batched_tokens < self.max_model_len:
-            raise ValueError("without chunked prefill, max_num_batched_tokens must be >= max_model_len")
+            raise ConfigurationError("without chunked prefill, max_num_batched_tokens must be >= max_model_len")
         sampler = Sampler(self.eos_token_ids, self.vocab_size, seed=args.seed)
-        self.runner = ModelRunner(self.model, self.block_manager, sampler, self.dtype, self.device)
+        self.runner = ModelRunner(self.model, self.block_manager, sampler, self.dtype, self.device, kernels)
         self._requests: dict[str, _Request] = {}
         logger.info(
             "engine ready: %s on %s/%s, %d KV pages (%.2f GiB), max_model_len=%d",
             self.model_name, self.device, self.dtype, num_pages, num_pages * page_bytes / _GIB,
             self.max_model_len,
         )
+
+    def model_info(self) -> ModelInfo:
+        return ModelInfo(self.model_name, self.max_model_len, self.vocab_size, dict(self.model.depth_knobs()),
+                         copy.deepcopy(self.tokenizer))
 
     def _kv_cache_bytes(self) -> float:
         if self.args.kv_cache_memory_gib is not None:
@@ -402,6 +411,18 @@ class LLMEngine:
             metrics=RequestMetrics(first.arrival_time, first.first_scheduled_time, first.first_token_time),
             error=request.error,
         )
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What a server needs to know about the served model, fixed at start: it reads this, never the
+    engine, from its own threads."""
+
+    name: str
+    max_model_len: int
+    vocab_size: int
+    depth_knobs: dict[str, KnobSpec]
+    tokenizer: Any  # a copy of the engine's tokenizer, for the server's own encoding and decoding
 
 
 @dataclass(frozen=True)

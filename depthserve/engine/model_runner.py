@@ -10,6 +10,7 @@ import torch
 from depthserve.archs.base import DepthModel
 from depthserve.engine.block_manager import BlockManager
 from depthserve.engine.scheduler import ScheduledSeq
+from depthserve.kernels.dispatch import Kernels
 from depthserve.layers.attention import AttentionMetadata, KVPool, PrefillSeqMeta
 from depthserve.layers.batch import BatchItem, StepBatch
 from depthserve.sampler import Sampler, SampledToken, SamplingFault, SamplingRow, prompt_logprobs
@@ -33,8 +34,9 @@ class SeqStepOutput:
 
 class ModelRunner:
     def __init__(self, model: DepthModel, block_manager: BlockManager, sampler: Sampler,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, kernels: Kernels):
         self.model = model
+        self.kernels = kernels
         self.block_manager = block_manager
         self.block_size = block_manager.block_size
         self.sampler = sampler
@@ -115,7 +117,8 @@ class ModelRunner:
             num_prefill_tokens=num_prefill_tokens,
             decode_page_table=decode_table,
             decode_context_lens=decode_len,
-            batch=StepBatch(items, bs, self.device) if depth_model else None,
+            kernels=self.kernels,
+            batch=StepBatch(items, bs, self.device, self.kernels) if depth_model else None,
         )
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         positions = self._tensor(np.concatenate(pos_chunks))

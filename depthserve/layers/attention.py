@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from depthserve.kernels import ops
+from depthserve.kernels.dispatch import Kernels
 
 
 @dataclass
@@ -43,6 +43,7 @@ class AttentionMetadata:
     num_prefill_tokens: int
     decode_page_table: torch.Tensor | None  # [num_decodes, max_blocks, row_width]
     decode_context_lens: torch.Tensor | None  # [num_decodes]
+    kernels: Kernels  # the ops bound to the engine's kernel backend (EngineArgs.kernel_backend)
     # The step's per-sequence view (depthserve.layers.batch.StepBatch) for depth models; None for plain ones.
     batch: Any = field(default=None, repr=False)
     _packed: PackedPrefills | None = field(default=None, repr=False)
@@ -87,19 +88,19 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:
     """Store the step's keys/values in the slot, then attend causally. Returns [num_tokens, num_q_heads, head_dim]."""
-    ops.store_kv(k, v, pool.k_pages, pool.v_pages, meta.slot_index[:, slot_columns])
+    meta.kernels.store_kv(k, v, pool.k_pages, pool.v_pages, meta.slot_index[:, slot_columns])
     out = torch.empty_like(q)
     if meta.prefills:
         rows = slice(0, meta.num_prefill_tokens)
         packed = meta.packed_prefills()
         tables = packed.page_tables[:, :, slot_columns].transpose(1, 2)  # [seqs, kv_heads, blocks]
-        out[rows] = ops.paged_prefill_attention_varlen(
+        out[rows] = meta.kernels.paged_prefill_attention_varlen(
             q[rows], pool.k_pages, pool.v_pages, tables, packed.query_starts, packed.context_lens, scale
         )
     if meta.num_decodes:
         rows = slice(meta.num_prefill_tokens, meta.num_tokens)
         table = meta.decode_page_table[:, :, slot_columns].transpose(1, 2)  # [batch, kv_heads, blocks]
-        out[rows] = ops.paged_decode_attention(
+        out[rows] = meta.kernels.paged_decode_attention(
             q[rows], pool.k_pages, pool.v_pages, table, meta.decode_context_lens, scale
         )
     return out

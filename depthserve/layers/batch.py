@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from depthserve.kernels.dispatch import Kernels
 from depthserve.layers.attention import AttentionMetadata, PrefillSeqMeta
 
 
@@ -58,7 +59,8 @@ class MetaEntry:
     decode: bool
 
 
-def build_metadata(entries: list[MetaEntry], block_size: int, device: torch.device) -> AttentionMetadata:
+def build_metadata(entries: list[MetaEntry], block_size: int, device: torch.device,
+                   kernels: Kernels) -> AttentionMetadata:
     """AttentionMetadata for entries whose query rows are packed in order (multi-token entries first)."""
     prefills: list[PrefillSeqMeta] = []
     decode_tables: list[np.ndarray] = []
@@ -95,6 +97,7 @@ def build_metadata(entries: list[MetaEntry], block_size: int, device: torch.devi
         num_prefill_tokens=num_prefill_tokens,
         decode_page_table=decode_table,
         decode_context_lens=decode_len,
+        kernels=kernels,
     )
 
 
@@ -105,10 +108,11 @@ def _tensor(array: np.ndarray, device: torch.device) -> torch.Tensor:
 class StepBatch:
     """The items of one step (multi-token chunks first, then decodes), in packed-row order."""
 
-    def __init__(self, items: list[BatchItem], block_size: int, device: torch.device):
+    def __init__(self, items: list[BatchItem], block_size: int, device: torch.device, kernels: Kernels):
         self.items = items
         self.block_size = block_size
         self.device = device
+        self.kernels = kernels  # the step's ops, carried into every sub-step's metadata
         self.num_rows = sum(item.num_tokens for item in items)
         # Filled by the model during the forward: tokens selected per (sequence, routed slot),
         # committed to the block manager by the runner after the step.
@@ -151,7 +155,7 @@ class StepBatch:
             write = table[positions // bs] * bs + (positions % bs)[:, None]
             read = table if read_heads is None else table[:, read_heads]
             entries.append(MetaEntry(item.num_tokens, item.end, read, write, item.decode))
-        return build_metadata(entries, bs, self.device)
+        return build_metadata(entries, bs, self.device, self.kernels)
 
     # ---- metadata for a routed slot, given the rows selected this step -----------------------------
     def routed_meta(self, name: str, selected_rows: np.ndarray) -> AttentionMetadata:
@@ -177,7 +181,7 @@ class StepBatch:
                 read = pages[: -(-(committed + count) // bs)]
                 entries.append(MetaEntry(count, committed + count, read, write, item.decode))
                 self._count_routed(item, name, count)
-        return build_metadata(entries, bs, self.device)
+        return build_metadata(entries, bs, self.device, self.kernels)
 
     def _routed_decode_meta(self, name: str, owners: np.ndarray) -> AttentionMetadata:
         """routed_meta when every selected row is a decode row: the same result, built in one pass."""
@@ -200,6 +204,7 @@ class StepBatch:
             num_prefill_tokens=0,
             decode_page_table=_tensor(padded, self.device),
             decode_context_lens=_tensor(committed + 1, self.device),
+            kernels=self.kernels,
         )
 
     def _count_routed(self, item: BatchItem, name: str, count: int) -> None:

@@ -9,6 +9,8 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from depthserve.errors import CheckpointFormatError
+
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
@@ -38,7 +40,7 @@ def _field(reader, key: str, default: Any = None) -> Any:
 def read_config(reader) -> dict[str, Any]:
     arch = _field(reader, "general.architecture")
     if arch != "llama":
-        raise ValueError(f"GGUF architecture '{arch}' is not supported (only 'llama')")
+        raise CheckpointFormatError(f"GGUF architecture '{arch}' is not supported (only 'llama')")
     a = lambda key, default=None: _field(reader, f"llama.{key}", default)  # noqa: E731
     heads = int(a("attention.head_count"))
     hidden = int(a("embedding_length"))

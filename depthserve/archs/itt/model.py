@@ -26,7 +26,6 @@ from depthserve.archs.itt.format import report as itt_report
 from depthserve.archs.llama.format import LlamaConfig
 from depthserve.archs.llama.model import LlamaDecoderLayer, LlamaForCausalLM
 from depthserve.depth import DepthParams, DepthReport, KnobSpec
-from depthserve.kernels import ops
 from depthserve.layers.batch import BatchItem, StepBatch
 
 
@@ -79,7 +78,7 @@ class ITTDecoderLayer(LlamaDecoderLayer):
         for t in range(1, self.spec.steps + 1):
             if not routing.step_on[t - 1]:
                 continue  # rho_t = 0 for every request: no update for any token
-            scores, slot_of_row, selected = ops.itt_route(y, self.router_weight[t - 1], self.router_bias[t - 1],
+            scores, slot_of_row, selected = meta.kernels.itt_route(y, self.router_weight[t - 1], self.router_bias[t - 1],
                                                           routing.thresholds[self.position, t - 1])
             name = routed_slot_name(self.index, t)
             sub_meta = step.routed_meta(name, selected.cpu().numpy())
@@ -90,7 +89,7 @@ class ITTDecoderLayer(LlamaDecoderLayer):
             else:
                 out = y.new_zeros((0, y.shape[1]))
             routing.record(self.position, t, slot_of_row, scores)
-            ops.itt_update(y, out, slot_of_row, scores, self.step_encoding[t], self.spec.alphas[t - 1],
+            meta.kernels.itt_update(y, out, slot_of_row, scores, self.step_encoding[t], self.spec.alphas[t - 1],
                            self.spec.skip_rule)
         return y
 

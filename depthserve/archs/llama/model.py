@@ -103,16 +103,25 @@ class LlamaForCausalLM(nn.Module, DepthModel):
         return self.lm_head(hidden).float()
 
     def after_load(self, loaded: set[str]) -> set[str]:
-        """The LM head is the embedding matrix when the checkpoint ties them or has no head."""
-        if self.config.tie_word_embeddings or "lm_head.weight" not in loaded:
-            self.lm_head.weight = self.embed_tokens.weight
-            return {"lm_head.weight"}
-        return set()
+        return tie_lm_head(self, loaded)
 
     def finish_load(self, device: torch.device) -> None:
-        """The rotary tables stay fp32 whatever the model dtype."""
-        cos, sin = rope_tables(self.config.head_dim, self.max_positions, self.config.rope_theta)
-        self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
+        fp32_rope_tables(self, device)
+
+
+def tie_lm_head(model: nn.Module, loaded: set[str]) -> set[str]:
+    """The LM head is the embedding matrix when the checkpoint ties them or has no head
+    (`after_load` of every model with `lm_head` and `embed_tokens`)."""
+    if model.config.tie_word_embeddings or "lm_head.weight" not in loaded:
+        model.lm_head.weight = model.embed_tokens.weight
+        return {"lm_head.weight"}
+    return set()
+
+
+def fp32_rope_tables(model: nn.Module, device: torch.device) -> None:
+    """The rotary tables stay fp32 whatever the model dtype (rebuilt after the cast)."""
+    cos, sin = rope_tables(model.config.head_dim, model.max_positions, model.config.rope_theta)
+    model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
 
 
 def build(hf_config: dict, spec, options: BuildOptions) -> LlamaForCausalLM:

@@ -2,7 +2,7 @@
 
 Plain full-sequence equations in float64: no cache, no paging, no batching, no grouping, and
 nothing of the engine's model code or kernels (it shares only the checkpoint reader of
-depthserve/models/dreamer.py: read_spec, read_weights). For depth index d = 0..depth-1:
+depthserve/archs/dreamer/format.py: read_spec, read_weights). For depth index d = 0..depth-1:
 
     y       = x_d + DA(x_0..x_d) + SA(x_d)
     y       = y + EA(y)
@@ -21,38 +21,24 @@ those of the forced experts.
 
 from __future__ import annotations
 
-import functools
-import json
 import math
-import os
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from depthserve.loading.hf_loader import load_hf_dir
-from depthserve.models.dreamer import P, read_spec, read_weights
+from depthserve.archs.dreamer.format import P, read_spec, read_weights
+from depthserve.archs.llama.reference import knob_values, rms_norm
+from depthserve.archs.llama.reference import load as load_reference
 
 NO_MARGIN = float("inf")
 
 
-@functools.lru_cache(maxsize=4)
-def _load(path: str, stamp: int, dtype: torch.dtype):
-    cfg, weights = load_hf_dir(Path(path), progress=False)
-    spec = read_spec(cfg["depth"], cfg)
-    w = {k: v.to(dtype) for k, v in read_weights(cfg, spec, weights, path).items()}
-    return cfg, spec, w
-
-
 def load(model_dir, dtype=torch.float64):
-    path = Path(model_dir)
-    stamp = max(os.stat(f).st_mtime_ns for f in [path / "config.json", *path.glob("*.safetensors")])
-    return _load(str(path.resolve()), stamp, dtype)
-
-
-def rms_norm(x, weight, eps):
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+    """(HF config, spec, weights in `dtype`) of a Dreamer checkpoint, every tensor checked."""
+    ref = load_reference(model_dir, dtype, read_spec)
+    read_weights(ref.cfg, ref.spec, ref.w, str(model_dir))
+    return ref.cfg, ref.spec, ref.w
 
 
 def rotate(x, angle):
@@ -96,9 +82,8 @@ def choose(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, np.ndarray]:
 
 
 def _knob_depth(depth: Any, D: int) -> int:
-    if depth is None:
-        return D
-    value = depth.get("depth") if isinstance(depth, dict) else getattr(depth, "depth", None)
+    """The `depth` knob: recurrences in 1..D (default D)."""
+    value = knob_values(depth).get("depth")
     if value is None:
         return D
     if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= D:
@@ -200,6 +185,3 @@ def forward(model_dir, token_ids, depth=None, *, return_decisions: bool = False,
     logits = x @ (w["model.embed_tokens.weight"] if head is None else head).T
     return (logits, decisions) if return_decisions else logits
 
-
-def config_of(model_dir) -> dict:
-    return json.loads((Path(model_dir) / "config.json").read_text())

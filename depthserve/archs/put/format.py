@@ -1,0 +1,173 @@
+"""PUT's checkpoint section and tensors, knob, cache plan and FLOP counting (depth-semantics.md
+section 4).
+
+config.json `depth.put`: `n_prefix` plain layers, a core of `n_core` layers run up to `T` times,
+`n_suffix` plain layers, and the conv kernel size `conv_kernel` (k, default 2). Every layer has
+the Llama tensor names under its own prefix (`model.prefix_layers.i.`, `model.core_layers.j.`,
+`model.suffix_layers.i.`); a core layer adds its step embeddings P(1..T) and its conv taps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from depthserve.archs.llama.format import LlamaConfig, attention_flops, layer_weight_flops, plain_flops
+from depthserve.cache import CacheLayout, SlotKind, SlotSpec
+from depthserve.depth import DepthParams, DepthPlan, DepthReport, KnobSpec
+from depthserve.loading.checkpoint import FORMAT_VERSION, CheckpointFormatError
+
+
+@dataclass(frozen=True)
+class PUTSpec:
+    n_prefix: int
+    n_core: int
+    n_suffix: int
+    steps: int  # T: trained core passes (P(t) exists for t = 1..T)
+    conv_kernel: int = 2  # k
+    architecture: str = "put"
+
+    @property
+    def num_layers(self) -> int:
+        return self.n_prefix + self.n_core + self.n_suffix
+
+
+def read_spec(section: dict[str, Any] | None, hf_config: dict[str, Any]) -> PUTSpec:
+    body = (section or {}).get("put")
+    if not isinstance(body, dict):
+        raise CheckpointFormatError("depth.architecture is 'put' but depth.put is missing")
+
+    def integer(name: str, minimum: int, default: int | None = None) -> int:
+        value = body.get(name, default)
+        if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+            raise CheckpointFormatError(f"depth.put.{name} must be an integer >= {minimum}, got {value!r}")
+        return value
+
+    spec = PUTSpec(integer("n_prefix", 0), integer("n_core", 1), integer("n_suffix", 0), integer("T", 1),
+                   integer("conv_kernel", 1, 2))
+    layers = hf_config.get("num_hidden_layers")
+    if layers != spec.num_layers:
+        raise CheckpointFormatError(
+            f"depth.put: n_prefix + n_core + n_suffix = {spec.num_layers} must equal num_hidden_layers ({layers})")
+    if hf_config.get("attention_bias"):
+        raise CheckpointFormatError("depth.put: PUT checkpoints have no attention bias (attention_bias must be false)")
+    return spec
+
+
+def to_section(spec: PUTSpec) -> dict[str, Any]:
+    return {
+        "format_version": FORMAT_VERSION,
+        "architecture": "put",
+        "put": {"n_prefix": spec.n_prefix, "n_core": spec.n_core, "n_suffix": spec.n_suffix, "T": spec.steps,
+                "conv_kernel": spec.conv_kernel},
+    }
+
+
+# ---- tensor names (docs/checkpoint-format.md, "PUT") ------------------------------------------------
+def prefix_layer(i: int) -> str:
+    return f"model.prefix_layers.{i}."
+
+
+def core_layer(j: int) -> str:
+    return f"model.core_layers.{j}."
+
+
+def suffix_layer(i: int) -> str:
+    return f"model.suffix_layers.{i}."
+
+
+def step_embedding(j: int) -> str:
+    return core_layer(j) + "mlp.step_embedding"  # [T, d_ff]: P(1)..P(T)
+
+
+def conv_weight(j: int) -> str:
+    return core_layer(j) + "mlp.conv.weight"  # [k, d_ff]: row i multiplies Z_{n-i} (row 0: the token itself)
+
+
+def layer_prefixes(spec: PUTSpec) -> list[str]:
+    """Every layer's name prefix, in forward order of one pass (prefix, core, suffix)."""
+    return ([prefix_layer(i) for i in range(spec.n_prefix)] + [core_layer(j) for j in range(spec.n_core)]
+            + [suffix_layer(i) for i in range(spec.n_suffix)])
+
+
+# ---- the knob and the plan ------------------------------------------------------------------------
+def knobs(spec: PUTSpec) -> dict[str, KnobSpec]:
+    T = spec.steps
+    return {"loops": KnobSpec("loops", f"passes of the shared core; P(t) is trained for t = 1..{T}", 1, T, T)}
+
+
+def prefix_slot_name(i: int) -> str:
+    return f"prefix{i}"
+
+
+def core_slot_name(j: int, t: int) -> str:
+    return f"core{j}.step{t}"
+
+
+def suffix_slot_name(i: int) -> str:
+    return f"suffix{i}"
+
+
+def base_slots(cfg: LlamaConfig, spec: PUTSpec) -> tuple[SlotSpec, ...]:
+    """The slots every request has (prefix layers, the core's step 1, suffix layers): they come
+    first in every layout, so they sit at the same columns of every request's page table."""
+    names = ([prefix_slot_name(i) for i in range(spec.n_prefix)] + [core_slot_name(j, 1) for j in range(spec.n_core)]
+             + [suffix_slot_name(i) for i in range(spec.n_suffix)])
+    return tuple(SlotSpec(name, SlotKind.DENSE, cfg.num_kv_heads) for name in names)
+
+
+def base_columns(cfg: LlamaConfig, spec: PUTSpec) -> dict[str, slice]:
+    """Name -> columns of the base slots, alike in every request's page table."""
+    return CacheLayout(base_slots(cfg, spec)).slot_columns()
+
+
+def state_bytes(cfg: LlamaConfig, spec: PUTSpec, loops: int, itemsize: int) -> int:
+    """The conv state of one sequence: (k-1) rows of Z per (step, core layer), `itemsize` bytes a value."""
+    return loops * spec.n_core * (spec.conv_kernel - 1) * cfg.intermediate_size * itemsize
+
+
+@dataclass(frozen=True, kw_only=True)
+class PUTPlan(DepthPlan):
+    loops: int  # core passes
+    columns: dict[str, slice]  # slot name -> columns of the request's page table
+
+
+def plan(cfg: LlamaConfig, spec: PUTSpec, depth: DepthParams, itemsize: int) -> PUTPlan:
+    """`itemsize`: bytes of one value in the model's dtype (the conv state is kept in it)."""
+    loops = spec.steps if depth.loops is None else int(depth.loops)
+    base = base_slots(cfg, spec)
+    steps = tuple(SlotSpec(core_slot_name(j, t), SlotKind.DENSE, cfg.num_kv_heads)
+                  for t in range(2, loops + 1) for j in range(spec.n_core))
+    layout = CacheLayout(base + steps, base_slots=len(base), state_bytes=state_bytes(cfg, spec, loops, itemsize))
+    plain = cfg.num_layers * layer_weight_flops(cfg)
+    return PUTPlan(depth=depth, layout=layout, flops_per_token=plain + extra_weight_flops(cfg, spec, loops),
+                   plain_flops_per_token=plain, loops=loops, columns=layout.slot_columns())
+
+
+# ---- FLOP counting and the report ------------------------------------------------------------------
+def conv_flops(cfg: LlamaConfig, spec: PUTSpec) -> float:
+    """The depthwise convolution of one core layer for one token (k multiply-adds per feature)."""
+    return 2 * spec.conv_kernel * cfg.intermediate_size
+
+
+def extra_weight_flops(cfg: LlamaConfig, spec: PUTSpec, loops: int) -> float:
+    """Per token, beyond the plain model's weight matmuls: the core's passes after the first, and
+    the conv of every pass."""
+    return spec.n_core * ((loops - 1) * layer_weight_flops(cfg) + loops * conv_flops(cfg, spec))
+
+
+def report(cfg: LlamaConfig, spec: PUTSpec, plan: PUTPlan, tokens: int, generated: int) -> DepthReport:
+    ctx_sum = tokens * (tokens + 1) / 2
+    # The plain model: every layer once (the core as one pass of plain layers).
+    base = plain_flops(cfg, tokens, generated)
+    extra_pass = spec.n_core * (tokens * layer_weight_flops(cfg)
+                                + attention_flops(cfg.num_heads, cfg.head_dim, ctx_sum))
+    conv = plan.loops * spec.n_core * tokens * conv_flops(cfg, spec)
+    return DepthReport(
+        architecture="put",
+        tokens=tokens,
+        flops=base + (plan.loops - 1) * extra_pass + conv,  # this request's FLOPs
+        plain_flops=base,  # every layer once, as a plain model, on the same tokens
+        settings={"loops": plan.loops, "trained_loops": spec.steps, "state_bytes": plan.layout.state_bytes},
+        counters={"core_layer_passes": tokens * plan.loops * spec.n_core},  # (token, step, core layer) computed
+    )

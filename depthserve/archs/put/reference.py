@@ -1,0 +1,125 @@
+"""The PUT reference (depth-semantics.md section 4; paper 004, Eq. 6-9): the test oracle.
+
+A plain full-sequence forward written from the equations, in float64 by default: no cache, no
+paging, no batching, nothing of the engine's model code.
+
+    x = embed(ids)
+    prefix layers (plain Llama, section 0)
+    for t = 1..loops, for each core layer (H = the normed input):
+        h  = x + W_O . (SiLU(O) * O),   O = causal softmax attention of RMSNorm_a(x), per head
+        Z  = ReLU(H W_gate + P(t)) * (H W_up),   H = RMSNorm_m(h)
+        U  = SiLU(Z + DWConv_k(Z)),   DWConv_k(Z)_n = sum_{j<k} w_j * Z_{n-j}   (Z_m = 0 for m < 0)
+        x  = h + U W_down
+    suffix layers (plain Llama); logits = lm_head(RMSNorm(x))
+
+The checkpoint's layers are read as the Llama layers of one unrolled pass (prefix i at layer i,
+core j at n_prefix + j, suffix i after the core), so the plain layers are section 0's as written
+in depthserve/archs/llama/reference.py.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from depthserve.archs.llama.reference import (
+    Reference,
+    attention_dims,
+    causal_mask,
+    full_layer,
+    knob_values,
+    load,
+    logits_of,
+    norm,
+    rope,
+)
+from depthserve.archs.put.format import PUTSpec, layer_prefixes, read_spec
+
+
+def _as_llama_layers(spec: PUTSpec, weights: dict, path: str) -> dict:
+    """Rename every layer's tensors to `model.layers.{index}.` in one pass's order (nothing kept apart)."""
+    for index, prefix in enumerate(layer_prefixes(spec)):
+        for name in [name for name in weights if name.startswith(prefix)]:
+            weights[f"model.layers.{index}." + name[len(prefix):]] = weights.pop(name)
+    return {}
+
+
+def load_put(model_dir: str | Path, dtype: torch.dtype = torch.float64) -> Reference:
+    return load(model_dir, dtype, read_spec, _as_llama_layers)
+
+
+def head_outputs(ref: Reference, layer: int, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """O: every head's causal softmax attention output, concatenated [B, n, H * head_dim]. x is normed."""
+    H, H_kv, hd, theta = attention_dims(ref.cfg)
+    p = f"model.layers.{layer}.self_attn."
+    positions = torch.arange(x.shape[1])
+    heads = []
+    for i in range(H):
+        g = i // (H // H_kv)  # query head i reads KV head g
+        q = x @ ref.w[p + "q_proj.weight"][i * hd : (i + 1) * hd].T
+        k = x @ ref.w[p + "k_proj.weight"][g * hd : (g + 1) * hd].T
+        v = x @ ref.w[p + "v_proj.weight"][g * hd : (g + 1) * hd].T
+        q, k = rope(q, positions, theta), rope(k, positions, theta)
+        scores = ((q @ k.transpose(-1, -2)) / math.sqrt(hd)).masked_fill(~mask, float("-inf"))
+        heads.append(torch.softmax(scores, dim=-1) @ v)
+    return torch.cat(heads, dim=-1)
+
+
+def dwconv(z: torch.Tensor, conv: torch.Tensor) -> torch.Tensor:
+    """Causal depthwise convolution over tokens (dim -2): out_n = sum_{j<k} conv[j] * z_{n-j}, z_m = 0 for m < 0."""
+    n = z.shape[-2]
+    out = torch.zeros_like(z)
+    for j in range(conv.shape[0]):
+        if j < n:
+            out[..., j:, :] = out[..., j:, :] + conv[j] * z[..., : n - j, :]
+    return out
+
+
+def core_layer(ref: Reference, j: int, t: int, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Core layer j at step t (section 4)."""
+    layer = ref.spec.n_prefix + j
+    w = ref.w
+    p = f"model.layers.{layer}."
+    O = head_outputs(ref, layer, norm(ref, layer, "a", x), mask)
+    h = x + (F.silu(O) * O) @ w[p + "self_attn.o_proj.weight"].T  # Eq. 7, elementwise per head
+    H = norm(ref, layer, "m", h)
+    P_t = w[p + "mlp.step_embedding"][t - 1]
+    Z = torch.relu(H @ w[p + "mlp.gate_proj.weight"].T + P_t) * (H @ w[p + "mlp.up_proj.weight"].T)  # Eq. 9
+    U = F.silu(Z + dwconv(Z, w[p + "mlp.conv.weight"]))  # Eq. 8
+    return h + U @ w[p + "mlp.down_proj.weight"].T
+
+
+def put_loops(spec: PUTSpec, depth: Any) -> int:
+    """The `loops` knob: core passes in 1..T (default T)."""
+    value = knob_values(depth).get("loops")
+    if value is None:
+        return spec.steps
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= spec.steps:
+        raise ValueError(f"PUT loops must be an integer in 1..{spec.steps}, got {value!r}")
+    return value
+
+
+@torch.no_grad()
+def forward(model_dir: str | Path, token_ids: list[int], depth: Any = None, *, return_decisions: bool = False,
+            force: dict | None = None, dtype: torch.dtype = torch.float64):
+    """Logits [n_tokens, vocab] of the full-sequence forward with `loops` core passes (default T).
+    PUT has no discrete decisions: with return_decisions the second value is {}."""
+    ref = load_put(model_dir, dtype)
+    spec: PUTSpec = ref.spec
+    loops = put_loops(spec, depth)
+    ids = torch.as_tensor(list(token_ids), dtype=torch.long)[None]
+    mask = causal_mask(1, ids.shape[1])
+    x = ref.w["model.embed_tokens.weight"][ids]
+    for i in range(spec.n_prefix):
+        x = full_layer(ref, i, x, mask)
+    for t in range(1, loops + 1):
+        for j in range(spec.n_core):
+            x = core_layer(ref, j, t, x, mask)
+    for i in range(spec.n_suffix):
+        x = full_layer(ref, spec.n_prefix + spec.n_core + i, x, mask)
+    logits = logits_of(ref, x)[0]
+    return (logits, {}) if return_decisions else logits

@@ -1,1 +1,0 @@
-"""Model definitions, one module per mechanism, plain PyTorch."""

@@ -1,0 +1,114 @@
+"""Paged attention over the KV page pool: the torch implementations (the CPU path and the
+reference of the Triton kernels in `triton/paged.py`).
+
+Cache layout: `k_pages`, `v_pages` are [num_pages, block_size, head_dim]; a page holds one
+KV head of one slot for `block_size` consecutive tokens. A page table row lists, per token
+block, the pages of the slot's heads.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def store_kv(
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    v: torch.Tensor,
+    k_pages: torch.Tensor,  # [num_pages, block_size, head_dim]
+    v_pages: torch.Tensor,
+    slot_index: torch.Tensor,  # [num_tokens, num_kv_heads] flat index page * block_size + offset
+) -> None:
+    """Write each token's keys/values at its (page, offset). Rows with index -1 are padding."""
+    head_dim = k.shape[-1]
+    index = slot_index.reshape(-1)
+    keys = k.reshape(-1, head_dim)
+    values = v.reshape(-1, head_dim)
+    if bool((index < 0).any()):
+        keep = index >= 0
+        index, keys, values = index[keep], keys[keep], values[keep]
+    k_pages.view(-1, head_dim).index_copy_(0, index, keys.to(k_pages.dtype))
+    v_pages.view(-1, head_dim).index_copy_(0, index, values.to(v_pages.dtype))
+
+
+def gather_kv(
+    pages: torch.Tensor,  # [num_pages, block_size, head_dim]
+    page_table: torch.Tensor,  # [batch, num_kv_heads, num_blocks]
+) -> torch.Tensor:
+    """[batch, num_kv_heads, num_blocks * block_size, head_dim], in token order."""
+    batch, heads, blocks = page_table.shape
+    _, block_size, head_dim = pages.shape
+    gathered = pages.index_select(0, page_table.reshape(-1))
+    return gathered.view(batch, heads, blocks * block_size, head_dim)
+
+
+def paged_decode_attention(
+    q: torch.Tensor,  # [batch, num_q_heads, head_dim], one query per sequence
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    page_table: torch.Tensor,  # [batch, num_kv_heads, num_blocks]; padding blocks may hold any page
+    context_lens: torch.Tensor,  # [batch] keys visible to each query (its own included)
+    scale: float,
+) -> torch.Tensor:
+    """Single-query attention over each sequence's paged keys. Returns [batch, num_q_heads, head_dim].
+
+    GQA by grouping the query heads of each KV head into one small matmul ([group, d] x [d, len]);
+    on CPU this beats SDPA with a mask and enable_gqa by about 20% at decode shapes.
+    """
+    batch, num_q_heads, head_dim = q.shape
+    keys = gather_kv(k_pages, page_table)  # [batch, kv_heads, max_len, d]
+    values = gather_kv(v_pages, page_table)
+    num_kv_heads, max_len = keys.shape[1], keys.shape[2]
+    query = q.view(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim).to(keys.dtype)
+    scores = torch.matmul(query, keys.transpose(-1, -2)).float().mul_(scale)  # [batch, kv_heads, group, max_len]
+    beyond = torch.arange(max_len, device=q.device)[None, :] >= context_lens[:, None]
+    scores.masked_fill_(beyond[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(values.dtype)
+    return torch.matmul(probs, values).view(batch, num_q_heads, head_dim)
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,  # [num_queries, num_q_heads, head_dim], positions start..start+n-1 of one sequence
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    page_table: torch.Tensor,  # [num_kv_heads, num_blocks] of this sequence
+    context_len: int,  # keys visible to the last query (start + num_queries)
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of a prompt chunk over its sequence's cache (earlier chunks and prefix hits included)."""
+    num_queries = q.shape[0]
+    keys = gather_kv(k_pages, page_table[None])[0, :, :context_len]
+    values = gather_kv(v_pages, page_table[None])[0, :, :context_len]
+    start = context_len - num_queries
+    # 4-d inputs (a batch of one): on CPU only those reach SDPA's flash kernel; 3-d ones take
+    # the unfused math path, 1.5-2x slower at prompt-chunk sizes.
+    query = q.transpose(0, 1).to(keys.dtype)[None]  # [1, heads, n, d]
+    keys, values = keys[None], values[None]
+    gqa = q.shape[1] != keys.shape[1]
+    if start == 0:
+        out = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale, enable_gqa=gqa)
+    else:
+        key_pos = torch.arange(context_len, device=q.device)
+        query_pos = torch.arange(start, context_len, device=q.device)
+        mask = key_pos[None, :] <= query_pos[:, None]
+        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    return out[0].transpose(0, 1)
+
+
+def paged_prefill_attention_varlen(
+    q: torch.Tensor,  # [total_queries, num_q_heads, head_dim], packed by sequence
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    page_tables: torch.Tensor,  # [num_seqs, num_kv_heads, num_blocks]
+    query_starts: torch.Tensor,  # [num_seqs + 1] row of each sequence's first query
+    context_lens: torch.Tensor,  # [num_seqs] keys visible to each sequence's last query
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of several packed prompt chunks, each over its own sequence's cache."""
+    out = torch.empty_like(q)
+    starts = query_starts.tolist()
+    for i, context_len in enumerate(context_lens.tolist()):
+        rows = slice(starts[i], starts[i + 1])
+        if rows.start < rows.stop:
+            out[rows] = paged_prefill_attention(q[rows], k_pages, v_pages, page_tables[i], context_len, scale)
+    return out

@@ -1,0 +1,1 @@
+"""Triton kernels, one module per family; imported only where triton is installed."""

@@ -1,0 +1,217 @@
+"""Triton kernels of the paged-attention family: KV store, split-K paged decode attention and
+varlen causal prefill attention over the paged cache (torch versions: `kernels/paged.py`)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from depthserve.kernels.triton.common import DECODE_TILE, group_scores, online_softmax, paged_kv_offsets, pow2
+
+# ---- KV store ---------------------------------------------------------------------------------
+
+
+@triton.jit
+def _store_kv_kernel(k_ptr, v_ptr, k_pages_ptr, v_pages_ptr, index_ptr,
+                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    row = tl.program_id(0)  # one (token, KV head)
+    dst = tl.load(index_ptr + row).to(tl.int64)
+    if dst >= 0:  # -1 marks a padding row
+        d = tl.arange(0, BLOCK_D)
+        mask = d < HEAD_DIM
+        src = row.to(tl.int64) * HEAD_DIM + d
+        k = tl.load(k_ptr + src, mask=mask)
+        v = tl.load(v_ptr + src, mask=mask)
+        tl.store(k_pages_ptr + dst * HEAD_DIM + d, k.to(k_pages_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_pages_ptr + dst * HEAD_DIM + d, v.to(v_pages_ptr.dtype.element_ty), mask=mask)
+
+
+def store_kv(k, v, k_pages, v_pages, slot_index) -> None:
+    head_dim = k.shape[-1]
+    keys = k.reshape(-1, head_dim).contiguous()
+    values = v.reshape(-1, head_dim).contiguous()
+    index = slot_index.reshape(-1).contiguous()
+    if index.numel() == 0:
+        return
+    _store_kv_kernel[(index.numel(),)](keys, values, k_pages, v_pages, index,
+                                       HEAD_DIM=head_dim, BLOCK_D=pow2(head_dim))
+
+
+@triton.jit
+def _decode_partial_kernel(
+    q_ptr, k_pages_ptr, v_pages_ptr, table_ptr, lens_ptr, part_acc_ptr, part_ml_ptr,
+    scale, table_stride_b, table_stride_h, table_stride_blk, max_blocks,
+    NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr, TILES_PER_SPLIT: tl.constexpr, NUM_SPLITS: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    context = tl.load(lens_ptr + b)
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    g_mask = g < GROUP
+    d_mask = d < HEAD_DIM
+    q_heads = kv_head * GROUP + g
+    q_offs = (b * NUM_Q_HEADS + q_heads)[:, None] * HEAD_DIM + d[None, :]
+    q = tl.load(q_ptr + q_offs, mask=g_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    table_row = table_ptr + b * table_stride_b + kv_head * table_stride_h
+    start = split * TILES_PER_SPLIT * BLOCK_N
+    end = tl.minimum(start + TILES_PER_SPLIT * BLOCK_N, context)
+    n = tl.arange(0, BLOCK_N)
+    for tile in range(start, end, BLOCK_N):
+        pos = tile + n
+        n_mask = pos < end
+        kv_offs = paged_kv_offsets(table_row, table_stride_blk, max_blocks, pos, n_mask, d, BLOCK_SIZE, HEAD_DIM)
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_pages_ptr + kv_offs, mask=kv_mask, other=0.0).to(tl.float32)
+        v = tl.load(v_pages_ptr + kv_offs, mask=kv_mask, other=0.0).to(tl.float32)
+        s = group_scores(q, k, n_mask, scale)  # [G, N]
+        m_i, l_i, acc = online_softmax(m_i, l_i, acc, s, v)
+
+    part = (b * NUM_Q_HEADS + q_heads) * NUM_SPLITS + split  # [G]
+    tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=g_mask[:, None] & d_mask[None, :])
+    tl.store(part_ml_ptr + part * 2, m_i, mask=g_mask)
+    tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=g_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(part_acc_ptr, part_ml_ptr, out_ptr,
+                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                          NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
+    row = tl.program_id(0)  # one (sequence, query head)
+    sp = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    s_mask = sp < NUM_SPLITS
+    d_mask = d < HEAD_DIM
+    base = row * NUM_SPLITS + sp
+    m = tl.load(part_ml_ptr + base * 2, mask=s_mask, other=float("-inf"))
+    l = tl.load(part_ml_ptr + base * 2 + 1, mask=s_mask, other=0.0)
+    acc = tl.load(part_acc_ptr + base[:, None] * HEAD_DIM + d[None, :], mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+    m_all = tl.max(m, axis=0)
+    w = tl.where(m > float("-inf"), tl.exp(m - m_all), 0.0)  # empty splits weigh nothing
+    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
+    tl.store(out_ptr + row * HEAD_DIM + d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+_TARGET_PROGRAMS = 512  # enough (sequence, KV head, split) programs to fill a large GPU
+
+
+def decode_splits(batch: int, kv_heads: int, max_len: int, tile: int = DECODE_TILE) -> int:
+    """Tiles per split: split long contexts when there are too few (sequence, KV head) pairs."""
+    tiles = max(1, triton.cdiv(max_len, tile))
+    wanted = max(1, min(tiles, triton.cdiv(_TARGET_PROGRAMS, max(1, batch * kv_heads))))
+    return triton.cdiv(tiles, wanted)
+
+
+def paged_decode_attention(q, k_pages, v_pages, page_table, context_lens, scale, tiles_per_split: int | None = None):
+    batch, num_q_heads, head_dim = q.shape
+    if batch == 0:
+        return torch.empty_like(q)
+    kv_heads, max_blocks = page_table.shape[1], page_table.shape[2]
+    block_size = k_pages.shape[1]
+    group = num_q_heads // kv_heads
+    max_len = max_blocks * block_size
+    tiles_per_split = tiles_per_split or decode_splits(batch, kv_heads, max_len)
+    num_splits = triton.cdiv(triton.cdiv(max_len, DECODE_TILE), tiles_per_split)
+    q = q.contiguous()
+    part_acc = torch.empty(batch, num_q_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+    part_ml = torch.empty(batch, num_q_heads, num_splits, 2, dtype=torch.float32, device=q.device)
+    _decode_partial_kernel[(batch, kv_heads, num_splits)](
+        q, k_pages, v_pages, page_table, context_lens.to(torch.int32), part_acc, part_ml,
+        float(scale), page_table.stride(0), page_table.stride(1), page_table.stride(2), max_blocks,
+        NUM_Q_HEADS=num_q_heads, GROUP=group, BLOCK_G=pow2(group), HEAD_DIM=head_dim,
+        BLOCK_D=pow2(head_dim), BLOCK_SIZE=block_size, BLOCK_N=DECODE_TILE,
+        TILES_PER_SPLIT=tiles_per_split, NUM_SPLITS=num_splits,
+    )
+    out = torch.empty(batch, num_q_heads, head_dim, dtype=q.dtype, device=q.device)
+    _decode_reduce_kernel[(batch * num_q_heads,)](
+        part_acc, part_ml, out, HEAD_DIM=head_dim, BLOCK_D=pow2(head_dim),
+        NUM_SPLITS=num_splits, BLOCK_S=pow2(num_splits),
+    )
+    return out
+
+
+# ---- varlen causal prefill attention over the paged cache ------------------------------------
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_pages_ptr, v_pages_ptr, table_ptr, query_starts_ptr, lens_ptr, out_ptr,
+    scale, table_stride_s, table_stride_h, table_stride_blk, max_blocks,
+    NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    m_block = tl.program_id(1)
+    head = tl.program_id(2)
+    q_start = tl.load(query_starts_ptr + seq)
+    num_queries = tl.load(query_starts_ptr + seq + 1) - q_start
+    if m_block * BLOCK_M < num_queries:
+        context = tl.load(lens_ptr + seq)
+        first_pos = context - num_queries  # position of the sequence's first query
+        m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+        d = tl.arange(0, BLOCK_D)
+        m_mask = m < num_queries
+        d_mask = d < HEAD_DIM
+        q_pos = first_pos + m
+        q_offs = ((q_start + m) * NUM_Q_HEADS + head).to(tl.int64)[:, None] * HEAD_DIM + d[None, :]
+        q = tl.load(q_ptr + q_offs, mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        table_row = table_ptr + seq * table_stride_s + (head // GROUP) * table_stride_h
+        key_end = tl.minimum(first_pos + (m_block + 1) * BLOCK_M, context)  # causal: beyond the tile's last query
+        n = tl.arange(0, BLOCK_N)
+        for tile in range(0, key_end, BLOCK_N):
+            pos = tile + n
+            n_mask = pos < key_end
+            kv_offs = paged_kv_offsets(table_row, table_stride_blk, max_blocks, pos, n_mask, d, BLOCK_SIZE, HEAD_DIM)
+            kv_mask = n_mask[:, None] & d_mask[None, :]
+            k = tl.load(k_pages_ptr + kv_offs, mask=kv_mask, other=0.0).to(q.dtype)
+            v = tl.load(v_pages_ptr + kv_offs, mask=kv_mask, other=0.0)
+            if IEEE:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+            else:
+                s = tl.dot(q, tl.trans(k)) * scale
+            visible = (pos[None, :] <= q_pos[:, None]) & n_mask[None, :]
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)  # padded query rows see no key
+            alpha = tl.exp(m_i - m_safe)
+            p = tl.exp(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + q_offs, out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+
+
+def paged_prefill_attention_varlen(q, k_pages, v_pages, page_tables, query_starts, context_lens, scale):
+    """q [total_queries, num_q_heads, d] packed by sequence; page_tables [seqs, kv_heads, blocks];
+    query_starts [seqs + 1]; context_lens [seqs] (keys visible to each sequence's last query)."""
+    num_seqs = page_tables.shape[0]
+    out = torch.empty_like(q)
+    if num_seqs == 0 or q.shape[0] == 0:
+        return out
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    kv_heads, max_blocks = page_tables.shape[1], page_tables.shape[2]
+    counts = query_starts[1:] - query_starts[:-1]
+    block_m, block_n = 32, 32
+    grid = (num_seqs, triton.cdiv(int(counts.max()), block_m), num_q_heads)
+    _prefill_kernel[grid](
+        q.contiguous(), k_pages, v_pages, page_tables, query_starts.to(torch.int32),
+        context_lens.to(torch.int32), out, float(scale), page_tables.stride(0), page_tables.stride(1), page_tables.stride(2), max_blocks,
+        NUM_Q_HEADS=num_q_heads, GROUP=num_q_heads // kv_heads, HEAD_DIM=head_dim, BLOCK_D=pow2(head_dim, 16),
+        BLOCK_SIZE=k_pages.shape[1], BLOCK_M=block_m, BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
+    )
+    return out

@@ -1,0 +1,223 @@
+"""What the OpenAI endpoints share: model ids and depth presets, request bodies to SamplingParams /
+DepthParams, tokenizing on the tokenizer worker, admission through the engine thread, running the
+prompts of one request concurrently, usage, and the tokenizer and model-list endpoints.
+
+The server reaches the engine only through `AsyncLLM` (its engine thread's queue) and reads only
+the immutable `ModelInfo` the engine published at start; it never touches engine or model state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from depthserve.depth import DepthParams, combine_reports
+from depthserve.engine.async_llm import AsyncLLM, RequestStream
+from depthserve.errors import EngineDeadError, InvalidRequestError, ModelNotFoundError, QueueFullError
+from depthserve.outputs import RequestOutput, TokenLogprobs
+from depthserve.sampling_params import SamplingParams
+from depthserve.server.metrics import RequestTimer, ServerMetrics
+from depthserve.server.protocol import (
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    ResponseModel,
+    SamplingFields,
+    TokenizeResponse,
+    UsageInfo,
+)
+from depthserve.server.tokenization import TokenizerWorker
+
+# First item of every SSE generator: all its prompts were admitted. The route consumes it before
+# the response starts, so a refusal (queue full, engine dead) is an HTTP error, not an empty stream.
+ADMITTED = ""
+
+
+def sse(payload: ResponseModel | dict | str) -> str:
+    if isinstance(payload, ResponseModel):
+        data = payload.model_dump_json()
+    else:
+        data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    return f"data: {data}\n\n"
+
+
+@dataclass
+class Job:
+    """One engine request: one prompt of an HTTP request."""
+
+    prompt: str | list[int] | None
+    token_ids: list[int]
+    prompt_text: str | None
+
+
+class OpenAIServing:
+    def __init__(self, llm: AsyncLLM, served_model_name: str, depth_presets: dict[str, dict] | None,
+                 metrics: ServerMetrics, tokenizer_worker: TokenizerWorker):
+        self.llm = llm
+        self.info = llm.model_info
+        self.model_name = served_model_name
+        self.depth_presets = dict(depth_presets or {})
+        self.metrics = metrics
+        self.tokenizer_worker = tokenizer_worker
+        self.max_model_len = self.info.max_model_len
+
+    # ---- models ------------------------------------------------------------------------------------
+    def model_ids(self) -> list[str]:
+        return [self.model_name] + [f"{self.model_name}:{name}" for name in self.depth_presets]
+
+    def preset_depth(self, model: str | None) -> dict:
+        if model is None or model == self.model_name:
+            return {}
+        base, _, preset = model.partition(":")
+        if base == self.model_name and preset in self.depth_presets:
+            return dict(self.depth_presets[preset])
+        raise ModelNotFoundError(f"the model '{model}' does not exist; this server serves {self.model_ids()}")
+
+    def list_models(self) -> ModelList:
+        knobs = {name: spec.as_dict() for name, spec in self.info.depth_knobs.items()}
+        created = int(time.time())
+        return ModelList(data=[ModelCard(id=model_id, created=created, max_model_len=self.max_model_len,
+                                         depth_knobs=knobs, depth_preset=self.preset_depth(model_id) or None)
+                               for model_id in self.model_ids()])
+
+    # ---- tokenizer endpoints (tokenizing runs on the tokenizer worker's thread) -----------------
+    async def chat_prompt_ids(self, messages) -> list[int]:
+        conversation = [{"role": m.role, "content": m.text()} for m in messages]
+        return await self.tokenizer_worker.run(self.tokenizer_worker.encode_chat, conversation)
+
+    async def tokenize(self, prompt: str | None, messages, add_special_tokens: bool) -> TokenizeResponse:
+        if messages is not None:
+            ids = await self.chat_prompt_ids(messages)
+        else:
+            ids = await self.tokenizer_worker.run(self.tokenizer_worker.encode, prompt, add_special_tokens)
+        return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=self.max_model_len)
+
+    async def detokenize(self, tokens: list[int]) -> DetokenizeResponse:
+        vocab = self.info.vocab_size
+        bad = [t for t in tokens if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"token ids out of range [0, {vocab}): {bad[:5]}")
+        return DetokenizeResponse(prompt=await self.tokenizer_worker.run(self.tokenizer_worker.decode, tokens))
+
+    # ---- request building ---------------------------------------------------------------------------
+    def depth_params(self, req: SamplingFields) -> DepthParams:
+        merged = {**self.preset_depth(req.model), **(req.depth.knobs() if req.depth else {})}
+        return DepthParams.from_dict(merged)
+
+    @staticmethod
+    def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int | None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
+        return SamplingParams(
+            n=req.n,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=0 if req.top_k is None else req.top_k,
+            min_p=req.min_p or 0.0,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            logit_bias={int(k): v for k, v in req.logit_bias.items()} if req.logit_bias else None,
+            seed=req.seed,
+            max_tokens=max_tokens,
+            min_tokens=req.min_tokens,
+            stop=req.stop,
+            stop_token_ids=list(req.stop_token_ids or []),
+            ignore_eos=req.ignore_eos,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=req.skip_special_tokens,
+        )
+
+    def check_context(self, jobs: list[Job], max_tokens: int | None) -> None:
+        """A prompt plus max_tokens beyond the context is a 400 naming the limit (as OpenAI's and
+        vLLM's servers answer), not a silent cut. max_tokens None means the rest of the context."""
+        for job in jobs:
+            prompt_tokens = len(job.token_ids)
+            if max_tokens is not None and prompt_tokens + max_tokens > self.max_model_len:
+                raise InvalidRequestError(
+                    f"this model's maximum context length is {self.max_model_len} tokens; the request asks "
+                    f"for {prompt_tokens + max_tokens} ({prompt_tokens} in the prompt, {max_tokens} for the "
+                    "completion): lower max_tokens or shorten the prompt")
+
+    # ---- running requests ----------------------------------------------------------------------------
+    async def admit(self, jobs: list[Job], params: SamplingParams, depth: DepthParams,
+                    request_id: str) -> list[RequestStream]:
+        """Admit every prompt of one HTTP request, or none (validated and queued on the engine
+        thread): a refusal raises before any response has started."""
+        ids = [request_id] if len(jobs) == 1 else [f"{request_id}-{i}" for i in range(len(jobs))]
+        try:
+            return await self.llm.add_requests([job.token_ids for job in jobs], params, depth, ids)
+        except (QueueFullError, EngineDeadError):
+            self.metrics.requests.labels(outcome="rejected").inc()
+            raise
+
+    async def run(self, jobs: list[Job], streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Yield (job index, cumulative output) as the admitted streams produce them.
+        Closing this generator early (client gone) aborts every job that is still running."""
+        queue: asyncio.Queue = asyncio.Queue()
+        timers = [RequestTimer(self.metrics) for _ in jobs]
+        generated = [0] * len(jobs)
+
+        async def pump(i: int, stream: RequestStream) -> None:
+            try:
+                async for out in stream:
+                    await queue.put((i, out))
+            except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+                await queue.put((i, exc))
+                return
+            await queue.put((i, None))
+
+        tasks = [asyncio.create_task(pump(i, stream)) for i, stream in enumerate(streams)]
+        outcome = "aborted"
+        try:
+            remaining = len(jobs)
+            while remaining:
+                i, item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                    continue
+                if isinstance(item, BaseException):
+                    outcome = "error"
+                    raise item
+                total = sum(len(o.token_ids) for o in item.outputs)
+                timers[i].on_output(total - generated[i], item.metrics)
+                generated[i] = total
+                if item.finished:
+                    self.metrics.record_depth(item.depth)
+                yield i, item
+            outcome = "success"
+        finally:
+            for task in tasks:
+                task.cancel()
+            for stream in streams:
+                stream.close()
+            for i, timer in enumerate(timers):
+                timer.finish(outcome, len(jobs[i].token_ids), generated[i])
+
+    async def collect(self, jobs: list[Job], params: SamplingParams, depth: DepthParams,
+                      request_id: str) -> list[RequestOutput]:
+        streams = await self.admit(jobs, params, depth, request_id)
+        final: list[RequestOutput | None] = [None] * len(jobs)
+        async for i, out in self.run(jobs, streams):
+            final[i] = out
+        return final  # type: ignore[return-value]
+
+    # ---- shared response pieces -------------------------------------------------------------------
+    def token_text(self, token_id: int, entry: TokenLogprobs | None = None) -> str:
+        """The token's text as the engine decoded it (else decoded here, on the server's tokenizer)."""
+        if entry is not None and token_id in entry and entry[token_id].decoded_token is not None:
+            return entry[token_id].decoded_token
+        return self.tokenizer_worker.decode([token_id])
+
+
+def usage(jobs: list[Job], outputs: list[RequestOutput | None]) -> UsageInfo:
+    prompt_tokens = sum(len(job.token_ids) for job in jobs)
+    completion_tokens = sum(len(c.token_ids) for out in outputs if out is not None for c in out.outputs)
+    reports = [out.depth for out in outputs if out is not None and out.depth is not None]
+    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                     total_tokens=prompt_tokens + completion_tokens,
+                     depth=combine_reports(reports) if reports else None)
