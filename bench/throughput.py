@@ -44,6 +44,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="engine per-step token budget")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    p.add_argument("--compiled", action="store_true",
+                   help="also time the engine with decode steps compiled at static shapes (enforce_eager=False), "
+                        "taking turns with the eager engine and transformers")
     p.add_argument("--quick", action="store_true", help="concurrency 1 and 8, output 16, 2 repeats")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="result name under bench/results (default: throughput-<device>)")
@@ -54,10 +57,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 class EngineRunner:
-    name = "engine"
-
-    def __init__(self, ns: argparse.Namespace, max_batch: int):
+    def __init__(self, ns: argparse.Namespace, max_batch: int, compiled: bool = False):
         from depthserve import LLM
+
+        self.name = "engine_compiled" if compiled else "engine"
 
         extra = {}
         if ns.max_num_batched_tokens:
@@ -65,7 +68,8 @@ class EngineRunner:
         # Prefix caching off: every repeat must prefill its prompts again.
         self.llm = LLM(ns.model, dtype=ns.dtype, device=ns.device, num_threads=ns.threads,
                        max_num_seqs=max(max_batch, 1), enable_prefix_caching=False,
-                       max_model_len=ns.input_len + ns.output_len + 8, load_progress=False, **extra)
+                       max_model_len=ns.input_len + ns.output_len + 8, load_progress=False,
+                       enforce_eager=not compiled, **extra)
         self.device = self.llm.engine.device
         self.dtype = self.llm.engine.dtype
         self.vocab_size = self.llm.engine.vocab_size
@@ -157,14 +161,16 @@ def main(argv: list[str] | None = None) -> int:
     batch_sizes = [int(b) for b in ns.batch_sizes.split(",")]
     engine = EngineRunner(ns, max(batch_sizes))
     sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
+    compiled = EngineRunner(ns, max(batch_sizes), compiled=True) if ns.compiled else None
     hf = None if ns.no_hf else HFRunner(ns, engine.device, engine.dtype)
+    runners = [engine] + ([compiled] if compiled is not None else []) + ([hf] if hf is not None else [])
 
     rows = []
     for concurrency in batch_sizes:
         prompts = common.random_prompts(concurrency, ns.input_len, engine.vocab_size, ns.seed + concurrency)
         row: dict = {"concurrency": concurrency}
-        figures, matmul_ms = measure([engine] + ([hf] if hf is not None else []), prompts, ns.output_len, ns.repeats,
-                                     sync, probe=matmul_probe(engine, concurrency, sync))
+        figures, matmul_ms = measure(runners, prompts, ns.output_len, ns.repeats, sync,
+                                     probe=matmul_probe(engine, concurrency, sync))
         e = figures["engine"]
         row.update({"engine_decode_tok_s": e["decode_tok_s"], "engine_prefill_tok_s": e["prefill_tok_s"]})
         if hf is not None:
@@ -174,8 +180,13 @@ def main(argv: list[str] | None = None) -> int:
                 "decode_ratio": e["decode_tok_s"] / h["decode_tok_s"] if e["decode_tok_s"] and h["decode_tok_s"] else None,
                 "prefill_ratio": e["prefill_tok_s"] / h["prefill_tok_s"],
             })
+        if compiled is not None:
+            c = figures["engine_compiled"]
+            row.update({"compiled_decode_tok_s": c["decode_tok_s"], "compiled_prefill_tok_s": c["prefill_tok_s"]})
+            if hf is not None and c["decode_tok_s"] and h["decode_tok_s"]:
+                row["compiled_decode_ratio"] = c["decode_tok_s"] / h["decode_tok_s"]
         row.update(matmul_floor(matmul_ms, h if hf is not None else None))
-        row["raw"] = {"engine": e, **({"hf": h} if hf is not None else {})}
+        row["raw"] = figures
         rows.append(row)
         print(_format_row(row), flush=True)
 
@@ -199,6 +210,10 @@ def _format_row(row: dict) -> str:
                  f" | decode ratio {_figure(row['decode_ratio'], 0, 2)}, prefill ratio {row['prefill_ratio']:.2f}"
                  f" (matmuls alone {row['engine_decode_matmul_ms_per_step']:.1f} ms/step: decode ratio"
                  f" <= {_figure(row.get('decode_ratio_if_only_matmuls'), 0, 2)})")
+    if "compiled_decode_tok_s" in row:
+        text += (f"\n                 compiled: prefill {row['compiled_prefill_tok_s']:8.1f} tok/s, decode "
+                 f"{_figure(row['compiled_decode_tok_s'], 7, 1)} tok/s, decode ratio "
+                 f"{_figure(row.get('compiled_decode_ratio'), 0, 2)}")
     return text
 
 

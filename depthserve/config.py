@@ -27,6 +27,9 @@ class EngineArgs:
     # auto: Triton kernels for tensors on CUDA (when triton imports), torch otherwise; torch: always
     # torch; triton: Triton on any device (on CPU under TRITON_INTERPRET=1, set before triton is imported)
     kernel_backend: str = "auto"
+    # Decode-only steps padded to batch buckets and run through torch.compile (models with
+    # static_decode). None: compiled on CUDA, eager on CPU; True: always eager; False: compiled.
+    enforce_eager: bool | None = None
 
     def validate(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -40,7 +40,9 @@ BACKENDS = ("auto", "torch", "triton")
 
 
 @functools.cache
-def _module(family: str, triton: bool) -> ModuleType | None:
+def module(family: str, triton: bool) -> ModuleType | None:
+    """The torch (or, with triton=True, the Triton) implementations of a family; None where triton
+    cannot be imported."""
     name = f"depthserve.kernels.{'triton.' if triton else ''}{family}"
     try:
         return importlib.import_module(name)
@@ -51,26 +53,34 @@ def _module(family: str, triton: bool) -> ModuleType | None:
 
 
 def triton_available() -> bool:
-    return _module("paged", True) is not None
+    return module("paged", True) is not None
 
 
 class Kernels:
-    """Every op of OP_NAMES as an attribute, bound by `backend` (see the module docstring)."""
+    """Every op of OP_NAMES as an attribute, bound by `backend` (see the module docstring);
+    `traceable`: the ops of a decode step as torch.library custom ops (kernels/library.py), for
+    forwards compiled with torch.compile."""
 
-    def __init__(self, backend: str = "auto"):
+    def __init__(self, backend: str = "auto", traceable: bool = False):
         if backend not in BACKENDS:
             raise ConfigurationError(f"kernel backend must be one of {BACKENDS}, got {backend!r}")
         if backend == "triton" and not triton_available():
             raise ConfigurationError("kernel_backend='triton' needs triton, which cannot be imported "
                                      "(pip install 'depthserve[gpu]')")
         self.backend = backend
+        self.traceable = traceable
         for family, names in FAMILIES.items():
             for name in names:
                 setattr(self, name, self._bind(family, name))
+        if traceable:  # the decode ops as custom ops: one opaque node each in a compiled graph
+            from depthserve.kernels.library import SCHEMAS, custom_op
+
+            for name in SCHEMAS:
+                setattr(self, name, custom_op(backend, name))
 
     def _bind(self, family: str, name: str) -> Callable:
-        fallback = getattr(_module(family, False), name)
-        kernels = _module(family, True) if name in TRITON_OPS and self.backend != "torch" else None
+        fallback = getattr(module(family, False), name)
+        kernels = module(family, True) if name in TRITON_OPS and self.backend != "torch" else None
         if kernels is None:
             return fallback
         kernel = getattr(kernels, name)

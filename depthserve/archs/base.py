@@ -42,6 +42,10 @@ class DepthModel(Protocol):
 
     # True when the forward needs `meta.batch` (per-sequence rows, plans, page tables).
     uses_step_batch: ClassVar[bool] = False
+    # True when a decode-only step's forward runs at static shapes: it reads only the metadata's
+    # tensors (no meta.batch, no host synchronisation, no data-dependent shape), so the engine may
+    # pad it to a bucket and run it compiled (depthserve/engine/static_decode.py).
+    static_decode: ClassVar[bool] = False
 
     @property
     def head_dim(self) -> int: ...

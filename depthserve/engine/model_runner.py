@@ -10,6 +10,7 @@ import torch
 from depthserve.archs.base import DepthModel
 from depthserve.engine.block_manager import BlockManager
 from depthserve.engine.scheduler import ScheduledSeq
+from depthserve.engine.static_decode import DecodeRow, StaticDecode
 from depthserve.kernels.dispatch import Kernels
 from depthserve.layers.attention import AttentionMetadata, KVPool, PrefillSeqMeta
 from depthserve.layers.batch import BatchItem, StepBatch
@@ -37,6 +38,7 @@ class ModelRunner:
                  dtype: torch.dtype, device: torch.device, kernels: Kernels):
         self.model = model
         self.kernels = kernels
+        self.static: StaticDecode | None = None  # set by enable_static_decode
         self.block_manager = block_manager
         self.block_size = block_manager.block_size
         self.sampler = sampler
@@ -47,6 +49,14 @@ class ModelRunner:
             v_pages=torch.zeros(shape, dtype=dtype, device=device),
         )
 
+    def enable_static_decode(self, width: int, max_blocks: int, max_num_seqs: int) -> None:
+        """Run decode-only steps padded to batch buckets through the compiled forward, compiling
+        every bucket now."""
+        self.static = StaticDecode(
+            self.model.forward, self.pool, Kernels(self.kernels.backend, traceable=True), block_size=self.block_size,
+            width=width, max_blocks=max_blocks, max_num_seqs=max_num_seqs, device=self.device)
+        self.static.warm_up()
+
     @staticmethod
     def page_bytes(block_size: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * block_size * head_dim * torch.empty((), dtype=dtype).element_size()
@@ -56,11 +66,23 @@ class ModelRunner:
     def execute(self, scheduled: list[ScheduledSeq]) -> list[SeqStepOutput]:
         # Multi-token chunks first, then single-token (decode-shaped) rows batched together.
         batch = sorted(scheduled, key=lambda s: s.num_tokens == 1)
+        if self._is_static_decode(batch):
+            hidden = self.static.run([self._decode_row(item) for item in batch])
+            return self._postprocess_logits(batch, hidden)
         input_ids, positions, meta = self._prepare(batch)
         hidden = self.model(input_ids, positions, self.pool, meta)
         if meta.batch is not None:
             self._commit_routed(meta.batch)
         return self._postprocess_logits(batch, hidden)
+
+    def _is_static_decode(self, batch: list[ScheduledSeq]) -> bool:
+        return (self.static is not None and len(batch) <= self.static.buckets[-1]
+                and all(item.num_tokens == 1 for item in batch))
+
+    def _decode_row(self, item: ScheduledSeq) -> DecodeRow:
+        seq = item.seq
+        table = self.block_manager.page_table(seq)[: -(-item.end // self.block_size), : seq.layout.base_width]
+        return DecodeRow(seq.token_ids(item.start, item.end)[0], item.start, table)
 
     def _commit_routed(self, step: StepBatch) -> None:
         """Routed slots: keep what the step selected, return the rest of the worst-case reservation."""

@@ -98,7 +98,7 @@ def paged_attention(
             q[rows], pool.k_pages, pool.v_pages, tables, packed.query_starts, packed.context_lens, scale
         )
     if meta.num_decodes:
-        rows = slice(meta.num_prefill_tokens, meta.num_tokens)
+        rows = slice(meta.num_prefill_tokens, None)  # the rest: no bound for a compiled graph to specialise on
         table = meta.decode_page_table[:, :, slot_columns].transpose(1, 2)  # [batch, kv_heads, blocks]
         out[rows] = meta.kernels.paged_decode_attention(
             q[rows], pool.k_pages, pool.v_pages, table, meta.decode_context_lens, scale

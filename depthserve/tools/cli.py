@@ -24,6 +24,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
     parser.add_argument("--num-threads", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
+                        help="run every step eagerly (--no-enforce-eager: compile decode steps at static "
+                             "shapes; default: compiled on CUDA, eager on CPU)")
     parser.add_argument("--kernel-backend", default=EngineArgs.kernel_backend, choices=["auto", "torch", "triton"],
                         help="auto: Triton kernels on CUDA, torch otherwise; torch or triton: that one everywhere")
 

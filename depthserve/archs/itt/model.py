@@ -96,6 +96,7 @@ class ITTDecoderLayer(LlamaDecoderLayer):
 
 class ITTForCausalLM(LlamaForCausalLM):
     uses_step_batch = True
+    static_decode = False  # its decode step reads per-request plans (not yet at static shapes)
 
     def __init__(self, cfg: LlamaConfig, spec: ITTSpec, max_positions: int):
         super().__init__(cfg, max_positions)

@@ -70,6 +70,7 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module, DepthModel):
     packed_modules = PACKED_MODULES
+    static_decode = True
 
     def __init__(self, cfg: LlamaConfig, max_positions: int):
         super().__init__()

@@ -116,6 +116,7 @@ class SGTDecoderLayer(LlamaDecoderLayer):
 
 class SGTForCausalLM(LlamaForCausalLM):
     uses_step_batch = True
+    static_decode = False  # its decode step reads per-request plans (not yet at static shapes)
 
     def __init__(self, cfg: LlamaConfig, spec: SGTSpec, max_positions: int, max_loops: int):
         super().__init__(cfg, max_positions)

@@ -1,0 +1,119 @@
+"""Decode steps at static shapes, through the model's compiled forward.
+
+A decode-only step of n sequences runs as a batch of `bucket(n)` rows (the smallest bucket that
+holds n): the rows past n are padding. Every input of the forward (token ids, positions, the
+cache write index, the page tables and context lengths) lives in one persistent device buffer,
+filled from one host array by one copy per step, and the forward reads views of it, so a bucket's
+step always sees tensors of the same shapes at the same addresses (what CUDA-graph capture
+needs) and the compiled forward takes no host synchronisation.
+
+Padding rows write nothing: their cache write index is -1 (every store op skips such rows), they
+attend to one key of page 0 and their outputs are dropped; attention, norms and the MLP work per
+row, so they never change a real row's result.
+
+The forward is compiled (`torch.compile`, fullgraph) with the kernels as torch.library custom ops
+(kernels/library.py). On CPU the batch, page-table and page-pool lengths are left dynamic, so one
+graph serves every bucket and context (and the engines of one process share it); on CUDA each
+bucket is its own static graph with page tables as wide as max_model_len (the Triton kernels read
+only up to each row's context).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from depthserve.kernels.dispatch import Kernels
+from depthserve.layers.attention import AttentionMetadata, KVPool
+
+logger = logging.getLogger("depthserve.engine")
+
+
+def decode_buckets(max_num_seqs: int) -> tuple[int, ...]:
+    """Batch sizes a decode step is padded to: 1, 2, 4, 8, then every multiple of 8 up to 64, of 32
+    beyond, and max_num_seqs itself."""
+    sizes = [s for s in (1, 2, 4) if s < max_num_seqs]
+    size = 8
+    while size < max_num_seqs:
+        sizes.append(size)
+        size += 8 if size < 64 else 32
+    return tuple(sizes) + (max_num_seqs,)
+
+
+@dataclass(frozen=True)
+class DecodeRow:
+    """One sequence's decode step: its token, position and the base slots' page-table rows."""
+
+    token_id: int
+    position: int
+    table: np.ndarray  # [blocks covering the context, width] pages of the base slots
+
+
+class StaticDecode:
+    """The persistent buffers and the compiled forward of decode-only steps (module docstring)."""
+
+    def __init__(self, forward: Callable, pool: KVPool, kernels: Kernels, *, block_size: int, width: int,
+                 max_blocks: int, max_num_seqs: int, device: torch.device, compile_forward: bool = True):
+        self.pool, self.kernels, self.device = pool, kernels, device
+        self.block_size, self.width, self.max_blocks = block_size, width, max_blocks
+        self.buckets = decode_buckets(max_num_seqs)
+        self.dynamic = device.type == "cpu"
+        rows = self.buckets[-1]
+        # Layout of the one buffer: ids | positions | context lengths | write index | page tables.
+        self._sizes = (rows, rows, rows, rows * width, rows * max_blocks * width)
+        self._host = torch.zeros(sum(self._sizes), dtype=torch.int64, pin_memory=device.type == "cuda")
+        self._device = torch.zeros_like(self._host, device=device)
+        # CPU: batch and table length marked dynamic per call; CUDA: one static graph per bucket.
+        dynamic = None if self.dynamic else False
+        self.forward = torch.compile(forward, fullgraph=True, dynamic=dynamic) if compile_forward else forward
+
+    def bucket(self, num_rows: int) -> int:
+        return next(size for size in self.buckets if size >= num_rows)
+
+    def warm_up(self) -> None:
+        """Compile every bucket's graph now (a progress line per bucket), not on the first requests."""
+        buckets = self.buckets[:2] if self.dynamic else self.buckets  # CPU: 1 and one dynamic graph
+        for size in buckets:
+            start = time.perf_counter()
+            self.run([DecodeRow(0, 0, np.zeros((1, self.width), np.int64))] * size, write=False)
+            logger.info("compiled the decode step for batch %d in %.1f s", size, time.perf_counter() - start)
+
+    @torch.inference_mode()
+    def run(self, rows: list[DecodeRow], write: bool = True) -> torch.Tensor:
+        """Hidden states [len(rows), hidden] of one decode step. `write=False`: store nothing (warm-up)."""
+        size = self.bucket(len(rows))
+        blocks = self.max_blocks
+        if self.dynamic:  # CPU: tables as long as the longest context, in powers of two from 2 blocks
+            # (a length of 1 would be compiled as a constant, as any dimension of size 1 is)
+            longest = max(len(r.table) for r in rows)
+            blocks = min(self.max_blocks, max(2, 1 << (longest - 1).bit_length()))
+        ids, positions, lens, index, tables = self._views(self._host.numpy(), size, blocks)
+        ids[:], positions[:], lens[:], index[:], tables[:] = 0, 0, 1, -1, 0
+        bs = self.block_size
+        for i, row in enumerate(rows):
+            ids[i], positions[i], lens[i] = row.token_id, row.position, row.position + 1
+            tables[i, : len(row.table)] = row.table
+            if write:
+                index[i] = row.table[row.position // bs] * bs + row.position % bs
+        self._device.copy_(self._host, non_blocking=True)
+        ids, positions, lens, index, tables = self._views(self._device, size, blocks)
+        if self.dynamic:
+            for tensor in (ids, positions, lens, index, tables, self.pool.k_pages, self.pool.v_pages):
+                torch._dynamo.maybe_mark_dynamic(tensor, 0)
+            torch._dynamo.maybe_mark_dynamic(tables, 1)
+        meta = AttentionMetadata(num_tokens=size, block_size=bs, slot_index=index, prefills=[], num_prefill_tokens=0,
+                                 decode_page_table=tables, decode_context_lens=lens, kernels=self.kernels)
+        return self.forward(ids, positions, self.pool, meta)[: len(rows)]
+
+    def _views(self, flat, size: int, blocks: int) -> tuple:
+        """The step's arrays (numpy, host) or tensors (device), each contiguous at the start of its
+        region of the buffer (laid out for the largest bucket and the longest table)."""
+        bounds = np.cumsum((0,) + self._sizes)
+        ids, positions, lens, index, tables = (flat[bounds[i]:bounds[i + 1]] for i in range(5))
+        return (ids[:size], positions[:size], lens[:size], index[: size * self.width].reshape(size, self.width),
+                tables[: size * blocks * self.width].reshape(size, blocks, self.width))
