@@ -54,6 +54,7 @@ def test_logit_bias_forces_and_forbids_tokens():
     logits = random_logits(2, vocab, seed=2)
     low = int(logits[0].argmin())
     top = int(logits[1].argmax())
+    logits[1, top] += 2.0  # a clear favourite (p > 0.7), so "most common" is not a coin flip
     sampler = Sampler({EOS}, vocab)
     forced = row(SamplingParams(temperature=0.0, logit_bias={low: 100.0}))
     assert tokens(sampler, logits[:1], [forced]) == [low]

@@ -67,7 +67,7 @@ class StaticDecode:
         # Layout of the one buffer: ids | positions | context lengths | write index | page tables.
         self._sizes = (rows, rows, rows, rows * width, rows * max_blocks * width)
         self._host = torch.zeros(sum(self._sizes), dtype=torch.int64, pin_memory=device.type == "cuda")
-        self._device = torch.zeros_like(self._host, device=device)
+        self._device = self._host if device.type == "cpu" else torch.zeros_like(self._host, device=device)
         # CPU: batch and table length marked dynamic per call; CUDA: one static graph per bucket.
         dynamic = None if self.dynamic else False
         self.forward = torch.compile(forward, fullgraph=True, dynamic=dynamic) if compile_forward else forward
@@ -100,7 +100,11 @@ class StaticDecode:
             tables[i, : len(row.table)] = row.table
             if write:
                 index[i] = row.table[row.position // bs] * bs + row.position % bs
-        self._device.copy_(self._host, non_blocking=True)
+        # One copy: every region up to the end of the used tables. The host buffer is rewritten only
+        # at the next step, after the sampler has read this step's logits (a synchronisation).
+        if self._device is not self._host:
+            used = sum(self._sizes[:4]) + size * blocks * self.width
+            self._device[:used].copy_(self._host[:used], non_blocking=True)
         ids, positions, lens, index, tables = self._views(self._device, size, blocks)
         if self.dynamic:
             for tensor in (ids, positions, lens, index, tables, self.pool.k_pages, self.pool.v_pages):
