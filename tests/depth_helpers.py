@@ -61,12 +61,19 @@ def check_logprobs(logprobs: torch.Tensor, prompt_len: int, completion, stats: d
         stats["prompt_positions"] = stats.get("prompt_positions", 0) + 1
 
 
+def kernel_test_device() -> str:
+    """Where the Triton kernel tests run their engines: CUDA when present (native kernels), else the
+    CPU (kernels under the Triton interpreter, TRITON_INTERPRET=1 set by conftest)."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def generate_on_both_backends(model: str, prompts, params, depths=None, **llm_kwargs) -> tuple[list, list, LLM]:
-    """The same requests through an fp32 CPU engine on the torch kernels and one on the Triton
-    kernels (interpreted on CPU): (torch outputs, Triton outputs, the Triton engine)."""
+    """The same requests through an fp32 engine on the torch kernels and one on the Triton kernels
+    (kernel_test_device): (torch outputs, Triton outputs, the Triton engine)."""
     outputs = []
     for backend in ("torch", "triton"):
-        llm = LLM(model, device="cpu", dtype="float32", load_progress=False, kernel_backend=backend, **llm_kwargs)
+        llm = LLM(model, device=kernel_test_device(), dtype="float32", load_progress=False, kernel_backend=backend,
+                  **llm_kwargs)
         outputs.append(llm.generate(prompts, params, depths))
     return outputs[0], outputs[1], llm
 

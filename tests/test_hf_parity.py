@@ -31,10 +31,10 @@ def llm():
 
 def test_greedy_chat_continuations_match_transformers(llm):
     prompts = [llm.apply_chat_template([{"role": "user", "content": p}]) for p in CHAT_PROMPTS]
-    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
     outputs = llm.generate(prompts, params)
     for prompt, out in zip(prompts, outputs):
-        expected = hf_greedy(prompt, 64)
+        expected = hf_greedy(prompt, 48)
         assert out.token_ids == expected, (
             f"prompt {llm.tokenizer.decode(prompt)!r}\nengine: {out.text!r}\n"
             f"hf:     {llm.tokenizer.decode(expected)!r}"
@@ -43,7 +43,7 @@ def test_greedy_chat_continuations_match_transformers(llm):
 
 def test_prompt_logprobs_match_transformers_on_c4(llm):
     path = shared_data_file("c4_sample.jsonl")
-    docs = [json.loads(line)["text"] for line in path.read_text().splitlines() if line.strip()]
+    docs = [json.loads(line)["text"] for line in path.read_text().splitlines() if line.strip()][:12]
     prompts = [llm.tokenizer.encode(doc, add_special_tokens=False)[:256] for doc in docs]
     scores = llm.score(prompts)
     worst = 0.0

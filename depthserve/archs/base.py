@@ -18,7 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
-from depthserve.cache import SlotKind
+import numpy as np
+
+from depthserve.cache import CacheLayout, SlotKind
 from depthserve.depth import DepthParams, DepthPlan, DepthReport, KnobSpec
 from depthserve.errors import UnknownArchitectureError
 
@@ -42,10 +44,6 @@ class DepthModel(Protocol):
 
     # True when the forward needs `meta.batch` (per-sequence rows, plans, page tables).
     uses_step_batch: ClassVar[bool] = False
-    # True when a decode-only step's forward runs at static shapes: it reads only the metadata's
-    # tensors (no meta.batch, no host synchronisation, no data-dependent shape), so the engine may
-    # pad it to a bucket and run it compiled (depthserve/engine/static_decode.py).
-    static_decode: ClassVar[bool] = False
 
     @property
     def head_dim(self) -> int: ...
@@ -62,6 +60,21 @@ class DepthModel(Protocol):
 
     def depth_knobs(self) -> dict[str, KnobSpec]:
         return {}
+
+    def static_decode_spec(self) -> StaticDecodeSpec | None:
+        """How a decode-only step runs at static shapes (depthserve/engine/static_decode.py): the
+        forward then reads only the metadata's tensors, `meta.static` instead of `meta.batch`, with
+        no host synchronisation and no data-dependent shape, so the engine may pad the step to a
+        bucket and run it compiled. None: this model's decode steps run eagerly."""
+        return None
+
+    def static_settings(self, plan: DepthPlan) -> np.ndarray:
+        """A request's per-row values for a static decode step (float32, StaticDecodeSpec.settings long)."""
+        return np.zeros(0, np.float32)
+
+    def record_static(self, record: Any, position: int, decisions: np.ndarray) -> None:
+        """After a static decode step: one row's decisions (StaticDecodeSpec.decisions values) into
+        its sequence's record (new_record) for the token at `position`."""
 
     def new_record(self, plan: DepthPlan) -> Any:
         """An empty per-sequence record of the decisions the forward takes (routing, experts), which
@@ -95,6 +108,18 @@ class DepthModel(Protocol):
     def after_load(self, loaded: set[str]) -> set[str]:
         """Fill parameters derived from loaded ones (tied heads, copies); return their names."""
         return set()
+
+
+@dataclass(frozen=True)
+class StaticDecodeSpec:
+    """The inputs of a model's decode step at static shapes, beyond token ids and positions."""
+
+    # A decode row's page-table columns: every token-covering slot the deepest request can hold, by
+    # name. A row's slots land at these columns; the slots it lacks read page 0 and store nothing.
+    layout: CacheLayout
+    settings: int = 0  # float32 values per row (DepthModel.static_settings: loop counts, depths)
+    state_bytes: int = 0  # per-sequence state (SlotKind.SEQ_STATE) of a row, at most
+    decisions: int = 0  # int32 values per row the forward writes to meta.static.decisions (routing)
 
 
 @dataclass(frozen=True)

@@ -115,8 +115,9 @@ class LLMEngine:
             raise ConfigurationError("without chunked prefill, max_num_batched_tokens must be >= max_model_len")
         sampler = Sampler(self.eos_token_ids, self.vocab_size, seed=args.seed)
         self.runner = ModelRunner(self.model, self.block_manager, sampler, self.dtype, self.device, kernels)
-        if self._compiles_decode(args):
-            self.runner.enable_static_decode(base_layout.base_width, -(-self.max_model_len // args.block_size),
+        static_spec = self.model.static_decode_spec()
+        if static_spec is not None and self._compiles_decode(args):
+            self.runner.enable_static_decode(static_spec, -(-self.max_model_len // args.block_size),
                                              args.max_num_seqs)
         self._requests: dict[str, _Request] = {}
         logger.info(
@@ -127,9 +128,8 @@ class LLMEngine:
 
     def _compiles_decode(self, args: EngineArgs) -> bool:
         """Decode steps compiled at static shapes: asked for (enforce_eager=False) or by default on
-        CUDA, for models whose decode step allows it."""
-        wanted = not args.enforce_eager if args.enforce_eager is not None else self.device.type == "cuda"
-        return wanted and self.model.static_decode
+        CUDA (for models with a static decode spec)."""
+        return not args.enforce_eager if args.enforce_eager is not None else self.device.type == "cuda"
 
     def model_info(self) -> ModelInfo:
         return ModelInfo(self.model_name, self.max_model_len, self.vocab_size, dict(self.model.depth_knobs()),

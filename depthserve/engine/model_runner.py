@@ -7,10 +7,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from depthserve.archs.base import DepthModel
+from depthserve.archs.base import DepthModel, StaticDecodeSpec
+from depthserve.cache import CacheLayout
 from depthserve.engine.block_manager import BlockManager
 from depthserve.engine.scheduler import ScheduledSeq
-from depthserve.engine.static_decode import DecodeRow, StaticDecode
+from depthserve.engine.static_decode import DecodeRow, StaticDecode, spec_columns
 from depthserve.kernels.dispatch import Kernels
 from depthserve.layers.attention import AttentionMetadata, KVPool, PrefillSeqMeta
 from depthserve.layers.batch import BatchItem, StepBatch
@@ -39,6 +40,7 @@ class ModelRunner:
         self.model = model
         self.kernels = kernels
         self.static: StaticDecode | None = None  # set by enable_static_decode
+        self._columns: dict[CacheLayout, np.ndarray] = {}  # request layout -> static spec columns
         self.block_manager = block_manager
         self.block_size = block_manager.block_size
         self.sampler = sampler
@@ -49,12 +51,12 @@ class ModelRunner:
             v_pages=torch.zeros(shape, dtype=dtype, device=device),
         )
 
-    def enable_static_decode(self, width: int, max_blocks: int, max_num_seqs: int) -> None:
+    def enable_static_decode(self, spec: StaticDecodeSpec, max_blocks: int, max_num_seqs: int) -> None:
         """Run decode-only steps padded to batch buckets through the compiled forward, compiling
         every bucket now."""
         self.static = StaticDecode(
-            self.model.forward, self.pool, Kernels(self.kernels.backend, traceable=True), block_size=self.block_size,
-            width=width, max_blocks=max_blocks, max_num_seqs=max_num_seqs, device=self.device)
+            self.model.forward, self.pool, Kernels(self.kernels.backend, traceable=True), spec,
+            block_size=self.block_size, max_blocks=max_blocks, max_num_seqs=max_num_seqs, device=self.device)
         self.static.warm_up()
 
     @staticmethod
@@ -68,6 +70,9 @@ class ModelRunner:
         batch = sorted(scheduled, key=lambda s: s.num_tokens == 1)
         if self._is_static_decode(batch):
             hidden = self.static.run([self._decode_row(item) for item in batch])
+            if self.static.spec.decisions:
+                for item, decisions in zip(batch, self.static.decisions[: len(batch)].cpu().numpy()):
+                    self.model.record_static(item.seq.depth_record, item.start, decisions)
             return self._postprocess_logits(batch, hidden)
         input_ids, positions, meta = self._prepare(batch)
         hidden = self.model(input_ids, positions, self.pool, meta)
@@ -80,9 +85,20 @@ class ModelRunner:
                 and all(item.num_tokens == 1 for item in batch))
 
     def _decode_row(self, item: ScheduledSeq) -> DecodeRow:
-        seq = item.seq
-        table = self.block_manager.page_table(seq)[: -(-item.end // self.block_size), : seq.layout.base_width]
-        return DecodeRow(seq.token_ids(item.start, item.end)[0], item.start, table)
+        """The sequence's decode step with its page-table columns moved to the static spec's."""
+        seq, bs = item.seq, self.block_size
+        columns = self._spec_columns(seq.layout)
+        own = self.block_manager.page_table(seq)[: -(-item.end // bs)]
+        table = np.where(columns >= 0, own[:, columns], 0)
+        write = np.where(columns >= 0, table[item.start // bs] * bs + item.start % bs, -1)
+        state = self.block_manager.state_table(seq)
+        return DecodeRow(seq.token_ids(item.start, item.end)[0], item.start, table, write,
+                         self.model.static_settings(seq.plan), np.zeros(0, np.int64) if state is None else state)
+
+    def _spec_columns(self, layout: CacheLayout) -> np.ndarray:
+        if layout not in self._columns:
+            self._columns[layout] = spec_columns(self.static.spec, layout)
+        return self._columns[layout]
 
     def _commit_routed(self, step: StepBatch) -> None:
         """Routed slots: keep what the step selected, return the rest of the worst-case reservation."""

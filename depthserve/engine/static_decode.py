@@ -7,6 +7,13 @@ filled from one host array by one copy per step, and the forward reads views of 
 step always sees tensors of the same shapes at the same addresses (what CUDA-graph capture
 needs) and the compiled forward takes no host synchronisation.
 
+Depth models decode at static shapes too (`DepthModel.static_decode_spec`): a row's page table
+has the columns of every slot the deepest request can hold (its own slots at their columns, the
+rest page 0 with write index -1), and its knobs arrive as per-row values (`meta.static.settings`),
+so a batch whose requests loop or recur differently runs one graph: every row runs the depth
+the deepest request can have, and the model keeps the result only where the row's own knobs say
+so (`torch.where`, never a product with a mask, so nothing read from page 0 leaks in).
+
 Padding rows write nothing: their cache write index is -1 (every store op skips such rows), they
 attend to one key of page 0 and their outputs are dropped; attention, norms and the MLP work per
 row, so they never change a real row's result.
@@ -28,8 +35,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from depthserve.archs.base import StaticDecodeSpec
+from depthserve.cache import CacheLayout
 from depthserve.kernels.dispatch import Kernels
-from depthserve.layers.attention import AttentionMetadata, KVPool
+from depthserve.layers.attention import AttentionMetadata, KVPool, StaticRows
 
 logger = logging.getLogger("depthserve.engine")
 
@@ -47,27 +56,53 @@ def decode_buckets(max_num_seqs: int) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class DecodeRow:
-    """One sequence's decode step: its token, position and the base slots' page-table rows."""
+    """One sequence's decode step, laid out for the model's StaticDecodeSpec."""
 
     token_id: int
     position: int
-    table: np.ndarray  # [blocks covering the context, width] pages of the base slots
+    table: np.ndarray  # [blocks covering the context, width] pages, the spec layout's columns
+    write: np.ndarray  # [width] flat cache index of the new token per column; -1: store nothing
+    settings: np.ndarray  # [spec.settings] float32 knobs of the request
+    state_pages: np.ndarray  # pages of the per-sequence state (spec.state_bytes at most)
+
+
+def spec_columns(spec: StaticDecodeSpec, layout: CacheLayout) -> np.ndarray:
+    """[spec width] the column of a request's page table (laid out as `layout`) that lands at each
+    column of the spec layout, -1 where the request lacks the slot."""
+    source = np.full(spec.layout.row_width, -1, dtype=np.int64)
+    own = layout.slot_columns()
+    for name, target in spec.layout.slot_columns().items():
+        if name in own:
+            source[target] = np.arange(own[name].start, own[name].stop)
+    return source
 
 
 class StaticDecode:
     """The persistent buffers and the compiled forward of decode-only steps (module docstring)."""
 
-    def __init__(self, forward: Callable, pool: KVPool, kernels: Kernels, *, block_size: int, width: int,
-                 max_blocks: int, max_num_seqs: int, device: torch.device, compile_forward: bool = True):
-        self.pool, self.kernels, self.device = pool, kernels, device
-        self.block_size, self.width, self.max_blocks = block_size, width, max_blocks
-        self.buckets = decode_buckets(max_num_seqs)
+    def __init__(self, forward: Callable, pool: KVPool, kernels: Kernels, spec: StaticDecodeSpec, *,
+                 block_size: int, max_blocks: int, max_num_seqs: int, device: torch.device,
+                 compile_forward: bool = True):
+        self.pool, self.kernels, self.device, self.spec = pool, kernels, device, spec
+        self.block_size, self.width, self.max_blocks = block_size, spec.layout.row_width, max_blocks
         self.dynamic = device.type == "cpu"
-        rows = self.buckets[-1]
-        # Layout of the one buffer: ids | positions | context lengths | write index | page tables.
-        self._sizes = (rows, rows, rows, rows * width, rows * max_blocks * width)
+        self.buckets = decode_buckets(max_num_seqs)
+        if self.dynamic and len(self.buckets) > 1:
+            # One graph dynamic in the batch serves every size from 2 (a size of 1 would be compiled
+            # as a constant, as any dimension of size 1 is): a lone sequence runs padded to 2 rows.
+            self.buckets = self.buckets[1:]
+        self.steps = 0  # steps run (warm-up included)
+        rows, width = self.buckets[-1], self.width
+        page_bytes = 2 * pool.k_pages[0].numel() * pool.k_pages.element_size()
+        self.state_pages = -(-spec.state_bytes // page_bytes)
+        # Layout of the one int64 buffer: ids | positions | context lengths | write index | settings
+        # (float32 pairs) | state pages | page tables (last: a step copies only the tables it uses).
+        self._settings_words = -(-spec.settings // 2)
+        self._sizes = (rows, rows, rows, rows * width, rows * self._settings_words, rows * self.state_pages,
+                       rows * max_blocks * width)
         self._host = torch.zeros(sum(self._sizes), dtype=torch.int64, pin_memory=device.type == "cuda")
         self._device = self._host if device.type == "cpu" else torch.zeros_like(self._host, device=device)
+        self.decisions = torch.zeros(rows, spec.decisions, dtype=torch.int32, device=device)
         # CPU: batch and table length marked dynamic per call; CUDA: one static graph per bucket.
         dynamic = None if self.dynamic else False
         self.forward = torch.compile(forward, fullgraph=True, dynamic=dynamic) if compile_forward else forward
@@ -77,47 +112,60 @@ class StaticDecode:
 
     def warm_up(self) -> None:
         """Compile every bucket's graph now (a progress line per bucket), not on the first requests."""
-        buckets = self.buckets[:2] if self.dynamic else self.buckets  # CPU: 1 and one dynamic graph
+        buckets = self.buckets[:1] if self.dynamic else self.buckets  # CPU: the one dynamic graph
+        idle = DecodeRow(0, 0, np.zeros((1, self.width), np.int64), np.full(self.width, -1, np.int64),
+                         np.zeros(self.spec.settings, np.float32), np.zeros(0, np.int64))
         for size in buckets:
             start = time.perf_counter()
-            self.run([DecodeRow(0, 0, np.zeros((1, self.width), np.int64))] * size, write=False)
+            self.run([idle] * size)
             logger.info("compiled the decode step for batch %d in %.1f s", size, time.perf_counter() - start)
 
     @torch.inference_mode()
-    def run(self, rows: list[DecodeRow], write: bool = True) -> torch.Tensor:
-        """Hidden states [len(rows), hidden] of one decode step. `write=False`: store nothing (warm-up)."""
+    def run(self, rows: list[DecodeRow]) -> torch.Tensor:
+        """Hidden states [len(rows), hidden] of one decode step."""
         size = self.bucket(len(rows))
         blocks = self.max_blocks
         if self.dynamic:  # CPU: tables as long as the longest context, in powers of two from 2 blocks
             # (a length of 1 would be compiled as a constant, as any dimension of size 1 is)
             longest = max(len(r.table) for r in rows)
             blocks = min(self.max_blocks, max(2, 1 << (longest - 1).bit_length()))
-        ids, positions, lens, index, tables = self._views(self._host.numpy(), size, blocks)
-        ids[:], positions[:], lens[:], index[:], tables[:] = 0, 0, 1, -1, 0
-        bs = self.block_size
+        ids, positions, lens, index, settings, states, tables = self._views(self._host.numpy(), size, blocks)
+        ids[:], positions[:], lens[:], index[:], settings[:], states[:], tables[:] = 0, 0, 1, -1, 0, -1, 0
         for i, row in enumerate(rows):
             ids[i], positions[i], lens[i] = row.token_id, row.position, row.position + 1
             tables[i, : len(row.table)] = row.table
-            if write:
-                index[i] = row.table[row.position // bs] * bs + row.position % bs
+            index[i] = row.write
+            settings[i] = row.settings
+            states[i, : len(row.state_pages)] = row.state_pages
         # One copy: every region up to the end of the used tables. The host buffer is rewritten only
         # at the next step, after the sampler has read this step's logits (a synchronisation).
         if self._device is not self._host:
-            used = sum(self._sizes[:4]) + size * blocks * self.width
+            used = sum(self._sizes[:-1]) + size * blocks * self.width
             self._device[:used].copy_(self._host[:used], non_blocking=True)
-        ids, positions, lens, index, tables = self._views(self._device, size, blocks)
+        ids, positions, lens, index, settings, states, tables = self._views(self._device, size, blocks)
         if self.dynamic:
-            for tensor in (ids, positions, lens, index, tables, self.pool.k_pages, self.pool.v_pages):
+            for tensor in (ids, positions, lens, index, settings, states, tables, self.pool.k_pages,
+                           self.pool.v_pages):
                 torch._dynamo.maybe_mark_dynamic(tensor, 0)
             torch._dynamo.maybe_mark_dynamic(tables, 1)
-        meta = AttentionMetadata(num_tokens=size, block_size=bs, slot_index=index, prefills=[], num_prefill_tokens=0,
-                                 decode_page_table=tables, decode_context_lens=lens, kernels=self.kernels)
+        decisions = self.decisions[:size]
+        if self.dynamic:
+            torch._dynamo.maybe_mark_dynamic(decisions, 0)
+        meta = AttentionMetadata(num_tokens=size, block_size=self.block_size, slot_index=index, prefills=[],
+                                 num_prefill_tokens=0, decode_page_table=tables, decode_context_lens=lens,
+                                 kernels=self.kernels, static=StaticRows(settings, states, positions, decisions))
+        self.steps += 1
         return self.forward(ids, positions, self.pool, meta)[: len(rows)]
 
     def _views(self, flat, size: int, blocks: int) -> tuple:
         """The step's arrays (numpy, host) or tensors (device), each contiguous at the start of its
         region of the buffer (laid out for the largest bucket and the longest table)."""
         bounds = np.cumsum((0,) + self._sizes)
-        ids, positions, lens, index, tables = (flat[bounds[i]:bounds[i + 1]] for i in range(5))
+        ids, positions, lens, index, settings, states, tables = (flat[bounds[i]:bounds[i + 1]] for i in range(7))
+        words = self._settings_words
+        settings = settings[: size * words]
+        settings = (settings.view(np.float32) if isinstance(settings, np.ndarray) else settings.view(torch.float32))
         return (ids[:size], positions[:size], lens[:size], index[: size * self.width].reshape(size, self.width),
+                settings.reshape(size, 2 * words)[:, : self.spec.settings],
+                states[: size * self.state_pages].reshape(size, self.state_pages),
                 tables[: size * blocks * self.width].reshape(size, blocks, self.width))

@@ -28,6 +28,17 @@ class PackedPrefills:
 
 
 @dataclass
+class StaticRows:
+    """A decode step at static shapes (depthserve/engine/static_decode.py): what a depth model
+    reads per row instead of the step's StepBatch."""
+
+    settings: torch.Tensor  # [rows, spec.settings] float32 knobs (DepthModel.static_settings)
+    state_pages: torch.Tensor  # [rows, pages] pages of the per-sequence state (spec.state_bytes), -1: none
+    positions: torch.Tensor  # [rows]
+    decisions: torch.Tensor  # [rows, spec.decisions] int32, written by the forward (routing choices)
+
+
+@dataclass
 class AttentionMetadata:
     """Everything attention needs about one step's packed batch.
 
@@ -46,6 +57,8 @@ class AttentionMetadata:
     kernels: Kernels  # the ops bound to the engine's kernel backend (EngineArgs.kernel_backend)
     # The step's per-sequence view (depthserve.layers.batch.StepBatch) for depth models; None for plain ones.
     batch: Any = field(default=None, repr=False)
+    # A decode step at static shapes: per-row knobs and state pages (meta.batch is None then).
+    static: StaticRows | None = field(default=None, repr=False)
     _packed: PackedPrefills | None = field(default=None, repr=False)
 
     @property
@@ -104,3 +117,15 @@ def paged_attention(
             q[rows], pool.k_pages, pool.v_pages, table, meta.decode_context_lens, scale
         )
     return out
+
+
+def decode_slot_meta(meta: AttentionMetadata, columns: slice, read_heads: list[int] | None = None) -> AttentionMetadata:
+    """A decode-only step's metadata narrowed to one slot's columns; `read_heads` maps each attended
+    head to a stored one (a KV head may repeat: uneven GQA subsets)."""
+    table = meta.decode_page_table[:, :, columns]
+    if read_heads is not None:  # (a list index would become a data-dependent gather in a compiled graph)
+        table = torch.stack([table[:, :, head] for head in read_heads], dim=2)
+    return AttentionMetadata(
+        num_tokens=meta.slot_index.shape[0], block_size=meta.block_size, slot_index=meta.slot_index[:, columns], prefills=[],
+        num_prefill_tokens=0, decode_page_table=table, decode_context_lens=meta.decode_context_lens,
+        kernels=meta.kernels, static=meta.static)

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from depthserve.archs.base import BuildOptions, DepthModel
+from depthserve.archs.base import BuildOptions, DepthModel, StaticDecodeSpec
 from depthserve.archs.dreamer.format import (
     P,
     DreamerConfig,
@@ -51,7 +51,7 @@ from depthserve.archs.llama.model import tie_lm_head
 from depthserve.cache import SlotKind
 from depthserve.depth import DepthParams, DepthReport, KnobSpec
 from depthserve.kernels.dispatch import Kernels
-from depthserve.layers.attention import paged_attention
+from depthserve.layers.attention import decode_slot_meta, paged_attention
 from depthserve.layers.norm import RMSNorm
 from depthserve.layers.rotary import apply_rope, rope_tables
 
@@ -100,6 +100,7 @@ class DreamerForCausalLM(nn.Module, DepthModel):
         self._fp32: dict[str, torch.Tensor] = {}
         self.routers: dict[str, dict[str, torch.Tensor]] = {}
         self.max_positions = max_positions
+        self.static_columns: list[slice] = []  # depth slots of a static decode row (static_decode_spec)
         self.scale = hd**-0.5
         self.da_scale = spec.da_head_dim**-0.5
         self._tables()
@@ -187,9 +188,13 @@ class DreamerForCausalLM(nn.Module, DepthModel):
             logits = self._router("sa", h, depth_index)
             choice = (logits + self.routers["sa"]["bias"]).argmax(-1)
             sigma = torch.sigmoid(logits.gather(1, choice[:, None]))[:, 0].to(x.dtype)[:, None]
-            order = torch.argsort(choice, stable=True)
-            counts = torch.bincount(choice, minlength=self.spec.attn_experts).tolist()
-            qkv = self._grouped(h, self.sa_qkv, order, counts) * sigma
+            if meta.static is None:
+                order = torch.argsort(choice, stable=True)
+                counts = torch.bincount(choice, minlength=self.spec.attn_experts).tolist()
+                expert = lambda rows, weight: self._grouped(rows, weight, order, counts)  # noqa: E731
+            else:  # static shapes: every expert on every row, each row keeping its own
+                expert = lambda rows, weight: self._chosen(rows, weight, choice)  # noqa: E731
+            qkv = expert(h, self.sa_qkv) * sigma
         else:
             qkv = h @ self.sa_qkv.t()
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -199,8 +204,14 @@ class DreamerForCausalLM(nn.Module, DepthModel):
         v = v.reshape(n, cfg.num_kv_heads, cfg.head_dim)
         out = paged_attention(q, k, v, pool, meta, slice(None), self.scale).reshape(n, self.q_size)
         if choice is not None:
-            return self._grouped(out, self.sa_o, order, counts) * sigma, choice
+            return expert(out, self.sa_o) * sigma, choice
         return out @ self.sa_o.t(), None
+
+    @staticmethod
+    def _chosen(x: torch.Tensor, weight: torch.Tensor, choice: torch.Tensor) -> torch.Tensor:
+        """x[i] @ weight[e_i]^T at static shapes: every expert on every row, then each row's own."""
+        every = torch.einsum("nd,aod->nao", x, weight)
+        return every.gather(1, choice[:, None, None].expand(-1, 1, every.shape[2]))[:, 0]
 
     def _da(self, x, k_cache, v_cache, depth_index, kernels: Kernels):
         """Depth attention: append this depth's key/value to each token's depth cache, then attend over 0..d."""
@@ -216,14 +227,27 @@ class DreamerForCausalLM(nn.Module, DepthModel):
         out = kernels.depth_attention(q, k_cache, v_cache, valid, self.da_scale)
         return out.reshape(n, spec.da_dim) @ self.da_o.t()
 
+    def _ea_static(self, y, depth_index):
+        """Expert attention at static shapes: every expert on every row, weighted by the row's gates
+        (zero for the experts it did not select)."""
+        h = self.ea_norm(y)
+        top, weights = self._ea_route(h, depth_index, y.dtype)
+        every = self._expert_mlp(h.expand(self.spec.num_experts, -1, -1), self.ea_gate_up, self.ea_down)
+        gates = torch.zeros(h.shape[0], self.spec.num_experts, dtype=y.dtype, device=y.device).scatter(1, top, weights)
+        return torch.einsum("ne,end->nd", gates, every), top
+
+    def _ea_route(self, h, depth_index, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The top-k experts [n, k] on logit + b and their weights g_e / sum_topk g."""
+        logits = self._router("ea", h, depth_index)
+        top = torch.topk(logits + self.routers["ea"]["bias"], self.spec.top_k, dim=-1).indices  # [n, k]
+        gates = torch.sigmoid(logits.gather(1, top))
+        return top, (gates / gates.sum(-1, keepdim=True)).to(dtype)
+
     def _ea(self, y, depth_index):
         """Expert attention: sigmoid gates, top-k on logit + b, grouped by expert."""
         spec = self.spec
         h = self.ea_norm(y)
-        logits = self._router("ea", h, depth_index)
-        top = torch.topk(logits + self.routers["ea"]["bias"], spec.top_k, dim=-1).indices  # [n, k]
-        gates = torch.sigmoid(logits.gather(1, top))
-        weights = (gates / gates.sum(-1, keepdim=True)).to(y.dtype)
+        top, weights = self._ea_route(h, depth_index, y.dtype)
         flat = top.reshape(-1)
         order = torch.argsort(flat, stable=True)
         experts = flat[order]  # each (token, expert) pair's expert, sorted
@@ -265,6 +289,8 @@ class DreamerForCausalLM(nn.Module, DepthModel):
         return out.reshape(-1, h.shape[1]).index_select(0, position)
 
     def forward(self, input_ids, positions, pool, meta) -> torch.Tensor:
+        if meta.static is not None:
+            return self.static_forward(input_ids, positions, pool, meta)
         step = meta.batch
         spec, cfg = self.spec, self.config
         kv = cfg.num_kv_heads
@@ -314,6 +340,43 @@ class DreamerForCausalLM(nn.Module, DepthModel):
         self.token_depth_steps.append((n_rows, max_depth, peak))
         self._record(step, ea_record.cpu().numpy(), attn_record.cpu().numpy())
         return out
+
+    def static_forward(self, input_ids, positions, pool, meta) -> torch.Tensor:
+        """A decode step at static shapes: every row runs the D depths and keeps depth j where its
+        own depth exceeds j; the routing choices go to meta.static.decisions (-1: not run)."""
+        spec = self.spec
+        x = self.embed_tokens(input_ids)
+        n = x.shape[0]
+        depths = meta.static.settings[:, 0]
+        shape = (n, spec.depth, spec.da_heads, spec.da_head_dim)
+        k_cache, v_cache = x.new_zeros(shape), x.new_zeros(shape)
+        cos, sin = self.rope_cos[positions].to(x.dtype), self.rope_sin[positions].to(x.dtype)
+        ea_record, attn_record = [], []
+        for j in range(spec.depth):
+            runs = depths > j
+            sa, choice = self._sa(x, cos, sin, pool, decode_slot_meta(meta, self.static_columns[j]), j)
+            y = x + self._da(x, k_cache, v_cache, j, meta.kernels) + sa
+            ea, top = self._ea_static(y, j)
+            x = torch.where(runs[:, None], self.out_norm(y + ea), x)
+            ea_record.append(torch.where(runs[:, None], top, -1))
+            attn_record.append(torch.where(runs, choice, -1) if choice is not None else torch.full_like(depths, -1))
+        decisions = torch.cat([torch.stack(ea_record, 1).reshape(n, -1), torch.stack(attn_record, 1)], dim=1)
+        meta.static.decisions.copy_(decisions.to(torch.int32))
+        return x
+
+    def static_decode_spec(self) -> StaticDecodeSpec:
+        """Rows hold every depth's slot; a row's setting is its depth; its decisions the EA top-k
+        [D, k] and the attention expert [D] of every depth."""
+        deepest = self.plan(DepthParams(depth=self.spec.depth)).layout
+        self.static_columns = [deepest.columns(j) for j in range(self.spec.depth)]
+        return StaticDecodeSpec(deepest, settings=1, decisions=self.spec.depth * (self.spec.top_k + 1))
+
+    def static_settings(self, plan: DreamerPlan) -> np.ndarray:
+        return np.array([plan.recurrences], dtype=np.float32)
+
+    def record_static(self, record: DreamerRecord, position: int, decisions: np.ndarray) -> None:
+        D, k = self.spec.depth, self.spec.top_k
+        record.write(position, decisions[None, : D * k].reshape(1, D, k), decisions[None, D * k :])
 
     @staticmethod
     def _record(step, ea: np.ndarray, attn: np.ndarray) -> None:

@@ -96,7 +96,9 @@ class ITTDecoderLayer(LlamaDecoderLayer):
 
 class ITTForCausalLM(LlamaForCausalLM):
     uses_step_batch = True
-    static_decode = False  # its decode step reads per-request plans (not yet at static shapes)
+
+    def static_decode_spec(self) -> None:
+        return None  # its decode step reads the step's per-request plans (not yet at static shapes)
 
     def __init__(self, cfg: LlamaConfig, spec: ITTSpec, max_positions: int):
         super().__init__(cfg, max_positions)

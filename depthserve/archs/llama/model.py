@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from depthserve.archs.base import BuildOptions, DepthModel
+from depthserve.archs.base import BuildOptions, DepthModel, StaticDecodeSpec
 from depthserve.archs.llama.format import PACKED_MODULES, LlamaConfig, plain_plan
 from depthserve.depth import DepthParams, DepthPlan
 from depthserve.layers.attention import AttentionMetadata, KVPool, paged_attention
@@ -70,7 +70,6 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module, DepthModel):
     packed_modules = PACKED_MODULES
-    static_decode = True
 
     def __init__(self, cfg: LlamaConfig, max_positions: int):
         super().__init__()
@@ -91,6 +90,9 @@ class LlamaForCausalLM(nn.Module, DepthModel):
 
     def plan(self, depth: DepthParams) -> DepthPlan:
         return self._base_plan
+
+    def static_decode_spec(self) -> StaticDecodeSpec:
+        return StaticDecodeSpec(self._base_plan.layout)
 
     def forward(self, input_ids, positions, pool: KVPool, meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)

@@ -22,13 +22,14 @@ zeros). Prefix caching is off for PUT (the state is not part of any KV block).
 from __future__ import annotations
 
 import itertools
+import math
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from depthserve.archs.base import BuildOptions, DepthModel
+from depthserve.archs.base import BuildOptions, DepthModel, StaticDecodeSpec
 from depthserve.archs.llama.format import PACKED_MODULES, LlamaConfig
 from depthserve.archs.llama.model import LlamaAttention, LlamaDecoderLayer, fp32_rope_tables, tie_lm_head
 from depthserve.archs.put.format import (
@@ -43,7 +44,7 @@ from depthserve.archs.put.format import (
 from depthserve.archs.put.format import plan as put_plan
 from depthserve.archs.put.format import report as put_report
 from depthserve.depth import DepthParams, DepthReport, KnobSpec
-from depthserve.layers.attention import AttentionMetadata, KVPool, paged_attention
+from depthserve.layers.attention import AttentionMetadata, KVPool, StaticRows, paged_attention
 from depthserve.layers.batch import StepBatch
 from depthserve.layers.norm import RMSNorm
 from depthserve.layers.rotary import rope_tables
@@ -147,6 +148,25 @@ def _scatter_state_pages(pool: KVPool, page_lists: list[np.ndarray], values: tor
     pool.v_pages.index_copy_(0, index, halves[:, 1])
 
 
+def _read_static_states(pool: KVPool, static: StaticRows) -> torch.Tensor:
+    """[rows, pages * page values] the state pages of each row of a static decode step (zeros for a
+    row at position 0; pages of -1 read page 0, never kept)."""
+    pages = static.state_pages.clamp(min=0)
+    values = torch.stack([pool.k_pages[pages], pool.v_pages[pages]], dim=2)  # [rows, pages, 2, bs, hd]
+    values = values.reshape(pages.shape[0], -1)
+    return torch.where((static.positions > 0)[:, None], values, torch.zeros_like(values))
+
+
+def _write_static_states(pool: KVPool, static: StaticRows, kernels, values: torch.Tensor) -> None:
+    """Store [rows, pages * page values] into each row's state pages (pages of -1: nothing)."""
+    rows, (num_pages, bs, hd) = values.shape[0], static.state_pages.shape[1:] + pool.k_pages.shape[1:]
+    halves = values.view(rows, num_pages, 2, bs, hd)
+    offsets = torch.arange(bs, device=values.device)
+    index = torch.where(static.state_pages[:, :, None] >= 0, static.state_pages[:, :, None] * bs + offsets, -1)
+    kernels.store_kv(halves[:, :, 0].reshape(rows, num_pages * bs, hd), halves[:, :, 1].reshape(rows, num_pages * bs, hd),
+                     pool.k_pages, pool.v_pages, index.reshape(rows, num_pages * bs))
+
+
 # ==== the modules ===================================================================================
 class PUTAttention(LlamaAttention):
     """Core attention: Ô = SiLU(O) ⊙ O on every head's output before W_O (Eq. 7)."""
@@ -184,10 +204,24 @@ class PUTMLP(nn.Module):
         self.conv = CausalDWConv(spec.conv_kernel, ffn)
 
     def forward(self, H: torch.Tensor, t: int, conv: ConvContext, indices: list[int]) -> torch.Tensor:
-        gate, up = self.gate_up_proj(H).chunk(2, dim=-1)
-        z = F.relu(gate + self.step_embedding[t - 1]) * up  # Eq. 9
+        z = self.z(H, t)
         history, taps = conv.window(indices, t, self.index, z)  # Z_{n-j}, carried across chunks
         return self.down_proj(F.silu(z + self.conv(history, taps)))  # Eq. 8
+
+    def z(self, H: torch.Tensor, t: int) -> torch.Tensor:
+        gate, up = self.gate_up_proj(H).chunk(2, dim=-1)
+        return F.relu(gate + self.step_embedding[t - 1]) * up  # Eq. 9
+
+    def decode(self, H: torch.Tensor, t: int, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token per row, the taps before it in `state` [rows, k-1, d_ff] (oldest first): the
+        output and the new state."""
+        z = self.z(H, t)
+        k1 = state.shape[1]
+        history = torch.cat([state, z[:, None]], dim=1)  # Z_{n-k+1} .. Z_n
+        conv = self.conv.weight[0] * z
+        for j in range(1, k1 + 1):
+            conv = conv + self.conv.weight[j] * history[:, k1 - j]
+        return self.down_proj(F.silu(z + conv)), history[:, 1:]
 
 
 class PUTCoreLayer(nn.Module):
@@ -201,6 +235,12 @@ class PUTCoreLayer(nn.Module):
     def forward(self, x, t: int, cos, sin, pool, meta, columns, conv: ConvContext, indices: list[int]):
         h = x + self.self_attn(self.input_layernorm(x), cos, sin, pool, meta, columns)
         return h + self.mlp(self.post_attention_layernorm(h), t, conv, indices)
+
+    def decode(self, x, t: int, cos, sin, pool, meta, columns, state: torch.Tensor):
+        """A static decode step (one token per row): the output and the new conv state."""
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, pool, meta, columns)
+        out, state = self.mlp.decode(self.post_attention_layernorm(h), t, state)
+        return h + out, state
 
 
 class PUTForCausalLM(nn.Module, DepthModel):
@@ -222,17 +262,29 @@ class PUTForCausalLM(nn.Module, DepthModel):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.base_columns = base_columns(cfg, spec)  # the base slots sit alike in every request's table
+        self.static_columns: dict[str, slice] = {}  # slot columns of a static decode row (static_decode_spec)
 
     @property
     def head_dim(self) -> int:
         return self.config.head_dim
 
     def forward(self, input_ids, positions, pool: KVPool, meta: AttentionMetadata) -> torch.Tensor:
-        step, base, spec = meta.batch, self.base_columns, self.spec
+        base = self.base_columns
         x = self.embed_tokens(input_ids)
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         for i, layer in enumerate(self.prefix_layers):
             x = layer(x, cos, sin, pool, meta, base[prefix_slot_name(i)])
+        if meta.static is None:
+            x = self.core(x, cos, sin, pool, meta)
+        else:
+            x = self.static_core(x, cos, sin, pool, meta)
+        for i, layer in enumerate(self.suffix_layers):
+            x = layer(x, cos, sin, pool, meta, base[suffix_slot_name(i)])
+        return self.norm(x)
+
+    def core(self, x, cos, sin, pool, meta) -> torch.Tensor:
+        """The core's passes 1..loops for each request: pass t over the rows of the requests that run it."""
+        step, base, spec = meta.batch, self.base_columns, self.spec
         conv = ConvContext(step, spec, self.config.intermediate_size, pool, x.dtype, x.device)
         for t in range(1, spec.steps + 1):
             indices = [i for i, item in enumerate(step.items) if item.plan.loops >= t]
@@ -254,9 +306,33 @@ class PUTForCausalLM(nn.Module, DepthModel):
                 xs = layer(xs, t, cs, ss, pool, sub_meta, columns, conv, indices)
             x = xs if rows is None else x.index_copy(0, rows, xs)
         conv.write_back()
-        for i, layer in enumerate(self.suffix_layers):
-            x = layer(x, cos, sin, pool, meta, base[suffix_slot_name(i)])
-        return self.norm(x)
+        return x
+
+    def static_core(self, x, cos, sin, pool, meta) -> torch.Tensor:
+        """The same for a decode step at static shapes: every row runs T passes and keeps pass t (its
+        output and conv states) where its own loop count is at least t."""
+        spec, d_ff = self.spec, self.config.intermediate_size
+        loops = meta.static.settings[:, 0]
+        shape = (x.shape[0], spec.steps, spec.n_core, spec.conv_kernel - 1, d_ff)
+        if spec.conv_kernel > 1:
+            stored = _read_static_states(pool, meta.static)
+            states = stored[:, : math.prod(shape[1:])].view(shape)
+        else:
+            states = x.new_zeros(shape)
+        new_states = []
+        for t in range(1, spec.steps + 1):
+            runs = (loops >= t)[:, None]
+            xs = x
+            for j, layer in enumerate(self.core_layers):
+                columns = self.static_columns[core_slot_name(j, t)]
+                xs, state = layer.decode(xs, t, cos, sin, pool, meta, columns, states[:, t - 1, j])
+                new_states.append(torch.where(runs[:, :, None], state, states[:, t - 1, j]))
+            x = torch.where(runs, xs, x)
+        if spec.conv_kernel > 1:
+            kept = torch.stack(new_states, dim=1).reshape(x.shape[0], -1)
+            _write_static_states(pool, meta.static, meta.kernels,
+                                 torch.cat([kept, stored[:, kept.shape[1]:]], dim=1))
+        return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
@@ -267,6 +343,15 @@ class PUTForCausalLM(nn.Module, DepthModel):
 
     def plan(self, depth: DepthParams) -> PUTPlan:
         return put_plan(self.config, self.spec, depth, self.embed_tokens.weight.element_size())
+
+    def static_decode_spec(self) -> StaticDecodeSpec:
+        """Rows hold every core pass's slots and state (T passes); a row's setting is its loop count."""
+        deepest = self.plan(DepthParams(loops=self.spec.steps)).layout
+        self.static_columns = deepest.slot_columns()
+        return StaticDecodeSpec(deepest, settings=1, state_bytes=deepest.state_bytes)
+
+    def static_settings(self, plan: PUTPlan) -> np.ndarray:
+        return np.array([plan.loops], dtype=np.float32)
 
     def report(self, seq) -> DepthReport:
         return put_report(self.config, self.spec, seq.plan, seq.num_computed_tokens, len(seq.output_token_ids))

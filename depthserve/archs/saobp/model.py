@@ -120,7 +120,9 @@ class SAOBPDecoderLayer(LlamaDecoderLayer):
 
 class SAOBPForCausalLM(LlamaForCausalLM):
     uses_step_batch = True  # the bias slot's columns come from the requests' full page tables
-    static_decode = False  # its decode step reads per-request plans (not yet at static shapes)
+
+    def static_decode_spec(self) -> None:
+        return None  # its decode step reads the step's per-request plans (not yet at static shapes)
 
     def __init__(self, cfg: LlamaConfig, spec: SAOBPSpec, max_positions: int):
         super().__init__(cfg, max_positions)

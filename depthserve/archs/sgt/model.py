@@ -17,14 +17,14 @@ import numpy as np
 import torch
 from torch import nn
 
-from depthserve.archs.base import BuildOptions
+from depthserve.archs.base import BuildOptions, StaticDecodeSpec
 from depthserve.archs.llama.format import LlamaConfig
 from depthserve.archs.llama.model import LlamaDecoderLayer, LlamaForCausalLM
 from depthserve.archs.sgt.format import SGTLayer, SGTPlan, SGTSpec, kv_heads_of, loop_slot_name, loops_knob
 from depthserve.archs.sgt.format import plan as sgt_plan
 from depthserve.archs.sgt.format import report as sgt_report
 from depthserve.depth import DepthParams, DepthReport, KnobSpec
-from depthserve.layers.attention import paged_attention
+from depthserve.layers.attention import decode_slot_meta, paged_attention
 from depthserve.layers.rotary import apply_rope
 
 
@@ -88,10 +88,19 @@ class SGTDecoderLayer(LlamaDecoderLayer):
         super().__init__(cfg, index)
         self.spec = spec
         self.loop_attn = HeadSubsetAttention(cfg, spec)
+        # Static decode (SGTForCausalLM.static_decode_spec): the loop slots' columns, iteration by
+        # iteration, and which of a row's settings is this layer's loop count.
+        self.static_columns: list[slice] = []
+        self.setting = 0
+        heads = self.loop_attn.read_heads
+        self.static_read_heads = None if heads is None else tuple(int(h) for h in heads)
 
     def forward(self, x, cos, sin, pool, meta, columns) -> torch.Tensor:
         h = x + self.self_attn(self.input_layernorm(x), cos, sin, pool, meta, columns)
-        h = self.loops(h, cos, sin, pool, meta.batch)
+        if meta.static is None:
+            h = self.loops(h, cos, sin, pool, meta.batch)
+        else:
+            h = self.static_loops(h, cos, sin, pool, meta)
         return h + self.mlp(self.post_attention_layernorm(h))
 
     def loops(self, h, cos, sin, pool, step) -> torch.Tensor:
@@ -113,10 +122,20 @@ class SGTDecoderLayer(LlamaDecoderLayer):
                 h = h.index_copy(0, rows, hs)
             k += 1
 
+    def static_loops(self, h, cos, sin, pool, meta) -> torch.Tensor:
+        """The same for a decode step at static shapes: every row runs the deepest request's
+        iterations and keeps iteration k where its own loop count is at least k."""
+        loops = meta.static.settings[:, self.setting]
+        read_heads = self.static_read_heads
+        for k, columns in enumerate(self.static_columns, start=1):
+            sub = decode_slot_meta(meta, columns, read_heads)
+            step = h + self.loop_attn(self.input_layernorm(h), cos, sin, pool, sub)
+            h = torch.where((loops >= k)[:, None], step, h)
+        return h
+
 
 class SGTForCausalLM(LlamaForCausalLM):
     uses_step_batch = True
-    static_decode = False  # its decode step reads per-request plans (not yet at static shapes)
 
     def __init__(self, cfg: LlamaConfig, spec: SGTSpec, max_positions: int, max_loops: int):
         super().__init__(cfg, max_positions)
@@ -124,12 +143,26 @@ class SGTForCausalLM(LlamaForCausalLM):
         self.max_loops = max_loops
         for layer in spec.layers:
             self.layers[layer.layer] = SGTDecoderLayer(cfg, layer.layer, layer)
+        # A static decode row holds every loop slot up to max_loops, each looped layer's loop count
+        # is one of its settings.
+        self._deepest = sgt_plan(cfg, spec, DepthParams(loops=max_loops))
+        columns = self._deepest.layout.slot_columns()
+        for setting, layer in enumerate(spec.layers):
+            looped = self.layers[layer.layer]
+            looped.setting = setting
+            looped.static_columns = [columns[loop_slot_name(layer.layer, k)] for k in range(1, max_loops + 1)]
 
     def depth_knobs(self) -> dict[str, KnobSpec]:
         return {"loops": loops_knob(self.spec, self.max_loops)}
 
     def plan(self, depth: DepthParams) -> SGTPlan:
         return sgt_plan(self.config, self.spec, depth)
+
+    def static_decode_spec(self) -> StaticDecodeSpec:
+        return StaticDecodeSpec(self._deepest.layout, settings=len(self.spec.layers))
+
+    def static_settings(self, plan: SGTPlan) -> np.ndarray:
+        return np.array([plan.loops[layer.layer] for layer in self.spec.layers], dtype=np.float32)
 
     def report(self, seq) -> DepthReport:
         return sgt_report(self.config, self.spec, seq.plan, seq.num_computed_tokens, len(seq.output_token_ids))
