@@ -4,6 +4,7 @@ knobs, next to the compute those settings predict.
     python bench/depth_sweep.py --quick                 # a fast smoke version (make bench)
     python bench/depth_sweep.py --threads 2             # the full sweep on CPU
     python bench/depth_sweep.py --device cuda --concurrency 32 --decode-steps 64
+    python bench/depth_sweep.py --threads 2 --compiled --archs itt   # eager and compiled in one run
 
 Checkpoints: random weights with SmolLM2-135M's shapes (`depthserve.tiny.make_tiny(arch, dir,
 like="smollm2-135m-instruct")`), built once into --checkpoint-dir and reused:
@@ -19,7 +20,9 @@ the settings are timed in lockstep: `--decode-steps` times, one decode step of e
 turn (the order rotating), each step timed on its own, so a slow spell of a shared machine hits
 every setting alike. Every request decodes one token per step, so a step's time is also each
 request's per-token latency at this concurrency; a setting's step time is the median of its
-timed steps.
+timed steps. With --compiled every setting also runs on an engine whose decode steps are compiled
+at static shapes (depthserve/engine/static_decode.py), in the same lockstep, and the derived
+figures are given for each mode.
 Predicted compute: the mean `relative_compute` of the requests' depth reports (FLOPs of the
 setting / FLOPs of the plain model over the same tokens; depthserve/archs/llama/format.py).
 
@@ -81,6 +84,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="input 16, 8 timed steps after 2 warm-up steps, ratios 0, 0.5, 1")
     p.add_argument("--out", default=None, help="result name under bench/results (default: depth-sweep-<device>)")
+    p.add_argument("--compiled", action="store_true",
+                   help="also run every setting with compiled static-shape decode steps, in the same lockstep")
     ns = p.parse_args(argv)
     if ns.quick:
         ns.input_len, ns.decode_steps, ns.warmup_steps, ns.ratios = 16, 8, 2, "0,0.5,1.0"
@@ -229,15 +234,15 @@ def itt_selection(reports: list[dict]) -> dict[str, Any]:
 
 
 # ---- one checkpoint -----------------------------------------------------------------------------
-def engine_llm(path: Path | str, ns: argparse.Namespace):
+def engine_llm(path: Path | str, ns: argparse.Namespace, enforce_eager: bool | None = True):
     """An engine for one setting's batch: prefix caching off, the sweep's step budget, room for every
-    request's tokens."""
+    request's tokens; eager unless `enforce_eager` is False (compiled static-shape decode steps)."""
     from depthserve import LLM
 
     return LLM(str(path), dtype=ns.dtype, device=ns.device, num_threads=ns.threads, max_num_seqs=ns.concurrency,
                enable_prefix_caching=False, kv_cache_memory_gib=ns.kv_cache_memory_gib,
                max_num_batched_tokens=STEP_TOKEN_BUDGET, max_model_len=ns.input_len + max_new_tokens(ns) + 16,
-               load_progress=False)
+               load_progress=False, enforce_eager=enforce_eager)
 
 
 def depth_settings(arch: str, model, ns: argparse.Namespace) -> list[Setting]:
@@ -261,20 +266,26 @@ def sweep_checkpoint(arch: str, ns: argparse.Namespace) -> dict[str, Any]:
     warm = SettingRun(first, settings[0], prompts, ns, sync)  # warm-up (allocations, kernel choice)
     warm.timed_step()
     warm.finish()
-    # Lockstep: one engine per setting, all prefilled, then their timed decode steps taken in turn
-    # (the order rotating every step), so a slow spell of the machine hits every setting alike.
-    runs = [SettingRun(first if i == 0 else engine_llm(path, ns), setting, prompts, ns, sync)
-            for i, setting in enumerate(settings)]
+    # Lockstep: one engine per setting (and mode), all prefilled, then their timed decode steps taken
+    # in turn (the order rotating every step), so a slow spell of the machine hits every setting alike.
+    modes = ("eager", "compiled") if ns.compiled else ("eager",)
+    runs = {mode: [SettingRun(first if (i, mode) == (0, "eager") else engine_llm(path, ns, mode == "eager"),
+                              setting, prompts, ns, sync) for i, setting in enumerate(settings)]
+            for mode in modes}
+    every = [run for mode in modes for run in runs[mode]]
     for step in range(ns.decode_steps):
-        for k in range(len(runs)):
-            runs[(step + k) % len(runs)].timed_step()
-    rows = [run.finish() for run in runs]
-    for row in rows:
-        print(format_row(arch, row), flush=True)
+        for k in range(len(every)):
+            every[(step + k) % len(every)].timed_step()
+    rows = {mode: [run.finish() for run in runs[mode]] for mode in modes}
     cfg = model.config
-    derived = derive(arch, rows, cfg, model, ns.concurrency)
+    derived = {}
+    for mode in modes:
+        for row in rows[mode]:
+            print(f"{mode:>8} " + format_row(arch, row), flush=True)
+        derived[mode] = derive(arch, rows[mode], cfg, model, ns.concurrency)
     if arch == "itt":
-        derived["linear_layers_only"] = itt_linear_floor(model, rows, ns, sync)
+        derived["eager"]["linear_layers_only"] = itt_linear_floor(model, rows["eager"], ns, sync)
+    compiled = {"rows_compiled": rows["compiled"], "derived_compiled": derived["compiled"]} if ns.compiled else {}
     return {
         "arch": arch,
         "checkpoint": str(path),
@@ -283,8 +294,9 @@ def sweep_checkpoint(arch: str, ns: argparse.Namespace) -> dict[str, Any]:
         "device": str(engine.device),
         "dtype": str(engine.dtype).replace("torch.", ""),
         "method": "lockstep: one engine per setting, timed decode steps of all settings taken in turn",
-        "rows": rows,
-        "derived": derived,
+        "rows": rows["eager"],
+        "derived": derived["eager"],
+        **compiled,
     }
 
 
@@ -418,11 +430,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {common.write_result(name, payload)}")
     for sweep in sweeps:
         print(format_derived(sweep))
+        if "derived_compiled" in sweep:
+            print("compiled: " + format_derived(sweep, sweep["derived_compiled"]))
     return 0
 
 
-def format_derived(sweep: dict[str, Any]) -> str:
-    derived = sweep["derived"]
+def format_derived(sweep: dict[str, Any], derived: dict[str, Any] | None = None) -> str:
+    derived = sweep["derived"] if derived is None else derived
     if sweep["arch"] != "itt":
         parts = [f"{name}: measured {v['measured']:+.3f} vs predicted {v['predicted']:+.3f}"
                  for name, v in derived["extra_share_measured_vs_predicted"].items()]

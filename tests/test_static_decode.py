@@ -19,12 +19,16 @@ from tests.depth_helpers import assert_same_generations, depth_params, tiny_llm
 
 LENGTHS = [3, 17, 9, 30, 5, 12, 41]
 # Architectures with a static decode step beyond Llama: make_tiny options, the depth of each request of
-# the mixed batch (GQA SGT with an uneven head subset; Dreamer with attention experts) and a page
-# budget that forces preemption.
+# the mixed batch (GQA SGT with an uneven head subset; ITT steps on and off; Dreamer with attention
+# experts; SAOBP has no knobs) and a page budget that forces preemption.
 DEPTH_CASES = {
     "sgt": (dict(num_kv_heads=2), [{"loops": 0}, {"loops": 2}, None, {"loops": {1: 0, 2: 3}}, {"loops": 3},
                                    {"loops": 1}, {"loops": {3: 2}}], 120),
     "put": ({}, [{"loops": 1}, {"loops": 3}, None, {"loops": 2}, {"loops": 1}, {"loops": 2}, {"loops": 3}], 150),
+    "itt": (dict(num_kv_heads=2), [{"selection_ratios": [0.3, 0.7]}, {"selection_ratios": [1.0, 0.0]}, None,
+                                   {"thinking_steps": 0}, {"selection_ratios": [0.7, 1.0]}, {"thinking_steps": 1},
+                                   {"selection_ratios": [0.0, 0.5]}], 150),
+    "saobp": (dict(num_kv_heads=2, variant="low", self_message=True), [None] * len(LENGTHS), 90),
     "dreamer": (dict(attn_experts=3, da_rope="reversed_half"),
                 [{"depth": 1}, {"depth": 4}, None, {"depth": 2}, {"depth": 3}, {"depth": 1}, {"depth": 2}], 90),
 }
@@ -110,7 +114,8 @@ def test_padding_rows_write_nothing_and_leave_real_rows_alone(compiled):
     tables = [np.arange(b * width, (b + 2) * width, dtype=np.int64).reshape(2, width) + 1 for b in range(0, 6, 2)]
     bs = static.block_size
     rows = [DecodeRow(token, position, table, table[position // bs] * bs + position % bs, np.zeros(0, np.float32),
-                      np.zeros(0, np.int64)) for token, position, table in zip([5, 17, 99], [3, 9, 12], tables)]
+                      np.zeros(0, np.int64), np.zeros(0, np.int64))
+            for token, position, table in zip([5, 17, 99], [3, 9, 12], tables)]
     before = pool.k_pages.clone()
     batched = static.run(rows)
     changed = (pool.k_pages != before).any(-1).nonzero().tolist()  # (page, offset) pairs written

@@ -72,9 +72,11 @@ class DepthModel(Protocol):
         """A request's per-row values for a static decode step (float32, StaticDecodeSpec.settings long)."""
         return np.zeros(0, np.float32)
 
-    def record_static(self, record: Any, position: int, decisions: np.ndarray) -> None:
+    def after_static_step(self, record: Any, position: int, decisions: np.ndarray) -> dict[str, int]:
         """After a static decode step: one row's decisions (StaticDecodeSpec.decisions values) into
-        its sequence's record (new_record) for the token at `position`."""
+        its sequence's record (new_record) for the token at `position`; returns the tokens each
+        routed slot stored (the rest of its reservation is given back)."""
+        return {}
 
     def new_record(self, plan: DepthPlan) -> Any:
         """An empty per-sequence record of the decisions the forward takes (routing, experts), which
@@ -114,12 +116,26 @@ class DepthModel(Protocol):
 class StaticDecodeSpec:
     """The inputs of a model's decode step at static shapes, beyond token ids and positions."""
 
-    # A decode row's page-table columns: every token-covering slot the deepest request can hold, by
-    # name. A row's slots land at these columns; the slots it lacks read page 0 and store nothing.
+    # A decode row's page-table columns: every slot the deepest request can hold, by name, the
+    # routed slots' pages after the token-covering ones (`columns`). A row's slots land at these
+    # columns; the slots it lacks read the scratch page and store nothing.
     layout: CacheLayout
     settings: int = 0  # float32 values per row (DepthModel.static_settings: loop counts, depths)
     state_bytes: int = 0  # per-sequence state (SlotKind.SEQ_STATE) of a row, at most
     decisions: int = 0  # int32 values per row the forward writes to meta.static.decisions (routing)
+
+    @property
+    def width(self) -> int:
+        return self.layout.row_width + self.layout.routed_width
+
+    def columns(self) -> dict[str, slice]:
+        """Name -> columns of a static decode row's page table (token-covering slots, then routed)."""
+        columns = self.layout.slot_columns()
+        start = self.layout.row_width
+        for slot in self.layout.routed_slots:
+            columns[slot.name] = slice(start, start + slot.num_heads)
+            start += slot.num_heads
+        return columns
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,10 @@ class ModelRunner:
         self.block_size = block_manager.block_size
         self.sampler = sampler
         self.device = device
-        shape = (block_manager.num_pages, self.block_size, model.head_dim)
+        # One page past the block manager's: the scratch page, never given to a sequence, that a static
+        # decode step's padding rows and missing slots point at (whatever they write lands there).
+        self.scratch_page = block_manager.num_pages
+        shape = (block_manager.num_pages + 1, self.block_size, model.head_dim)
         self.pool = KVPool(
             k_pages=torch.zeros(shape, dtype=dtype, device=device),
             v_pages=torch.zeros(shape, dtype=dtype, device=device),
@@ -56,7 +59,8 @@ class ModelRunner:
         every bucket now."""
         self.static = StaticDecode(
             self.model.forward, self.pool, Kernels(self.kernels.backend, traceable=True), spec,
-            block_size=self.block_size, max_blocks=max_blocks, max_num_seqs=max_num_seqs, device=self.device)
+            block_size=self.block_size, max_blocks=max_blocks, max_num_seqs=max_num_seqs, device=self.device,
+            scratch_page=self.scratch_page)
         self.static.warm_up()
 
     @staticmethod
@@ -72,7 +76,9 @@ class ModelRunner:
             hidden = self.static.run([self._decode_row(item) for item in batch])
             if self.static.spec.decisions:
                 for item, decisions in zip(batch, self.static.decisions[: len(batch)].cpu().numpy()):
-                    self.model.record_static(item.seq.depth_record, item.start, decisions)
+                    stored = self.model.after_static_step(item.seq.depth_record, item.start, decisions)
+                    for slot in item.seq.layout.routed_slots:
+                        self.block_manager.commit_routed(item.seq, slot.name, stored.get(slot.name, 0))
             return self._postprocess_logits(batch, hidden)
         input_ids, positions, meta = self._prepare(batch)
         hidden = self.model(input_ids, positions, self.pool, meta)
@@ -89,11 +95,26 @@ class ModelRunner:
         seq, bs = item.seq, self.block_size
         columns = self._spec_columns(seq.layout)
         own = self.block_manager.page_table(seq)[: -(-item.end // bs)]
-        table = np.where(columns >= 0, own[:, columns], 0)
+        table = np.where(columns >= 0, own[:, columns], self.scratch_page)
         write = np.where(columns >= 0, table[item.start // bs] * bs + item.start % bs, -1)
+        routed_lens = np.zeros(self.static.num_routed, np.int64)
+        if seq.layout.routed_slots:
+            self._routed_columns(seq, table, write, routed_lens)
         state = self.block_manager.state_table(seq)
         return DecodeRow(seq.token_ids(item.start, item.end)[0], item.start, table, write,
-                         self.model.static_settings(seq.plan), np.zeros(0, np.int64) if state is None else state)
+                         self.model.static_settings(seq.plan), np.zeros(0, np.int64) if state is None else state,
+                         routed_lens)
+
+    def _routed_columns(self, seq, table: np.ndarray, write: np.ndarray, routed_lens: np.ndarray) -> None:
+        """A routed slot's pages at its spec columns (row i: routed tokens i*bs..), where its next
+        token would go in `write` (the model stores it only if the token is selected), its length."""
+        bs, columns, order = self.block_size, self.static.columns, self.static.routed_index
+        for slot in seq.layout.routed_slots:
+            pages, length = self.block_manager.routed_table(seq, slot.name)
+            rows = min(len(pages), len(table))
+            table[:rows, columns[slot.name]] = pages[:rows]
+            write[columns[slot.name]] = pages[length // bs] * bs + length % bs
+            routed_lens[order[slot.name]] = length
 
     def _spec_columns(self, layout: CacheLayout) -> np.ndarray:
         if layout not in self._columns:

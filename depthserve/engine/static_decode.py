@@ -9,14 +9,17 @@ needs) and the compiled forward takes no host synchronisation.
 
 Depth models decode at static shapes too (`DepthModel.static_decode_spec`): a row's page table
 has the columns of every slot the deepest request can hold (its own slots at their columns, the
-rest page 0 with write index -1), and its knobs arrive as per-row values (`meta.static.settings`),
-so a batch whose requests loop or recur differently runs one graph: every row runs the depth
-the deepest request can have, and the model keeps the result only where the row's own knobs say
-so (`torch.where`, never a product with a mask, so nothing read from page 0 leaks in).
+rest the scratch page with write index -1), and its knobs arrive as per-row values
+(`meta.static.settings`), so a batch whose requests loop or recur differently runs one graph:
+every row runs the depth the deepest request can have, and the model keeps the result only where
+the row's own knobs say so (`torch.where`, never a product with a mask, so nothing read from the
+scratch page leaks in).
 
-Padding rows write nothing: their cache write index is -1 (every store op skips such rows), they
-attend to one key of page 0 and their outputs are dropped; attention, norms and the MLP work per
-row, so they never change a real row's result.
+Padding rows write nothing to any sequence's pages: their cache write index is -1 (every store op
+skips such rows) and their tables point at the scratch page (one page past the block manager's,
+held by no sequence, so what an op that updates the pages it reads, SAOBP's bias update, writes
+for them lands there); they attend to one key and their outputs are dropped. Attention, norms and
+the MLP work per row, so padding never changes a real row's result.
 
 The forward is compiled (`torch.compile`, fullgraph) with the kernels as torch.library custom ops
 (kernels/library.py). On CPU the batch, page-table and page-pool lengths are left dynamic, so one
@@ -64,12 +67,14 @@ class DecodeRow:
     write: np.ndarray  # [width] flat cache index of the new token per column; -1: store nothing
     settings: np.ndarray  # [spec.settings] float32 knobs of the request
     state_pages: np.ndarray  # pages of the per-sequence state (spec.state_bytes at most)
+    routed_lens: np.ndarray  # [spec routed slots] tokens each routed slot holds (0 where it has none)
 
 
 def spec_columns(spec: StaticDecodeSpec, layout: CacheLayout) -> np.ndarray:
     """[spec width] the column of a request's page table (laid out as `layout`) that lands at each
-    column of the spec layout, -1 where the request lacks the slot."""
-    source = np.full(spec.layout.row_width, -1, dtype=np.int64)
+    column of the spec layout, -1 where the request lacks the slot (and at routed slots' columns,
+    which the runner fills from the routed tables)."""
+    source = np.full(spec.width, -1, dtype=np.int64)
     own = layout.slot_columns()
     for name, target in spec.layout.slot_columns().items():
         if name in own:
@@ -81,10 +86,11 @@ class StaticDecode:
     """The persistent buffers and the compiled forward of decode-only steps (module docstring)."""
 
     def __init__(self, forward: Callable, pool: KVPool, kernels: Kernels, spec: StaticDecodeSpec, *,
-                 block_size: int, max_blocks: int, max_num_seqs: int, device: torch.device,
+                 block_size: int, max_blocks: int, max_num_seqs: int, device: torch.device, scratch_page: int,
                  compile_forward: bool = True):
         self.pool, self.kernels, self.device, self.spec = pool, kernels, device, spec
-        self.block_size, self.width, self.max_blocks = block_size, spec.layout.row_width, max_blocks
+        self.scratch_page = scratch_page  # where padding rows and missing slots point (no sequence holds it)
+        self.block_size, self.width, self.max_blocks = block_size, spec.width, max_blocks
         self.dynamic = device.type == "cpu"
         self.buckets = decode_buckets(max_num_seqs)
         if self.dynamic and len(self.buckets) > 1:
@@ -96,10 +102,14 @@ class StaticDecode:
         page_bytes = 2 * pool.k_pages[0].numel() * pool.k_pages.element_size()
         self.state_pages = -(-spec.state_bytes // page_bytes)
         # Layout of the one int64 buffer: ids | positions | context lengths | write index | settings
-        # (float32 pairs) | state pages | page tables (last: a step copies only the tables it uses).
+        # (float32 pairs) | state pages | routed lengths | page tables (last: a step copies only the
+        # tables it uses).
         self._settings_words = -(-spec.settings // 2)
+        self.num_routed = len(spec.layout.routed_slots)
+        self.columns = spec.columns()  # slot name -> columns of a row's page table
+        self.routed_index = {slot.name: i for i, slot in enumerate(spec.layout.routed_slots)}
         self._sizes = (rows, rows, rows, rows * width, rows * self._settings_words, rows * self.state_pages,
-                       rows * max_blocks * width)
+                       rows * self.num_routed, rows * max_blocks * width)
         self._host = torch.zeros(sum(self._sizes), dtype=torch.int64, pin_memory=device.type == "cuda")
         self._device = self._host if device.type == "cpu" else torch.zeros_like(self._host, device=device)
         self.decisions = torch.zeros(rows, spec.decisions, dtype=torch.int32, device=device)
@@ -113,8 +123,9 @@ class StaticDecode:
     def warm_up(self) -> None:
         """Compile every bucket's graph now (a progress line per bucket), not on the first requests."""
         buckets = self.buckets[:1] if self.dynamic else self.buckets  # CPU: the one dynamic graph
-        idle = DecodeRow(0, 0, np.zeros((1, self.width), np.int64), np.full(self.width, -1, np.int64),
-                         np.zeros(self.spec.settings, np.float32), np.zeros(0, np.int64))
+        idle = DecodeRow(0, 0, np.full((1, self.width), self.scratch_page, np.int64), np.full(self.width, -1, np.int64),
+                         np.zeros(self.spec.settings, np.float32), np.zeros(0, np.int64),
+                         np.zeros(self.num_routed, np.int64))
         for size in buckets:
             start = time.perf_counter()
             self.run([idle] * size)
@@ -129,22 +140,25 @@ class StaticDecode:
             # (a length of 1 would be compiled as a constant, as any dimension of size 1 is)
             longest = max(len(r.table) for r in rows)
             blocks = min(self.max_blocks, max(2, 1 << (longest - 1).bit_length()))
-        ids, positions, lens, index, settings, states, tables = self._views(self._host.numpy(), size, blocks)
-        ids[:], positions[:], lens[:], index[:], settings[:], states[:], tables[:] = 0, 0, 1, -1, 0, -1, 0
+        host = self._views(self._host.numpy(), size, blocks)
+        ids, positions, lens, index, settings, states, routed, tables = host
+        ids[:], positions[:], lens[:], index[:], settings[:], states[:], routed[:] = 0, 0, 1, -1, 0, -1, 0
+        tables[:] = self.scratch_page
         for i, row in enumerate(rows):
             ids[i], positions[i], lens[i] = row.token_id, row.position, row.position + 1
             tables[i, : len(row.table)] = row.table
             index[i] = row.write
             settings[i] = row.settings
             states[i, : len(row.state_pages)] = row.state_pages
+            routed[i] = row.routed_lens
         # One copy: every region up to the end of the used tables. The host buffer is rewritten only
         # at the next step, after the sampler has read this step's logits (a synchronisation).
         if self._device is not self._host:
             used = sum(self._sizes[:-1]) + size * blocks * self.width
             self._device[:used].copy_(self._host[:used], non_blocking=True)
-        ids, positions, lens, index, settings, states, tables = self._views(self._device, size, blocks)
+        ids, positions, lens, index, settings, states, routed, tables = self._views(self._device, size, blocks)
         if self.dynamic:
-            for tensor in (ids, positions, lens, index, settings, states, tables, self.pool.k_pages,
+            for tensor in (ids, positions, lens, index, settings, states, routed, tables, self.pool.k_pages,
                            self.pool.v_pages):
                 torch._dynamo.maybe_mark_dynamic(tensor, 0)
             torch._dynamo.maybe_mark_dynamic(tables, 1)
@@ -153,7 +167,8 @@ class StaticDecode:
             torch._dynamo.maybe_mark_dynamic(decisions, 0)
         meta = AttentionMetadata(num_tokens=size, block_size=self.block_size, slot_index=index, prefills=[],
                                  num_prefill_tokens=0, decode_page_table=tables, decode_context_lens=lens,
-                                 kernels=self.kernels, static=StaticRows(settings, states, positions, decisions))
+                                 kernels=self.kernels,
+                                 static=StaticRows(settings, states, positions, decisions, routed))
         self.steps += 1
         return self.forward(ids, positions, self.pool, meta)[: len(rows)]
 
@@ -161,11 +176,13 @@ class StaticDecode:
         """The step's arrays (numpy, host) or tensors (device), each contiguous at the start of its
         region of the buffer (laid out for the largest bucket and the longest table)."""
         bounds = np.cumsum((0,) + self._sizes)
-        ids, positions, lens, index, settings, states, tables = (flat[bounds[i]:bounds[i + 1]] for i in range(7))
+        ids, positions, lens, index, settings, states, routed, tables = (flat[bounds[i]:bounds[i + 1]]
+                                                                         for i in range(8))
         words = self._settings_words
         settings = settings[: size * words]
         settings = (settings.view(np.float32) if isinstance(settings, np.ndarray) else settings.view(torch.float32))
         return (ids[:size], positions[:size], lens[:size], index[: size * self.width].reshape(size, self.width),
                 settings.reshape(size, 2 * words)[:, : self.spec.settings],
                 states[: size * self.state_pages].reshape(size, self.state_pages),
+                routed[: size * self.num_routed].reshape(size, self.num_routed),
                 tables[: size * blocks * self.width].reshape(size, blocks, self.width))

@@ -36,6 +36,7 @@ class StaticRows:
     state_pages: torch.Tensor  # [rows, pages] pages of the per-sequence state (spec.state_bytes), -1: none
     positions: torch.Tensor  # [rows]
     decisions: torch.Tensor  # [rows, spec.decisions] int32, written by the forward (routing choices)
+    routed_lens: torch.Tensor  # [rows, routed slots] tokens each routed slot holds before this step
 
 
 @dataclass
@@ -119,13 +120,19 @@ def paged_attention(
     return out
 
 
-def decode_slot_meta(meta: AttentionMetadata, columns: slice, read_heads: list[int] | None = None) -> AttentionMetadata:
+def decode_slot_meta(meta: AttentionMetadata, columns: slice, read_heads: tuple[int, ...] | None = None, *,
+                     stores: torch.Tensor | None = None, context_lens: torch.Tensor | None = None) -> AttentionMetadata:
     """A decode-only step's metadata narrowed to one slot's columns; `read_heads` maps each attended
-    head to a stored one (a KV head may repeat: uneven GQA subsets)."""
+    head to a stored one (a KV head may repeat: uneven GQA subsets); `stores` [rows] bool: the rows
+    that store their key (default: as the write index says); `context_lens`: the slot's own (a
+    routed slot's length) instead of the step's."""
     table = meta.decode_page_table[:, :, columns]
     if read_heads is not None:  # (a list index would become a data-dependent gather in a compiled graph)
         table = torch.stack([table[:, :, head] for head in read_heads], dim=2)
+    index = meta.slot_index[:, columns]
+    if stores is not None:
+        index = torch.where(stores[:, None], index, -1)
     return AttentionMetadata(
-        num_tokens=meta.slot_index.shape[0], block_size=meta.block_size, slot_index=meta.slot_index[:, columns], prefills=[],
-        num_prefill_tokens=0, decode_page_table=table, decode_context_lens=meta.decode_context_lens,
+        num_tokens=index.shape[0], block_size=meta.block_size, slot_index=index, prefills=[], num_prefill_tokens=0,
+        decode_page_table=table, decode_context_lens=meta.decode_context_lens if context_lens is None else context_lens,
         kernels=meta.kernels, static=meta.static)

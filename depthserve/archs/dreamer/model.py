@@ -374,9 +374,10 @@ class DreamerForCausalLM(nn.Module, DepthModel):
     def static_settings(self, plan: DreamerPlan) -> np.ndarray:
         return np.array([plan.recurrences], dtype=np.float32)
 
-    def record_static(self, record: DreamerRecord, position: int, decisions: np.ndarray) -> None:
+    def after_static_step(self, record: DreamerRecord, position: int, decisions: np.ndarray) -> dict[str, int]:
         D, k = self.spec.depth, self.spec.top_k
         record.write(position, decisions[None, : D * k].reshape(1, D, k), decisions[None, D * k :])
+        return {}
 
     @staticmethod
     def _record(step, ea: np.ndarray, attn: np.ndarray) -> None:

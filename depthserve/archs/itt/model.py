@@ -19,13 +19,15 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from depthserve.archs.base import BuildOptions
+from depthserve.archs.base import BuildOptions, StaticDecodeSpec
 from depthserve.archs.itt.format import ITTPlan, ITTRecord, ITTSpec, knobs, pop_itt_weights, routed_slot_name
 from depthserve.archs.itt.format import plan as itt_plan
 from depthserve.archs.itt.format import report as itt_report
 from depthserve.archs.llama.format import LlamaConfig
 from depthserve.archs.llama.model import LlamaDecoderLayer, LlamaForCausalLM
+from depthserve.cache import CacheLayout, SlotKind, SlotSpec
 from depthserve.depth import DepthParams, DepthReport, KnobSpec
+from depthserve.layers.attention import decode_slot_meta
 from depthserve.layers.batch import BatchItem, StepBatch
 
 
@@ -70,8 +72,13 @@ class ITTDecoderLayer(LlamaDecoderLayer):
         self.router_bias: list[float] = [0.0] * T  # b_1..b_T
         self.register_buffer("step_encoding", torch.zeros(T + 1, d), persistent=False)  # phi_0..phi_T
         self.quantiles: np.ndarray | None = None  # [T, 101] calibration table
+        # Static decode (ITTForCausalLM.static_decode_spec): step t's routed slot columns and index.
+        self.static_columns: list[slice] = []
+        self.static_routed: list[int] = []
 
-    def forward(self, x, cos, sin, pool, meta, columns, routing: StepRouting) -> torch.Tensor:
+    def forward(self, x, cos, sin, pool, meta, columns, routing: StepRouting | list) -> torch.Tensor:
+        if meta.static is not None:
+            return self.static_forward(x, cos, sin, pool, meta, columns, routing)
         f = super().forward
         y = f(x, cos, sin, pool, meta, columns) * self.step_encoding[0].to(x.dtype)  # y = f(x) ⊙ phi_0
         step = meta.batch
@@ -93,12 +100,36 @@ class ITTDecoderLayer(LlamaDecoderLayer):
                            self.spec.skip_rule)
         return y
 
+    def static_forward(self, x, cos, sin, pool, meta, columns, decisions: list) -> torch.Tensor:
+        """The same for a decode step at static shapes: f_t runs on every row over the step-t routed
+        slot and a row keeps it where it is selected (the update applied densely, as itt_update
+        does); only selected rows store their key. Appends (selected, scores) [rows, T] to
+        `decisions` (selected: 1, 0, -1 where the row's request has the step off)."""
+        f = super().forward
+        y = f(x, cos, sin, pool, meta, columns) * self.step_encoding[0].to(x.dtype)
+        settings, T = meta.static.settings, self.spec.steps
+        selections, all_scores = [], []
+        for t in range(1, T + 1):
+            thresholds = settings[:, self.position * T + t - 1]  # +inf: the step is off for the row
+            routed = meta.static.routed_lens[:, self.static_routed[t - 1]]
+            scores = torch.sigmoid(y.float() @ self.router_weight[t - 1].float() + self.router_bias[t - 1])
+            on = thresholds < float("inf")
+            selected = (scores >= thresholds) & on
+            sub = decode_slot_meta(meta, self.static_columns[t - 1], stores=selected, context_lens=routed + 1)
+            out = f(y, cos, sin, pool, sub, slice(None)).float()
+            old, phi = y.float(), self.step_encoding[t].float()
+            skipped = old * (1 + phi) if self.spec.skip_rule == "paper" else old
+            new = torch.where(selected[:, None], old + (self.spec.alphas[t - 1] * scores)[:, None] * out * phi,
+                              torch.where(on[:, None], skipped, old))
+            y = new.to(y.dtype)
+            selections.append(torch.where(on, selected.to(torch.int32), -1))
+            all_scores.append(torch.where(on, scores, 0.0))
+        decisions.append((torch.stack(selections, 1), torch.stack(all_scores, 1)))
+        return y
+
 
 class ITTForCausalLM(LlamaForCausalLM):
     uses_step_batch = True
-
-    def static_decode_spec(self) -> None:
-        return None  # its decode step reads the step's per-request plans (not yet at static shapes)
 
     def __init__(self, cfg: LlamaConfig, spec: ITTSpec, max_positions: int):
         super().__init__(cfg, max_positions)
@@ -108,6 +139,8 @@ class ITTForCausalLM(LlamaForCausalLM):
         self._fp32: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def forward(self, input_ids, positions, pool, meta) -> torch.Tensor:
+        if meta.static is not None:
+            return self.static_forward(input_ids, positions, pool, meta)
         x = self.embed_tokens(input_ids)
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         routing = StepRouting(meta.batch, len(self.spec.layers), self.spec.steps)
@@ -117,6 +150,50 @@ class ITTForCausalLM(LlamaForCausalLM):
             x = layer(x, cos, sin, pool, meta, layout.columns(i), *extra)
         routing.commit(meta.batch.items)
         return self.norm(x)
+
+    def static_forward(self, input_ids, positions, pool, meta) -> torch.Tensor:
+        """A decode step at static shapes; the routing decisions go to meta.static.decisions:
+        selected [layers, T], then the fp32 scores' bits [layers, T]."""
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        layout = self._base_plan.layout
+        decisions: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for i, layer in enumerate(self.layers):
+            extra = (decisions,) if isinstance(layer, ITTDecoderLayer) else ()
+            x = layer(x, cos, sin, pool, meta, layout.columns(i), *extra)
+        n = x.shape[0]
+        selected = torch.stack([d[0] for d in decisions], 1).reshape(n, -1)
+        scores = torch.stack([d[1] for d in decisions], 1).reshape(n, -1).contiguous().view(torch.int32)
+        meta.static.decisions.copy_(torch.cat([selected, scores], dim=1))
+        return self.norm(x)
+
+    def static_decode_spec(self) -> StaticDecodeSpec:
+        """Rows hold every step's routed slot; a row's settings are its thresholds [layers, T] (+inf
+        where its request has the step off)."""
+        cfg, spec = self.config, self.spec
+        routed = tuple(SlotSpec(routed_slot_name(layer, t), SlotKind.ROUTED, cfg.num_kv_heads)
+                       for layer in spec.layers for t in range(1, spec.steps + 1))
+        static = StaticDecodeSpec(CacheLayout(self._base_plan.layout.slots, routed),
+                                  settings=len(spec.layers) * spec.steps, decisions=2 * len(spec.layers) * spec.steps)
+        columns = static.columns()
+        order = {slot.name: i for i, slot in enumerate(routed)}
+        for layer in self.itt_layers():
+            names = [routed_slot_name(layer.index, t) for t in range(1, spec.steps + 1)]
+            layer.static_columns = [columns[name] for name in names]
+            layer.static_routed = [order[name] for name in names]
+        return static
+
+    def static_settings(self, plan: ITTPlan) -> np.ndarray:
+        ratios = np.array(plan.ratios, dtype=np.float32)
+        return np.where(ratios > 0, plan.thresholds, np.float32(np.inf)).astype(np.float32).reshape(-1)
+
+    def after_static_step(self, record: ITTRecord, position: int, decisions: np.ndarray) -> dict[str, int]:
+        L, T = len(self.spec.layers), self.spec.steps
+        selected = decisions[: L * T].reshape(L, T)
+        if (selected >= 0).any():  # as the eager step: nothing to record when every step is off
+            record.write(position, selected[None].astype(np.int8), decisions[L * T :].view(np.float32).reshape(1, L, T))
+        return {routed_slot_name(layer, t): int(selected[i, t - 1] == 1)
+                for i, layer in enumerate(self.spec.layers) for t in range(1, T + 1)}
 
     def itt_layers(self) -> list[ITTDecoderLayer]:
         return [self.layers[layer] for layer in self.spec.layers]

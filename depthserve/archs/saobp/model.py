@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from depthserve.archs.base import BuildOptions
+from depthserve.archs.base import BuildOptions, StaticDecodeSpec
 from depthserve.archs.llama.format import LlamaConfig
 from depthserve.archs.llama.model import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 from depthserve.archs.saobp.format import SAOBPPlan, SAOBPSpec, head_rows, rows_per_page
@@ -49,9 +49,7 @@ class BiasTables:
 
     @classmethod
     def of_step(cls, pool: KVPool, step: StepBatch, num_prefills: int, rows: int) -> "BiasTables":
-        k_pages = pool.k_pages
-        num_pages, bs = k_pages.shape[0], k_pages.shape[1]
-        pages = k_pages.view(num_pages, -1).view(torch.float32).view(num_pages * rows, bs)
+        bs = pool.k_pages.shape[1]
 
         def stack(part: list[BatchItem]) -> torch.Tensor | None:
             if not part:
@@ -60,15 +58,28 @@ class BiasTables:
             padded = np.zeros((len(tables), max(len(t) for t in tables), tables[0].shape[1]), dtype=np.int64)
             for i, t in enumerate(tables):
                 padded[i, : len(t)] = t
-            return torch.from_numpy(padded).to(k_pages.device)
+            return torch.from_numpy(padded).to(pool.k_pages.device)
 
-        return cls(pages, stack(step.items[:num_prefills]), stack(step.items[num_prefills:]), rows)
+        return cls(pool_bias_rows(pool, rows), stack(step.items[:num_prefills]), stack(step.items[num_prefills:]),
+                   rows)
+
+    @classmethod
+    def of_static(cls, pool: KVPool, meta: AttentionMetadata, plan: SAOBPPlan) -> "BiasTables":
+        """A decode step at static shapes: the bias columns of its rows' page tables."""
+        return cls(pool_bias_rows(pool, plan.rows_per_page), None,
+                   meta.decode_page_table[:, :, plan.bias_columns], plan.rows_per_page)
 
     def tables(self, base: torch.Tensor | None, column: torch.Tensor, sub: torch.Tensor) -> torch.Tensor | None:
         """[seqs, H, blocks] bias row ids of one layer's heads."""
         if base is None:
             return None
         return (base[:, :, column] * self.rows_per_page + sub).transpose(1, 2)
+
+
+def pool_bias_rows(pool: KVPool, rows: int) -> torch.Tensor:
+    """[num_pages * rows, block_size] the pool's K storage as rows of fp32 biases."""
+    num_pages, bs = pool.k_pages.shape[0], pool.k_pages.shape[1]
+    return pool.k_pages.view(num_pages, -1).view(torch.float32).view(num_pages * rows, bs)
 
 
 class SAOBPAttention(LlamaAttention):
@@ -97,7 +108,7 @@ class SAOBPAttention(LlamaAttention):
                 q[rows], pool.k_pages, pool.v_pages, tables, bias.pages, bias.tables(bias.prefill, column, sub),
                 packed.query_starts, packed.context_lens, self.scale, self.coef, self.self_message)
         if meta.num_decodes:
-            rows = slice(meta.num_prefill_tokens, meta.num_tokens)
+            rows = slice(meta.num_prefill_tokens, None)
             table = meta.decode_page_table[:, :, columns].transpose(1, 2)
             bias_table = bias.tables(bias.decode, column, sub)
             out[rows], lse = kernels.saobp_decode_attention(
@@ -121,24 +132,29 @@ class SAOBPDecoderLayer(LlamaDecoderLayer):
 class SAOBPForCausalLM(LlamaForCausalLM):
     uses_step_batch = True  # the bias slot's columns come from the requests' full page tables
 
-    def static_decode_spec(self) -> None:
-        return None  # its decode step reads the step's per-request plans (not yet at static shapes)
-
     def __init__(self, cfg: LlamaConfig, spec: SAOBPSpec, max_positions: int):
         super().__init__(cfg, max_positions)
         self.spec = spec
+        self._static_plan: SAOBPPlan | None = None  # set by static_decode_spec (after the cast)
         for position, index in enumerate(spec.layer_indices(cfg.num_layers)):
             self.layers[index] = SAOBPDecoderLayer(cfg, index, position, spec)
 
     def plan(self, depth: DepthParams) -> SAOBPPlan:
         return saobp_plan(self.config, self.spec, depth, self.norm.weight.element_size())
 
+    def static_decode_spec(self) -> StaticDecodeSpec:
+        self._static_plan = self.plan(DepthParams())  # no knobs: every request has this layout
+        return StaticDecodeSpec(self._static_plan.layout)
+
     def forward(self, input_ids, positions, pool: KVPool, meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
-        step = meta.batch
-        plan: SAOBPPlan = step.items[0].plan  # no knobs: every request has the same layout
-        bias = BiasTables.of_step(pool, step, len(meta.prefills), plan.rows_per_page)
+        if meta.static is None:
+            plan: SAOBPPlan = meta.batch.items[0].plan  # no knobs: every request has the same layout
+            bias = BiasTables.of_step(pool, meta.batch, len(meta.prefills), plan.rows_per_page)
+        else:
+            plan = self._static_plan
+            bias = BiasTables.of_static(pool, meta, plan)
         for i, layer in enumerate(self.layers):
             extra = (bias,) if isinstance(layer, SAOBPDecoderLayer) else ()
             x = layer(x, cos, sin, pool, meta, plan.layout.columns(i), *extra)
