@@ -52,6 +52,9 @@ def _error(status: int, message: str, err_type: str, param: str | None = None,
     return JSONResponse(error_body(message, err_type, status, param), status_code=status, headers=headers)
 
 
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+
+
 def error_response(exc: DepthServeError) -> JSONResponse:
     headers = {"Retry-After": str(exc.retry_after)} if exc.retry_after is not None else None
     return _error(exc.status, str(exc), exc.error_type, getattr(exc, "param", None), headers)
@@ -92,13 +95,21 @@ def build_app(llm: AsyncLLM, served_model_name: str | None = None, api_key: str 
     app.state.metrics = metrics
     app.state.llm = llm
 
+    def count_refused(request: Request, status: int) -> None:
+        """A generation request answered 4xx (bad body, unknown model, bad depth) is a finished
+        request too: outcome "invalid" (refused at admission for load: "rejected")."""
+        if 400 <= status < 500 and request.url.path in GENERATION_PATHS:
+            metrics.requests.labels(outcome="invalid").inc()
+
     @app.exception_handler(RequestValidationError)
-    async def on_validation_error(_: Request, exc: RequestValidationError):
+    async def on_validation_error(request: Request, exc: RequestValidationError):
         message, param = _validation_message(exc)
+        count_refused(request, 400)
         return _error(400, message, "invalid_request_error", param)
 
     @app.exception_handler(DepthServeError)
-    async def on_engine_error(_: Request, exc: DepthServeError):
+    async def on_engine_error(request: Request, exc: DepthServeError):
+        count_refused(request, exc.status)
         return error_response(exc)
 
     @app.exception_handler(StarletteHTTPException)
@@ -282,6 +293,16 @@ def run_server(llm: AsyncLLM, host: str, port: int, served_model_name: str | Non
                log_level: str = "info", max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
     import uvicorn
 
-    logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO))
+    configure_logging(log_level)
     app = build_app(llm, served_model_name, api_key, depth_presets, max_body_bytes)
+    names = [served_model_name or llm.model_name]
+    names += [f"{names[0]}:{preset}" for preset in depth_presets or {}]
+    logger.info("serving %s at http://%s:%d (OpenAI API under /v1, API docs at /docs)%s", ", ".join(names),
+                host, port, "; API key required" if api_key else "")
     uvicorn.run(app, host=host, port=port, log_level=log_level)
+
+
+def configure_logging(log_level: str) -> None:
+    """depthserve's log lines on stderr (done before the model loads, so its start-up lines show)."""
+    logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -1,7 +1,10 @@
 """Request bodies of the OpenAI-compatible API (pydantic), and the error body.
 
-Unknown fields are rejected (400 naming the field) rather than silently ignored; so are OpenAI
-fields this server knows but does not implement (`UNSUPPORTED_FIELDS`). Types are strict: a
+Unknown fields are rejected (400 naming the field) rather than silently ignored, so typos stay
+visible. OpenAI fields that do not change the output (`IGNORED_FIELDS`: storage, billing and
+tracing hints that OpenAI clients send) are accepted and dropped with a debug log line; OpenAI
+fields that would change it and that this server does not implement (`UNSUPPORTED_FIELDS`) are a
+400 that says "not supported". The table is in docs/server.md. Types are strict: a
 string is not an integer ("3" for max_tokens is a 400, not 3), 1 is not a boolean. Every number
 has a finite range (the table in docs/server.md), and every string must be valid Unicode: JSON
 can carry a lone surrogate (`"\ud800"`), which no tokenizer can encode, so it is a 400 here.
@@ -9,6 +12,7 @@ can carry a lone surrogate (`"\ud800"`), which no tokenizer can encode, so it is
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -22,11 +26,18 @@ from depthserve.sampling_params import (
     SEED_MIN,
 )
 
-# OpenAI fields that exist in the API but that this server does not implement.
+logger = logging.getLogger("depthserve.server")
+
+CHAT_ROLES = ("system", "user", "assistant", "developer")
+# OpenAI fields that exist in the API but that this server does not implement: they would change
+# the output, so a request that sets one is refused.
 UNSUPPORTED_FIELDS = (
-    "suffix", "best_of", "tools", "tool_choice", "functions", "function_call", "response_format",
-    "parallel_tool_calls", "audio", "modalities", "prediction", "reasoning_effort", "web_search_options",
+    "suffix", "best_of", "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "audio",
+    "modalities", "prediction", "reasoning_effort", "web_search_options",
 )
+# OpenAI fields that never change what is generated (storage, billing tier, tracing and caching
+# hints): accepted and ignored, as vLLM does.
+IGNORED_FIELDS = ("store", "metadata", "service_tier", "user", "prompt_cache_key", "safety_identifier")
 
 
 class StrictModel(BaseModel):
@@ -40,6 +51,26 @@ class StrictModel(BaseModel):
                 if data.get(name) is not None:
                     raise ValueError(f"'{name}' is not supported by this server")
         return data
+
+
+class OpenAIRequest(StrictModel):
+    """A request body of an OpenAI endpoint: the ignored fields are dropped before validation."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_ignored(cls, data: Any) -> Any:
+        if isinstance(data, dict) and any(name in data for name in IGNORED_FIELDS):
+            dropped = [name for name in IGNORED_FIELDS if name in data]
+            logger.debug("ignoring OpenAI field(s) %s (they do not change the output)", ", ".join(dropped))
+            data = {key: value for key, value in data.items() if key not in IGNORED_FIELDS}
+        return data
+
+    @field_validator("response_format", check_fields=False)
+    @classmethod
+    def _text_only(cls, value: Any) -> Any:
+        if value is not None and value != {"type": "text"}:
+            raise ValueError("only {\"type\": \"text\"} is supported (no JSON mode or schemas)")
+        return value
 
     @field_validator("*")
     @classmethod
@@ -82,7 +113,7 @@ class DepthRequest(StrictModel):
         return self.model_dump(exclude_none=True)
 
 
-class SamplingFields(StrictModel):
+class SamplingFields(OpenAIRequest):
     """Fields shared by completions and chat (OpenAI names, plus vLLM-style extensions)."""
 
     model: str
@@ -104,7 +135,7 @@ class SamplingFields(StrictModel):
     min_tokens: int = Field(default=0, ge=0)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    user: str | None = None
+    response_format: dict[str, Any] | None = None  # {"type": "text"} only
     depth: DepthRequest | None = None
 
     @field_validator("logit_bias")
@@ -140,9 +171,18 @@ class CompletionRequest(SamplingFields):
 
 
 class ChatMessage(StrictModel):
-    role: Literal["system", "user", "assistant", "developer"]
+    role: str
     content: str | list[dict[str, Any]]
     name: str | None = None
+
+    @field_validator("role")
+    @classmethod
+    def _known_role(cls, value: str) -> str:
+        if value == "tool":
+            raise ValueError("role 'tool' is not supported: this server has no tool calling")
+        if value not in CHAT_ROLES:
+            raise ValueError(f"role must be one of {', '.join(CHAT_ROLES)}, got {value!r}")
+        return value
 
     def text(self) -> str:
         if isinstance(self.content, str):

@@ -26,7 +26,7 @@ from depthserve.engine.llm_engine import LLMEngine  # noqa: E402
 from depthserve.server.app import build_app  # noqa: E402
 from depthserve.server.serving_engine import OpenAIServing  # noqa: E402
 from depthserve.tiny import make_tiny  # noqa: E402
-from tests.live_server import live_server, wait_idle  # noqa: E402
+from tests.live_server import live_server, metric_value, wait_idle  # noqa: E402
 
 API_KEY = "k"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -121,7 +121,20 @@ BAD_REQUESTS = [
     ("/detokenize without the API key", "POST", "/detokenize", {"tokens": [1]}, {"Authorization": ""}, 401,
      "authentication_error", "API key"),
     ("a body over the limit", "POST", "/v1/completions", b"x" * (5 << 20), JSON, 413, "request_too_large", "limit"),
+    ("tools", "POST", "/v1/chat/completions", {**_chat("hi"), "tools": [{"type": "function"}]}, None, 400,
+     "invalid_request_error", "'tools' is not supported"),
+    ("a tool message", "POST", "/v1/chat/completions",
+     {**_chat("hi"), "messages": [{"role": "tool", "content": "42"}]}, None, 400, "invalid_request_error",
+     "role 'tool' is not supported"),
+    ("JSON mode", "POST", "/v1/chat/completions", {**_chat("hi"), "response_format": {"type": "json_object"}}, None,
+     400, "invalid_request_error", "response_format: only"),
+    ("a misspelt field", "POST", "/v1/completions", {**_completion(), "max_token": 4}, None, 400,
+     "invalid_request_error", "unknown field 'max_token'"),
 ]
+
+# OpenAI fields that do not change the output: accepted and ignored, on both endpoints.
+IGNORED = {"store": True, "metadata": {"run": "7"}, "service_tier": "auto", "user": "u-1",
+           "prompt_cache_key": "k", "safety_identifier": "s", "response_format": {"type": "text"}}
 
 
 def _send(base: str, method: str, path: str, body, headers: dict | None) -> httpx.Response:
@@ -152,6 +165,27 @@ def test_bad_request_gets_a_clean_4xx_and_the_server_keeps_serving(server, name,
     assert error["type"] == err_type and error["code"] == status
     assert words.lower() in error["message"].lower(), error["message"]
     _assert_still_serving(base, llm)
+
+
+@pytest.mark.parametrize("path, body", [("/v1/completions", _completion(temperature=0.0)),
+                                        ("/v1/chat/completions", {**_chat("hi"), "temperature": 0.0})])
+def test_openai_fields_that_do_not_change_the_output_are_accepted_and_ignored(server, path, body):
+    base, _ = server
+    plain = httpx.post(f"{base}{path}", json=body, headers=AUTH, timeout=60)
+    extra = httpx.post(f"{base}{path}", json={**body, **IGNORED}, headers=AUTH, timeout=60)
+    assert plain.status_code == extra.status_code == 200, extra.text
+    text = lambda r: [c.get("text") or c["message"]["content"] for c in r.json()["choices"]]  # noqa: E731
+    assert text(extra) == text(plain)
+
+
+def test_refused_generation_requests_are_counted_in_the_metrics(server):
+    base, _ = server
+    invalid = lambda: metric_value(base, "depthserve_requests_total", outcome="invalid")  # noqa: E731
+    before = invalid()
+    for body in (_completion(top_k=-5), _completion(model="nope"), {**_completion(), "max_token": 4}):
+        assert _send(base, "POST", "/v1/completions", body, None).status_code in (400, 404)
+    assert _send(base, "POST", "/v1/chat/completions", {**_chat("hi"), "tools": []}, None).status_code == 400
+    assert invalid() == before + 4
 
 
 def test_the_queue_holds_exactly_running_plus_waiting_requests(server):

@@ -120,10 +120,15 @@ class LLMEngine:
             self.runner.enable_static_decode(static_spec, -(-self.max_model_len // args.block_size),
                                              args.max_num_seqs)
         self._requests: dict[str, _Request] = {}
+        capped = (f" (capped from {args.max_model_len}: the model's context)"
+                  if args.max_model_len is not None and args.max_model_len > self.max_model_len else "")
+        knobs = ", ".join(f"{name} {k.minimum}..{k.maximum}" for name, k in self.model.depth_knobs().items())
         logger.info(
-            "engine ready: %s on %s/%s, %d KV pages (%.2f GiB), max_model_len=%d",
-            self.model_name, self.device, self.dtype, num_pages, num_pages * page_bytes / _GIB,
-            self.max_model_len,
+            "engine ready: %s (%s) on %s/%s, %d KV pages (%.2f GiB), max_model_len=%d%s, depth knobs: %s, "
+            "decode steps %s",
+            self.model_name, (self.hf_config.get("depth") or {}).get("architecture", "llama"), self.device,
+            str(self.dtype).removeprefix("torch."), num_pages, num_pages * page_bytes / _GIB, self.max_model_len, capped,
+            knobs or "none", "compiled" if self.runner.static is not None else "eager",
         )
 
     def _compiles_decode(self, args: EngineArgs) -> bool:

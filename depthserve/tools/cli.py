@@ -4,11 +4,37 @@ from __future__ import annotations
 
 import argparse
 import json
+import socket
 import sys
 from dataclasses import fields
 
 from depthserve.config import EngineArgs
-from depthserve.loading.registry import BUILTIN_MODELS, DEFAULT_MODEL
+from depthserve.loading.registry import BUILTIN_MODELS, DEFAULT_MODEL, resolve_model
+
+
+class CLIParser(argparse.ArgumentParser):
+    """Argument errors as one line (no usage dump) and exit code 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def fail(message: str) -> int:
+    """A CLI error: one line on stderr, exit code 2."""
+    print(f"error: {message}", file=sys.stderr)
+    return 2
+
+
+def _depth_json(text: str) -> dict:
+    """--depth: a JSON object of depth knobs, checked before any model loads."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON ({exc.msg} at character {exc.pos}): {text!r}; "
+                                         "write e.g. '{\"loops\": 2}'") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object such as '{{\"loops\": 2}}', got {text!r}")
+    return value
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -49,20 +75,20 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     from depthserve.sampling_params import SamplingParams
 
     try:
+        resolve_model(ns.model)  # a wrong name or path fails here, before anything loads
         llm = LLM(**vars(engine_args_from(ns)))
         params = SamplingParams(
             temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k, max_tokens=ns.max_tokens,
             seed=ns.sampling_seed, stop=ns.stop or None,
         )
-        depth = DepthParams.from_dict(json.loads(ns.depth)) if ns.depth else None
+        depth = DepthParams.from_dict(ns.depth) if ns.depth is not None else None
         if ns.chat:
             prompt = llm.apply_chat_template([{"role": "user", "content": ns.prompt}])
         else:
             prompt = ns.prompt
         _stream_one(llm, prompt, params, depth)
     except DepthServeError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return fail(str(exc))
     return 0
 
 
@@ -96,56 +122,109 @@ def _depth_preset(text: str) -> tuple[str, dict]:
 def cmd_serve(ns: argparse.Namespace) -> int:
     from depthserve.depth import DepthParams
     from depthserve.engine.async_llm import AsyncLLM
-    from depthserve.server.app import run_server
+    from depthserve.errors import DepthServeError
+    from depthserve.server.app import configure_logging, run_server
 
+    configure_logging(ns.log_level)
     presets = dict(ns.depth_preset or [])
-    llm = AsyncLLM.from_engine_args(engine_args_from(ns), max_waiting_requests=ns.max_waiting_requests)
-    for name, settings in presets.items():  # fail at start-up, not on the first request
-        DepthParams.from_dict(settings).validate(llm.engine.model.depth_knobs(), llm.model_name)
+    try:  # what can be checked without the model, before it loads
+        resolve_model(ns.model)
+        for name, settings in presets.items():
+            DepthParams.from_dict(settings)
+    except DepthServeError as exc:
+        return fail(str(exc))
+    if not _port_free(ns.host, ns.port):
+        return fail(f"port {ns.port} on {ns.host} is already in use (choose another with --port)")
+    try:
+        llm = AsyncLLM.from_engine_args(engine_args_from(ns), max_waiting_requests=ns.max_waiting_requests)
+        for name, settings in presets.items():  # the knobs' ranges are the model's
+            DepthParams.from_dict(settings).validate(llm.engine.model.depth_knobs(), llm.model_name)
+    except DepthServeError as exc:
+        return fail(str(exc))
     run_server(llm, ns.host, ns.port, ns.served_model_name, ns.api_key, presets, ns.log_level,
                max_body_bytes=int(ns.max_body_mb * (1 << 20)))
     return 0
 
 
+def _port_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+CHAT_HELP = ('commands: /exit (or /bye, Ctrl-D) quit, /clear forget the conversation, """ starts and ends '
+             "a multi-line message; Ctrl-C stops a reply")
+
+
 def cmd_chat(ns: argparse.Namespace) -> int:
     from depthserve.clients.client import DepthServeAPIError, DepthServeClient
 
-    depth = json.loads(ns.depth) if ns.depth else {}
+    depth = ns.depth or {}
     try:
         client = DepthServeClient(ns.url, api_key=ns.api_key, model=ns.model)
     except Exception as exc:  # noqa: BLE001 - a CLI reports and exits
-        print(f"error: cannot reach {ns.url}: {exc}", file=sys.stderr)
-        return 2
-    messages: list[dict[str, str]] = []
-    if ns.system:
-        messages.append({"role": "system", "content": ns.system})
-    print(f"chatting with {client.model} at {ns.url} (Ctrl-D to quit)")
+        return fail(f"cannot reach {ns.url}: {exc}")
+    system = [{"role": "system", "content": ns.system}] if ns.system else []
+    messages: list[dict[str, str]] = list(system)
+    print(f"chatting with {client.model} at {ns.url}; {CHAT_HELP}")
     while True:
         try:
-            line = input("> ")
+            line = _read_message()
         except EOFError:
             print()
             return 0
-        if not line.strip():
+        except KeyboardInterrupt:
+            print("\n(Ctrl-D or /exit to quit)")
+            continue
+        command = line.strip()
+        if not command:
+            continue
+        if command in ("/exit", "/bye", "/quit"):
+            return 0
+        if command == "/clear":
+            messages = list(system)
+            print("(conversation cleared)")
+            continue
+        if command in ("/help", "/?"):
+            print(CHAT_HELP)
             continue
         messages.append({"role": "user", "content": line})
         reply = []
+        stream = client.chat(messages, stream=True, max_tokens=ns.max_tokens, temperature=ns.temperature, **depth)
         try:
-            for piece in client.chat(messages, stream=True, max_tokens=ns.max_tokens, temperature=ns.temperature,
-                                     **depth):
+            for piece in stream:
                 reply.append(piece)
                 sys.stdout.write(piece)
                 sys.stdout.flush()
+        except KeyboardInterrupt:  # stop this reply (closing the stream aborts it on the server)
+            stream.close()
+            print("\n(stopped)")
         except DepthServeAPIError as exc:
             print(f"\nerror: {exc}", file=sys.stderr)
             messages.pop()
             continue
-        print()
+        else:
+            print()
         messages.append({"role": "assistant", "content": "".join(reply)})
 
 
+def _read_message() -> str:
+    """One message: a line, or the lines between two lines of \"\"\" (multi-line input)."""
+    line = input("> ")
+    if line.strip() != '"""':
+        return line
+    lines = []
+    while (line := input(". ")).strip() != '"""':
+        lines.append(line)
+    return "\n".join(lines)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="depthserve", description="Serve adaptive-depth transformers.")
+    parser = CLIParser(prog="depthserve", description="Serve adaptive-depth transformers.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p_models = sub.add_parser("models", help="list the built-in model names")
@@ -161,7 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_gen.add_argument("--top-k", type=int, default=0)
     p_gen.add_argument("--sampling-seed", type=int, default=None)
     p_gen.add_argument("--stop", action="append")
-    p_gen.add_argument("--depth", default=None, help='depth settings as JSON, e.g. \'{"loops": 2}\'')
+    p_gen.add_argument("--depth", type=_depth_json, default=None, help='depth settings as JSON, e.g. \'{"loops": 2}\'')
     p_gen.set_defaults(func=cmd_generate)
 
     p_serve = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
@@ -187,7 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_chat.add_argument("--system", default=None, help="system message")
     p_chat.add_argument("--max-tokens", type=int, default=256)
     p_chat.add_argument("--temperature", type=float, default=0.7)
-    p_chat.add_argument("--depth", default=None, help='depth knobs as JSON, e.g. \'{"loops": 2}\'')
+    p_chat.add_argument("--depth", type=_depth_json, default=None, help='depth knobs as JSON, e.g. \'{"loops": 2}\'')
     p_chat.set_defaults(func=cmd_chat)
 
     from depthserve import tiny

@@ -1,0 +1,137 @@
+"""The command line as a user meets it: every error is one line on stderr and exit code 2, found
+before any model loads where it can be; `depthserve chat` understands /exit, /clear and
+multi-line input; `serve` prints its start-up banner once logging is set up."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("uvicorn")
+
+from depthserve.config import EngineArgs  # noqa: E402
+from depthserve.engine.async_llm import AsyncLLM  # noqa: E402
+from depthserve.engine.llm_engine import LLMEngine  # noqa: E402
+from depthserve.server.app import build_app  # noqa: E402
+from depthserve.tiny import make_tiny  # noqa: E402
+from tests.live_server import free_port, live_server, metric_value, wait_idle  # noqa: E402
+
+
+def _cli(*args: str, stdin: str | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "depthserve", *args], input=stdin, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def busy_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield sock.getsockname()[1]
+
+
+@pytest.mark.parametrize("args, words", [
+    (["serve", "--model", "/nonexistent"], "unknown model '/nonexistent'"),
+    (["generate", "hi", "--model", "/nonexistent"], "unknown model '/nonexistent'"),
+    (["serve", "--depth-preset", "deep={loops: 9}"], "not JSON"),
+    (["serve", "--depth-preset", 'deep={"loop": 9}'], "unknown depth knob"),
+    (["generate", "hi", "--depth", "{loops:2}"], "not JSON"),
+    (["generate", "hi", "--depth", "[2]"], "JSON object"),
+    (["chat", "--depth", "{loops:2}"], "not JSON"),
+    (["serve", "--max-num-seqs", "many"], "invalid int value"),
+], ids=["serve-model", "generate-model", "preset-json", "preset-knob", "generate-depth", "generate-depth-list",
+        "chat-depth", "bad-int"])
+def test_cli_errors_are_one_line_and_exit_2_before_loading(args, words):
+    result = _cli(*args)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and words in lines[0], result.stderr
+    assert "engine ready" not in result.stderr and "Traceback" not in result.stderr
+
+
+def test_serve_on_a_port_in_use_fails_before_loading(busy_port):
+    result = _cli("serve", "--port", str(busy_port))
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"error: port {busy_port} on 127.0.0.1 is already in use (choose another with --port)"]
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tmp_path_factory, smollm_tokenizer):
+    path = make_tiny("llama", tmp_path_factory.mktemp("cli") / "llama", seed=3, tokenizer=smollm_tokenizer)
+    llm = AsyncLLM(LLMEngine(EngineArgs(model=str(path), device="cpu", dtype="float32", load_progress=False,
+                                        block_size=8, kv_cache_memory_gib=0.02)))
+    with live_server(build_app(llm, served_model_name="tiny")) as base:
+        yield base, llm
+
+
+def test_chat_commands_and_multiline_input(tiny_server):
+    """Two messages reach the model (one line, then three lines between \"\"\" marks); /clear and
+    /exit do not, and nothing after /exit is sent."""
+    base, llm = tiny_server
+    before = metric_value(base, "depthserve_requests_total", outcome="success")
+    script = 'hello\n/clear\n"""\nline one\nline two\nline three\n"""\n/exit\nnot sent\n'
+    result = _cli("chat", "--url", base, "--max-tokens", "3", "--temperature", "0", stdin=script)
+    assert result.returncode == 0, result.stderr
+    assert "(conversation cleared)" in result.stdout
+    wait_idle(llm)
+    assert metric_value(base, "depthserve_requests_total", outcome="success") == before + 2
+
+
+def test_serve_prints_its_banner(tmp_path, smollm_tokenizer):
+    """The engine's start-up line (model, architecture, device, KV capacity, capped context, depth
+    knobs) and the serving line with the URL reach the log before the server answers."""
+    path = make_tiny("sgt", tmp_path / "sgt", seed=1, tokenizer=smollm_tokenizer)
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "depthserve", "serve", "--model", str(path), "--port", str(port), "--device", "cpu",
+         "--max-model-len", "100000", "--kv-cache-memory-gib", "0.02", "--depth-preset", 'deep={"loops": 2}'],
+        stderr=subprocess.PIPE, text=True)
+    try:
+        lines = []
+        for line in process.stderr:
+            lines.append(line)
+            if "Uvicorn running" in line or "Application startup complete" in line:
+                break
+        log = "".join(lines)
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+    assert "engine ready:" in log and "(sgt) on cpu/float32" in log, log
+    assert "KV pages" in log and "(capped from 100000: the model's context)" in log and "depth knobs: loops 0.." in log
+    assert f"at http://127.0.0.1:{port}" in log and f"{path}:deep" in log
+
+
+def test_ctrl_c_in_chat_stops_the_reply_and_returns_to_the_prompt(tiny_server):
+    """SIGINT while a reply streams: the reply stops ("(stopped)"), the request is aborted on the
+    server (no page left in use), and the chat goes on to the next prompt."""
+    base, llm = tiny_server
+    process = subprocess.Popen([sys.executable, "-m", "depthserve", "chat", "--url", base, "--max-tokens", "200",
+                                "--temperature", "0"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, bufsize=0)
+    output = []
+    reader = threading.Thread(target=lambda: output.extend(iter(lambda: process.stdout.read(1), "")), daemon=True)
+    reader.start()
+    try:
+        process.stdin.write("tell me everything\n")
+        process.stdin.flush()
+        deadline = time.monotonic() + 60
+        while len("".join(output).partition("> ")[2]) < 5:  # the reply has started
+            assert time.monotonic() < deadline, "".join(output)
+            time.sleep(0.01)
+        process.send_signal(signal.SIGINT)
+        process.stdin.write("/exit\n")
+        process.stdin.flush()
+        assert process.wait(timeout=60) == 0, process.stderr.read()
+    finally:
+        process.kill()
+    reader.join(timeout=10)
+    assert "(stopped)" in "".join(output)
+    wait_idle(llm)
+    assert llm.engine.block_manager.num_used_pages == 0
