@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import logging
+import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
@@ -189,11 +191,15 @@ class RequestIdAuthAndLimit:
         request_id = headers.get("x-request-id") or f"req-{uuid.uuid4().hex}"
         scope.setdefault("state", {})["request_id"] = request_id
         status = []
+        started = time.monotonic()
+        reason = []  # an error body's message, for the access line
 
         async def send_with_id(message):
             if message["type"] == "http.response.start":
                 status.append(message["status"])
                 message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id.encode("latin-1"))]
+            elif message["type"] == "http.response.body" and status and status[0] >= 400 and not reason:
+                reason.append(_error_message(message.get("body", b"")))
             await send(message)
 
         received = 0
@@ -220,7 +226,21 @@ class RequestIdAuthAndLimit:
                     raise
                 response = _error(500, "internal server error (logged on the server)", "internal_error")
                 await response(scope, receive, send_with_id)
-        logger.info("%s %s %s -> %s", request_id, scope.get("method"), scope["path"], status[0] if status else "-")
+        # One access line per request (polls of /health and /metrics only at debug level).
+        level = logging.DEBUG if scope["path"] in QUIET_PATHS else logging.INFO
+        logger.log(level, "%s %s %s %s in %.0f ms%s", request_id, scope.get("method"), scope["path"],
+                   status[0] if status else "-", 1000 * (time.monotonic() - started),
+                   f": {reason[0]}" if reason and reason[0] else "")
+
+
+QUIET_PATHS = ("/health", "/metrics")
+
+
+def _error_message(body: bytes) -> str:
+    try:
+        return str(json.loads(body)["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return ""
 
 
 class _BodyTooLarge(StarletteHTTPException):
@@ -299,7 +319,7 @@ def run_server(llm: AsyncLLM, host: str, port: int, served_model_name: str | Non
     names += [f"{names[0]}:{preset}" for preset in depth_presets or {}]
     logger.info("serving %s at http://%s:%d (OpenAI API under /v1, API docs at /docs)%s", ", ".join(names),
                 host, port, "; API key required" if api_key else "")
-    uvicorn.run(app, host=host, port=port, log_level=log_level)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False)  # ours is the access line
 
 
 def configure_logging(log_level: str) -> None:

@@ -52,6 +52,12 @@ class StrictModel(BaseModel):
                     raise ValueError(f"'{name}' is not supported by this server")
         return data
 
+    @field_validator("*")
+    @classmethod
+    def _valid_unicode(cls, value: Any) -> Any:
+        _check_unicode(value)
+        return value
+
 
 class OpenAIRequest(StrictModel):
     """A request body of an OpenAI endpoint: the ignored fields are dropped before validation."""
@@ -70,12 +76,6 @@ class OpenAIRequest(StrictModel):
     def _text_only(cls, value: Any) -> Any:
         if value is not None and value != {"type": "text"}:
             raise ValueError("only {\"type\": \"text\"} is supported (no JSON mode or schemas)")
-        return value
-
-    @field_validator("*")
-    @classmethod
-    def _valid_unicode(cls, value: Any) -> Any:
-        _check_unicode(value)
         return value
 
 
@@ -101,13 +101,14 @@ class StreamOptions(StrictModel):
 
 
 class DepthRequest(StrictModel):
-    """The depth extension: the knobs of depth-semantics.md, typed here; their ranges are the
-    served model's (GET /v1/models lists them) and are checked by the engine (a 400 if outside)."""
+    """The depth extension: the knobs of depth-semantics.md. Their types and ranges are the served
+    model's (GET /v1/models lists them) and are checked by the engine, whose 400 names the knob,
+    what it accepts and what was sent (so the values are not typed here)."""
 
-    loops: int | dict[str, int] | None = None  # SGT: extra loop iterations, all looped layers or per layer
-    selection_ratios: list[float] | None = None  # ITT: fraction of tokens routed to each step
-    thinking_steps: int | None = None  # ITT: how many of the trained steps run
-    depth: int | None = None  # depth-recurrent models: shared-block applications
+    loops: Any = None  # SGT, PUT: loop iterations (SGT: an integer for all looped layers, or a map per layer)
+    selection_ratios: Any = None  # ITT: fraction of tokens routed to each step
+    thinking_steps: Any = None  # ITT: how many of the trained steps run
+    depth: Any = None  # Dreamer: shared-block applications
 
     def knobs(self) -> dict[str, Any]:
         return self.model_dump(exclude_none=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -34,6 +35,8 @@ from depthserve.server.tokenization import TokenizerWorker
 # First item of every SSE generator: all its prompts were admitted. The route consumes it before
 # the response starts, so a refusal (queue full, engine dead) is an HTTP error, not an empty stream.
 ADMITTED = ""
+
+logger = logging.getLogger("depthserve.server")
 
 
 def sse(payload: ResponseModel | dict | str) -> str:
@@ -197,6 +200,13 @@ class OpenAIServing:
                 stream.close()
             for i, timer in enumerate(timers):
                 timer.finish(outcome, len(jobs[i].token_ids), generated[i])
+            if streams:
+                first = min((t.first for t in timers if t.first is not None), default=None)
+                logger.info("%s %s: %d prompt + %d generated tokens%s, %.0f ms", streams[0].request_id.rsplit("-", 1)[0]
+                            if len(streams) > 1 else streams[0].request_id, outcome,
+                            sum(len(job.token_ids) for job in jobs), sum(generated),
+                            "" if first is None else f", first token at {1000 * (first - timers[0].arrival):.0f} ms",
+                            1000 * (time.monotonic() - timers[0].arrival))
 
     async def collect(self, jobs: list[Job], params: SamplingParams, depth: DepthParams,
                       request_id: str) -> list[RequestOutput]:

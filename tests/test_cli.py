@@ -135,3 +135,11 @@ def test_ctrl_c_in_chat_stops_the_reply_and_returns_to_the_prompt(tiny_server):
     assert "(stopped)" in "".join(output)
     wait_idle(llm)
     assert llm.engine.block_manager.num_used_pages == 0
+
+
+def test_generate_prints_the_depth_report_of_a_depth_model(tmp_path, smollm_tokenizer):
+    path = make_tiny("sgt", tmp_path / "sgt", seed=1, tokenizer=smollm_tokenizer)
+    result = _cli("generate", "Hello", "--model", str(path), "--max-tokens", "3", "--depth", '{"loops": 2}')
+    assert result.returncode == 0, result.stderr
+    report = [line for line in result.stderr.splitlines() if line.startswith("depth (sgt): ")]
+    assert len(report) == 1 and 'loops={"1":2,' in report[0] and "relative_compute=" in report[0], result.stderr

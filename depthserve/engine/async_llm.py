@@ -32,6 +32,7 @@ from depthserve.outputs import RequestOutput
 from depthserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("depthserve.async_llm")
+STATS_INTERVAL_S = 10.0  # the periodic stats line while the engine is busy
 
 
 @dataclass
@@ -81,6 +82,7 @@ class AsyncLLM:
         self._exited = False  # set by the engine thread on its way out, under _lock
         self._pending_calls: set[_Call] = set()  # guarded by _lock
         self._stats = self._snapshot()
+        self._last_stats_line = (time.monotonic(), 0, 0)  # when, prompt tokens, generated tokens
         self._thread = threading.Thread(target=self._run, name="depthserve-engine", daemon=True)
         self._thread.start()
 
@@ -278,6 +280,7 @@ class AsyncLLM:
                     continue
                 outputs = self.engine.step()
                 self._stats = self._snapshot()
+                self._log_stats_now_and_then()
                 for out in outputs:
                     failure = None if out.error is None else RequestFailedError(f"the request failed: {out.error}")
                     self._deliver(out.request_id, failure or out)
@@ -288,6 +291,23 @@ class AsyncLLM:
                 ids = list(self._streams)
             for request_id in ids:
                 self._deliver(request_id, EngineDeadError(f"the engine loop failed: {exc!r}"))
+
+    def _log_stats_now_and_then(self) -> None:
+        """While busy, a line every STATS_INTERVAL_S: requests running and waiting, prompt and
+        generation throughput since the last line, KV cache use (as vLLM prints)."""
+        now = time.monotonic()
+        last_time, last_prompt, last_generated = self._last_stats_line
+        if now - last_time < STATS_INTERVAL_S:
+            return
+        stats = self._stats
+        span = now - last_time
+        logger.info("running %d, waiting %d requests; prompt %.1f tok/s, generation %.1f tok/s; KV cache %.1f%% "
+                    "(%d of %d pages); %d preemptions", stats["num_running"], stats["num_waiting"],
+                    (stats["prompt_tokens_computed"] - last_prompt) / span,
+                    (stats["tokens_generated"] - last_generated) / span,
+                    100 * stats["kv_pages_used"] / stats["kv_pages_total"], stats["kv_pages_used"],
+                    stats["kv_pages_total"], stats["num_preemptions"])
+        self._last_stats_line = (now, stats["prompt_tokens_computed"], stats["tokens_generated"])
 
     def _run_call(self, call: _Call) -> None:
         try:

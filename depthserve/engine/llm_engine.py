@@ -120,6 +120,8 @@ class LLMEngine:
             self.runner.enable_static_decode(static_spec, -(-self.max_model_len // args.block_size),
                                              args.max_num_seqs)
         self._requests: dict[str, _Request] = {}
+        self.prompt_tokens_computed = 0  # since start (recomputation after preemption included)
+        self.tokens_generated = 0
         capped = (f" (capped from {args.max_model_len}: the model's context)"
                   if args.max_model_len is not None and args.max_model_len > self.max_model_len else "")
         knobs = ", ".join(f"{name} {k.minimum}..{k.maximum}" for name, k in self.model.depth_knobs().items())
@@ -166,7 +168,7 @@ class LLMEngine:
         Raises a typed `InvalidRequestError` subclass for anything wrong with it. The depth plan is
         made here, once per request.
         """
-        depth = (depth or DepthParams()).normalized(self.model.depth_knobs(), self.model_name)
+        depth = (depth or DepthParams()).normalized(self.model.depth_knobs())  # "this model": no path in errors
         plan = self.model.plan(depth)
         sampling.validate()
         sampling.check_vocab(self.vocab_size)
@@ -267,6 +269,8 @@ class LLMEngine:
             "kv_bytes_used_by_kind": {kind.value: n * page_bytes for kind, n in bm.used_pages_by_kind().items()},
             "prefix_cache_queries": bm.prefix_queries,
             "prefix_cache_hits": bm.prefix_hits,
+            "prompt_tokens_computed": self.prompt_tokens_computed,
+            "tokens_generated": self.tokens_generated,
         }
         if self.step_cache_reserved_bytes:
             # Caches that live only during one step, outside the page pool (Dreamer's per-token
@@ -299,6 +303,10 @@ class LLMEngine:
                 generator.set_state(state)
             return self._on_step_fault(plan.scheduled, exc)
         self.scheduler.step_succeeded(plan.scheduled)
+        for result in results:
+            item = result.scheduled
+            self.prompt_tokens_computed += max(0, min(item.end, item.seq.num_prompt_tokens) - item.start)
+            self.tokens_generated += result.sampled is not None
         return self._postprocess(results)
 
     def _on_step_fault(self, scheduled: list[ScheduledSeq], exc: Exception) -> list[RequestOutput]:

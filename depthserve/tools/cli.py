@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import socket
 import sys
@@ -17,6 +18,16 @@ class CLIParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Options' help with their defaults, except where there is nothing to show (flags, None)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        nothing = action.default is None or isinstance(action.default, bool) or action.default == argparse.SUPPRESS
+        if nothing or "%(default)" in (action.help or ""):
+            return action.help or ""
+        return super()._get_help_string(action)
 
 
 def fail(message: str) -> int:
@@ -39,17 +50,24 @@ def _depth_json(text: str) -> dict:
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL, help="built-in name, .gguf file or checkpoint dir")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--kv-cache-memory-gib", type=float, default=None)
-    parser.add_argument("--block-size", type=int, default=EngineArgs.block_size)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=EngineArgs.max_num_batched_tokens)
-    parser.add_argument("--max-num-seqs", type=int, default=EngineArgs.max_num_seqs)
-    parser.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
-    parser.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
-    parser.add_argument("--num-threads", type=int, default=None)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="weights and cache dtype (auto: float32 on CPU, bfloat16 on CUDA)")
+    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, or auto (CUDA when present)")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="context length (default and ceiling: the model's own)")
+    parser.add_argument("--kv-cache-memory-gib", type=float, default=None,
+                        help="memory for the KV cache pages (default: 1 GiB on CPU, 60%% of free memory on CUDA)")
+    parser.add_argument("--block-size", type=int, default=EngineArgs.block_size, help="tokens per cache page")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=EngineArgs.max_num_batched_tokens,
+                        help="token budget of one engine step")
+    parser.add_argument("--max-num-seqs", type=int, default=EngineArgs.max_num_seqs,
+                        help="sequences running at once")
+    parser.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                        help="do not share cached prompt blocks between requests")
+    parser.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false",
+                        help="prefill each prompt in one step")
+    parser.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
     parser.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
                         help="run every step eagerly (--no-enforce-eager: compile decode steps at static "
                              "shapes; default: compiled on CUDA, eager on CPU)")
@@ -93,17 +111,28 @@ def cmd_generate(ns: argparse.Namespace) -> int:
 
 
 def _stream_one(llm, prompt, params, depth) -> None:
-    """Print the text as the engine produces it, one step at a time."""
+    """Print the text as the engine produces it, one step at a time; then, for a depth model, what
+    the request spent on depth (on stderr, so stdout stays the text)."""
     engine = llm.engine
     engine.add_request("cli-0", prompt, params, depth)
     shown = 0
+    last = None
     while engine.has_unfinished_requests():
-        for out in engine.step():
-            text = out.outputs[0].text
+        for last in engine.step():
+            text = last.outputs[0].text
             sys.stdout.write(text[shown:])
             sys.stdout.flush()
             shown = len(text)
     sys.stdout.write("\n")
+    if last is not None and last.depth is not None:
+        report = last.depth.to_dict()
+        shown_keys = [k for k in report if k not in ("flops", "plain_flops", "architecture")]
+        summary = ", ".join(f"{k}={_short(report[k])}" for k in shown_keys)
+        print(f"depth ({report['architecture']}): {summary}", file=sys.stderr)
+
+
+def _short(value) -> str:
+    return f"{value:.3f}" if isinstance(value, float) else json.dumps(value, separators=(",", ":"))
 
 
 def _depth_preset(text: str) -> tuple[str, dict]:
@@ -226,11 +255,12 @@ def _read_message() -> str:
 def build_parser() -> argparse.ArgumentParser:
     parser = CLIParser(prog="depthserve", description="Serve adaptive-depth transformers.")
     sub = parser.add_subparsers(dest="command", required=True)
+    add = functools.partial(sub.add_parser, formatter_class=HelpFormatter)
 
-    p_models = sub.add_parser("models", help="list the built-in model names")
+    p_models = add("models", help="list the built-in model names")
     p_models.set_defaults(func=cmd_models)
 
-    p_gen = sub.add_parser("generate", help="generate from a prompt, streaming to the terminal")
+    p_gen = add("generate", help="generate from a prompt, streaming to the terminal")
     add_engine_args(p_gen)
     p_gen.add_argument("prompt")
     p_gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
@@ -243,23 +273,24 @@ def build_parser() -> argparse.ArgumentParser:
     p_gen.add_argument("--depth", type=_depth_json, default=None, help='depth settings as JSON, e.g. \'{"loops": 2}\'')
     p_gen.set_defaults(func=cmd_generate)
 
-    p_serve = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
+    p_serve = add("serve", help="serve the model over an OpenAI-compatible HTTP API")
     add_engine_args(p_serve)
-    p_serve.add_argument("--host", default="127.0.0.1")
-    p_serve.add_argument("--port", type=int, default=8000)
+    p_serve.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    p_serve.add_argument("--port", type=int, default=8000, help="port to listen on")
     p_serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
     p_serve.add_argument("--served-model-name", default=None, help="model id in the API (default: --model)")
     p_serve.add_argument("--depth-preset", action="append", type=_depth_preset, metavar="NAME=JSON",
                          help="extra model id <model>:NAME with these depth settings (repeatable)")
     p_serve.add_argument("--max-waiting-requests", type=int, default=256,
                          help="requests that may wait beyond the --max-num-seqs running ones; beyond it: HTTP 503 "
-                              "with Retry-After (default: %(default)s)")
+                              "with Retry-After")
     p_serve.add_argument("--max-body-mb", type=float, default=4.0,
-                         help="largest request body accepted; larger ones get HTTP 413 (default: %(default)s)")
-    p_serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+                         help="largest request body accepted; larger ones get HTTP 413")
+    p_serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                         help="debug adds /health and /metrics polls and ignored request fields")
     p_serve.set_defaults(func=cmd_serve)
 
-    p_chat = sub.add_parser("chat", help="terminal chat with a running server (streams tokens)")
+    p_chat = add("chat", help="terminal chat with a running server (streams tokens)")
     p_chat.add_argument("--url", default="http://127.0.0.1:8000")
     p_chat.add_argument("--api-key", default=None)
     p_chat.add_argument("--model", default=None, help="model id (default: the server's first)")
