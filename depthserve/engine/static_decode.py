@@ -86,8 +86,7 @@ class StaticDecode:
     """The persistent buffers and the compiled forward of decode-only steps (module docstring)."""
 
     def __init__(self, forward: Callable, pool: KVPool, kernels: Kernels, spec: StaticDecodeSpec, *,
-                 block_size: int, max_blocks: int, max_num_seqs: int, device: torch.device, scratch_page: int,
-                 compile_forward: bool = True):
+                 block_size: int, max_blocks: int, max_num_seqs: int, device: torch.device, scratch_page: int):
         self.pool, self.kernels, self.device, self.spec = pool, kernels, device, spec
         self.scratch_page = scratch_page  # where padding rows and missing slots point (no sequence holds it)
         self.block_size, self.width, self.max_blocks = block_size, spec.width, max_blocks
@@ -115,7 +114,7 @@ class StaticDecode:
         self.decisions = torch.zeros(rows, spec.decisions, dtype=torch.int32, device=device)
         # CPU: batch and table length marked dynamic per call; CUDA: one static graph per bucket.
         dynamic = None if self.dynamic else False
-        self.forward = torch.compile(forward, fullgraph=True, dynamic=dynamic) if compile_forward else forward
+        self.forward = torch.compile(forward, fullgraph=True, dynamic=dynamic)
 
     def bucket(self, num_rows: int) -> int:
         return next(size for size in self.buckets if size >= num_rows)
