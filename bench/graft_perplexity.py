@@ -72,12 +72,9 @@ def main(argv: list[str] | None = None) -> int:
 
     tmp = tempfile.TemporaryDirectory(prefix="graft-ppl-")
     out = Path(ns.graft_dir) if ns.graft_dir else Path(tmp.name) / "graft"
-    calib_file = Path(tmp.name) / f"{data.stem}-first{len(calib_texts)}.jsonl"
-    calib_file.write_text("".join(json.dumps({"text": t}) + "\n" for t in calib_texts))
-
-    start = time.perf_counter()
-    graft(ns.model, out, ns.layers, ns.heads, ns.loops, calib_file, max_len=ns.max_len, num_sequences=None,
-          max_loops=max(eval_loops + [ns.loops, 2]), progress=True)
+    start = time.perf_counter()  # the graft of `depthserve graft-sgt ... --calib DATA --calib-docs N`
+    graft(ns.model, out, ns.layers, ns.heads, ns.loops, data, max_len=ns.max_len, num_sequences=None,
+          max_loops=max(eval_loops + [ns.loops, 2]), progress=True, num_documents=ns.calib_docs)
     graft_seconds = time.perf_counter() - start
     meta = json.loads((out / GRAFT_FILE).read_text())
     for entry in meta["selected"]:
@@ -118,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
             "looped_layers": [e["layer"] for e in meta["selected"]],
             "selected": meta["selected"],
             "layer_entropy": meta["layer_entropy"],
-            # graft.json names the temporary file holding those documents; name the documents instead
+            # graft.json names the file; name the documents too
             "calibration": {**meta["calibration"], "source": f"{data.name} documents 0..{len(calib_texts) - 1}"},
             "seconds": graft_seconds,
         },

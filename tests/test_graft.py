@@ -80,6 +80,9 @@ def test_entropies_match_materialised_attention(setup):
     sequences = calibration_sequences(source.tokenizer, setup["calib"], max_len=48)
     assert len(sequences) >= len(DOCS) and all(2 <= len(s) <= 48 for s in sequences)
     assert calibration_sequences(source.tokenizer, setup["calib"], 48, num_sequences=2) == sequences[:2]
+    first_two = [source.tokenizer.encode(doc, add_special_tokens=False) for doc in DOCS[:2]]
+    cut = [ids[i : i + 48] for ids in first_two for i in range(0, len(ids), 48)]
+    assert calibration_sequences(source.tokenizer, setup["calib"], 48, None, num_documents=2) == cut
     ours = attention_entropies(source, sequences)
     assert ours.shape == (4, 4)
     assert ((ours > 0) & (ours <= 1 + 1e-6)).all()

@@ -15,11 +15,14 @@ if TYPE_CHECKING:
     import torch
 
 
-def text_sequences(tokenizer, text_file: Path, max_len: int, max_tokens: int | None) -> list[list[int]]:
-    """Tokenize a text file (.jsonl: each line's "text" is a document; else the whole file is one):
-    each document is a sequence from position 0, as a prompt would be, cut every `max_len` tokens."""
+def text_sequences(tokenizer, text_file: Path, max_len: int, max_tokens: int | None,
+                   max_documents: int | None = None) -> list[list[int]]:
+    """Tokenize a text file (.jsonl: each line's "text" is a document, the first `max_documents`
+    of them; else the whole file is one): each document is a sequence from position 0, as a prompt
+    would be, cut every `max_len` tokens."""
     if text_file.suffix == ".jsonl":
         docs = [json.loads(line).get("text", "") for line in text_file.read_text().splitlines() if line.strip()]
+        docs = docs[:max_documents]
     else:
         docs = [text_file.read_text()]
     sequences: list[list[int]] = []

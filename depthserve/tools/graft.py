@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 from depthserve.errors import DepthServeError
 from depthserve.archs.llama import reference
@@ -88,11 +89,12 @@ def load_source(model: str | Path) -> SourceModel:
 
 # ---- calibration ----------------------------------------------------------------------------------
 def calibration_sequences(tokenizer, calib_file: str | Path, max_len: int = DEFAULT_MAX_LEN,
-                          num_sequences: int | None = DEFAULT_NUM_SEQUENCES) -> list[list[int]]:
+                          num_sequences: int | None = DEFAULT_NUM_SEQUENCES,
+                          num_documents: int | None = None) -> list[list[int]]:
     """Token sequences of a .txt file (one document) or a .jsonl file (each line's "text" a
-    document), as `depthserve calibrate` reads them: every document from position 0, cut every
-    `max_len` tokens; the first `num_sequences` (None: all). Sequences shorter than 2 tokens are
-    dropped (Eq. 4 divides by log N)."""
+    document; the first `num_documents`, None: all), as `depthserve calibrate` reads them: every
+    document from position 0, cut every `max_len` tokens; the first `num_sequences` (None: all).
+    Sequences shorter than 2 tokens are dropped (Eq. 4 divides by log N)."""
     from depthserve.tools.calibrate import text_sequences
 
     path = Path(calib_file)
@@ -102,8 +104,10 @@ def calibration_sequences(tokenizer, calib_file: str | Path, max_len: int = DEFA
         raise GraftError(f"--max-len must be at least 2, got {max_len}")
     if num_sequences is not None and num_sequences < 1:
         raise GraftError(f"--num-sequences must be positive, got {num_sequences}")
+    if num_documents is not None and num_documents < 1:
+        raise GraftError(f"--calib-docs must be positive, got {num_documents}")
     try:
-        sequences = text_sequences(tokenizer, path, max_len, None)
+        sequences = text_sequences(tokenizer, path, max_len, None, num_documents)
     except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as exc:
         raise GraftError(f"calibration text {path} is not readable as {path.suffix or 'text'}: {exc}") from exc
     except ValueError as exc:  # no text at all
@@ -158,12 +162,8 @@ def attention_entropies(source: SourceModel, sequences: list[list[int]], progres
         raise GraftError("no calibration sequences")
     ref = _reference_model(source)
     total = torch.zeros(source.num_layers, source.num_heads, dtype=torch.float64)
-    for i, ids in enumerate(sequences):
+    for ids in tqdm(sequences, desc="head entropies", unit="sequence", disable=not progress):
         total += sequence_entropies(ref, ids).double()
-        if progress:
-            print(f"\rcalibration sequence {i + 1}/{len(sequences)}", end="", file=sys.stderr, flush=True)
-    if progress:
-        print(file=sys.stderr)
     return total / len(sequences)
 
 
@@ -230,7 +230,7 @@ def write_graft(source: SourceModel, out: str | Path, spec: SGTSpec, metadata: d
 def graft(model: str | Path, out: str | Path, layers: int = 3, heads: int = 2, loops: int = 1,
           calib_file: str | Path | None = None, max_len: int = DEFAULT_MAX_LEN,
           num_sequences: int | None = DEFAULT_NUM_SEQUENCES, max_loops: int | None = None,
-          progress: bool = False) -> Path:
+          progress: bool = False, num_documents: int | None = None) -> Path:
     """Graft SGT head loops onto `model` (built-in name, .gguf or checkpoint dir); write to `out`."""
     if calib_file is None:
         raise GraftError("a calibration text is required (--calib FILE: .txt, or .jsonl with a 'text' field)")
@@ -242,7 +242,7 @@ def graft(model: str | Path, out: str | Path, layers: int = 3, heads: int = 2, l
         raise GraftError("--out must not be the source checkpoint directory")
     source = load_source(model)
     check_counts(layers, heads, source.num_layers, source.num_heads)
-    sequences = calibration_sequences(source.tokenizer, calib_file, max_len, num_sequences)
+    sequences = calibration_sequences(source.tokenizer, calib_file, max_len, num_sequences, num_documents)
     entropies = attention_entropies(source, sequences, progress)
     spec = select_heads(entropies, layers, heads, loops, max_loops)
     layer_entropy = entropies.mean(dim=1)
@@ -285,6 +285,8 @@ def add_subcommands(sub) -> None:
     p.add_argument("--calib", required=True, help="calibration text (.txt, or .jsonl with a 'text' field)")
     p.add_argument("--max-len", type=int, default=DEFAULT_MAX_LEN, help="documents are cut every this many tokens")
     p.add_argument("--num-sequences", type=int, default=DEFAULT_NUM_SEQUENCES, help="calibration sequences used")
+    p.add_argument("--calib-docs", type=int, default=None,
+                   help="only the first this many documents of a .jsonl calibration text (default: all)")
     p.add_argument("--out", required=True, help="output checkpoint directory")
     p.set_defaults(func=_cmd_graft)
 
@@ -292,7 +294,7 @@ def add_subcommands(sub) -> None:
 def _cmd_graft(ns: argparse.Namespace) -> int:
     try:
         path = graft(ns.model, ns.out, ns.layers, ns.heads, ns.loops, ns.calib, ns.max_len, ns.num_sequences,
-                     ns.max_loops, progress=True)
+                     ns.max_loops, progress=True, num_documents=ns.calib_docs)
     except (DepthServeError, ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

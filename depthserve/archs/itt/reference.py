@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from depthserve.archs.itt.format import NUM_QUANTILES, ITTSpec, pop_itt_weights, read_spec
 from depthserve.archs.llama.reference import Reference, full_layer, knob_values, load, run_layers
@@ -102,7 +103,7 @@ def itt_layer(ref: Reference, layer: int, x: torch.Tensor, ratios: list[float], 
 
 
 def run(ref: Reference, ids: torch.Tensor, depth: Any = None, force: dict | None = None,
-        calibration: dict | None = None, with_logits: bool = True):
+        calibration: dict | None = None, with_logits: bool = True, layers_done=None):
     """ids [B, n] -> (logits [B, n, V] or final states, decisions)."""
     ratios = itt_ratios(ref.spec, depth)
     decisions: dict = {}
@@ -112,7 +113,7 @@ def run(ref: Reference, ids: torch.Tensor, depth: Any = None, force: dict | None
             return itt_layer(ref, layer, x, ratios, mask, decisions, force, calibration)
         return full_layer(ref, layer, x, mask)
 
-    return run_layers(ref, ids, layer_fn, with_logits), decisions
+    return run_layers(ref, ids, layer_fn, with_logits, layers_done), decisions
 
 
 @torch.no_grad()
@@ -128,7 +129,8 @@ def forward(model_dir: str | Path, token_ids: list[int], depth: Any = None, *, r
 def calibrate(model_dir: str | Path, sequences, dtype: torch.dtype = torch.float32) -> dict[int, torch.Tensor]:
     """Router-score quantiles per ITT layer ([T, 101]) over calibration sequences (each from
     position 0: a [B, n] tensor or a list of token lists), computed in forward order with threshold
-    routing, every step at its trained ratio (section 2, causal routing)."""
+    routing, every step at its trained ratio (section 2, causal routing). A progress bar over the
+    layers shows on stderr when it is a terminal."""
     ref = load_itt(model_dir, dtype)
     seqs = [list(map(int, s)) for s in (sequences.tolist() if torch.is_tensor(sequences) else sequences)]
     seqs = [s for s in seqs if s]
@@ -139,6 +141,7 @@ def calibrate(model_dir: str | Path, sequences, dtype: torch.dtype = torch.float
         ids[i, : len(s)] = torch.tensor(s)
         valid[i, : len(s)] = True
     tables: dict = {"valid": valid}
-    run(ref, ids, None, None, tables, with_logits=False)
+    with tqdm(total=ref.num_layers, desc="calibrating", unit="layer", disable=None) as bar:
+        run(ref, ids, None, None, tables, with_logits=False, layers_done=bar.update)
     tables.pop("valid")
     return {layer: torch.stack(rows) for layer, rows in tables.items()}

@@ -144,14 +144,18 @@ def logits_of(ref: Reference, x: torch.Tensor) -> torch.Tensor:
 Layer = Callable[[Reference, int, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def run_layers(ref: Reference, ids: torch.Tensor, layer_fn: Layer = full_layer, with_logits: bool = True):
+def run_layers(ref: Reference, ids: torch.Tensor, layer_fn: Layer = full_layer, with_logits: bool = True,
+               layers_done: Callable[[int], None] | None = None):
     """ids [B, n] (every row its own sequence from position 0) -> logits [B, n, V] (or the final
-    states when with_logits is False); `layer_fn(ref, layer, x, mask)` computes each layer."""
+    states when with_logits is False); `layer_fn(ref, layer, x, mask)` computes each layer, and
+    `layers_done(1)` is called after each (a progress bar's update)."""
     B, n = ids.shape
     x = ref.w["model.embed_tokens.weight"][ids]
     mask = causal_mask(B, n)
     for layer in range(ref.num_layers):
         x = layer_fn(ref, layer, x, mask)
+        if layers_done is not None:
+            layers_done(1)
     return logits_of(ref, x) if with_logits else x
 
 
