@@ -143,3 +143,13 @@ def test_generate_prints_the_depth_report_of_a_depth_model(tmp_path, smollm_toke
     assert result.returncode == 0, result.stderr
     report = [line for line in result.stderr.splitlines() if line.startswith("depth (sgt): ")]
     assert len(report) == 1 and 'loops={"1":2,' in report[0] and "relative_compute=" in report[0], result.stderr
+
+
+def test_help_lists_every_command_without_importing_torch():
+    code = ("import sys; from depthserve.tools.cli import main\n"
+            "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+            "print('torch' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.stdout.strip().endswith("False"), result.stdout
+    for command in ("models", "generate", "serve", "chat", "make-tiny", "calibrate", "import-sgt", "graft-sgt"):
+        assert command in result.stdout

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib
 import json
 import socket
 import sys
@@ -252,7 +253,7 @@ def _read_message() -> str:
     return "\n".join(lines)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     parser = CLIParser(prog="depthserve", description="Serve adaptive-depth transformers.")
     sub = parser.add_subparsers(dest="command", required=True)
     add = functools.partial(sub.add_parser, formatter_class=HelpFormatter)
@@ -300,18 +301,28 @@ def build_parser() -> argparse.ArgumentParser:
     p_chat.add_argument("--depth", type=_depth_json, default=None, help='depth knobs as JSON, e.g. \'{"loops": 2}\'')
     p_chat.set_defaults(func=cmd_chat)
 
-    from depthserve import tiny
-    from depthserve.tools import calibrate, graft, import_sgt
-
-    tiny.add_subcommands(sub)  # make-tiny
-    calibrate.add_subcommands(sub)  # calibrate
-    import_sgt.add_subcommands(sub)  # import-sgt
-    graft.add_subcommands(sub)  # graft-sgt
+    for command, (module, summary) in TOOL_COMMANDS.items():
+        if command in (argv or ()):  # the checkpoint tool asked for: its module defines its options
+            importlib.import_module(module).add_subcommands(sub)
+        else:  # listed in --help without importing its module (and torch with it)
+            sub.add_parser(command, help=summary)
     return parser
 
 
+# The checkpoint tools: each module adds its own subcommand, imported only when that one runs.
+TOOL_COMMANDS = {
+    "make-tiny": ("depthserve.tiny", "write a small random checkpoint of any served architecture in the native format"),
+    "calibrate": ("depthserve.tools.calibrate", "write an ITT checkpoint's router-score calibration table"),
+    "import-sgt": ("depthserve.tools.import_sgt",
+                   "convert an SGT training checkpoint (OLMo v1 layout) to the native format"),
+    "graft-sgt": ("depthserve.tools.graft",
+                  "training-free SGT: loop the highest-entropy heads of any Llama checkpoint"),
+}
+
+
 def main(argv: list[str] | None = None) -> int:
-    ns = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    ns = build_parser(argv).parse_args(argv)
     return ns.func(ns)
 
 
