@@ -4,6 +4,7 @@ multi-line input; `serve` prints its start-up banner once logging is set up."""
 
 from __future__ import annotations
 
+import re
 import signal
 import socket
 import subprocess
@@ -153,3 +154,23 @@ def test_help_lists_every_command_without_importing_torch():
     assert result.stdout.strip().endswith("False"), result.stdout
     for command in ("models", "generate", "serve", "chat", "make-tiny", "calibrate", "import-sgt", "graft-sgt"):
         assert command in result.stdout
+
+
+def test_the_engine_logs_a_stats_line_while_busy(tiny_server, monkeypatch, caplog):
+    import httpx
+
+    from depthserve.engine import async_llm
+
+    base, llm = tiny_server
+    monkeypatch.setattr(async_llm, "STATS_INTERVAL_S", 0.0)
+    with caplog.at_level("INFO", logger="depthserve"):
+        body = {"model": "tiny", "prompt": "Hello", "max_tokens": 4}
+        assert httpx.post(f"{base}/v1/completions", json=body, timeout=60).status_code == 200
+        wait_idle(llm)
+    lines = [r.getMessage() for r in caplog.records if r.name == "depthserve.async_llm"]
+    assert any("requests; prompt" in line and "generation" in line and "KV cache" in line
+               and "mean relative compute x1.00" in line for line in lines), lines
+    access = [r.getMessage() for r in caplog.records if r.name == "depthserve.server"]
+    assert any("POST /v1/completions 200 in" in line for line in access), access
+    assert any(re.search(r"success: \d+ prompt \+ 4 generated tokens, first token at \d+ ms", line)
+               for line in access), access

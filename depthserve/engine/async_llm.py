@@ -302,11 +302,11 @@ class AsyncLLM:
         stats = self._stats
         span = now - last_time
         logger.info("running %d, waiting %d requests; prompt %.1f tok/s, generation %.1f tok/s; KV cache %.1f%% "
-                    "(%d of %d pages); %d preemptions", stats["num_running"], stats["num_waiting"],
-                    (stats["prompt_tokens_computed"] - last_prompt) / span,
+                    "(%d of %d pages); %d preemptions; mean relative compute x%.2f", stats["num_running"],
+                    stats["num_waiting"], (stats["prompt_tokens_computed"] - last_prompt) / span,
                     (stats["tokens_generated"] - last_generated) / span,
                     100 * stats["kv_pages_used"] / stats["kv_pages_total"], stats["kv_pages_used"],
-                    stats["kv_pages_total"], stats["num_preemptions"])
+                    stats["kv_pages_total"], stats["num_preemptions"], stats["mean_relative_compute"])
         self._last_stats_line = (now, stats["prompt_tokens_computed"], stats["tokens_generated"])
 
     def _run_call(self, call: _Call) -> None:

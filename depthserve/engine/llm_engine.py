@@ -271,6 +271,9 @@ class LLMEngine:
             "prefix_cache_hits": bm.prefix_hits,
             "prompt_tokens_computed": self.prompt_tokens_computed,
             "tokens_generated": self.tokens_generated,
+            # the running sequences' compute per token relative to the model at its default depth
+            "mean_relative_compute": (sum(seq.plan.relative_compute_estimate for seq in self.scheduler.running)
+                                      / len(self.scheduler.running)) if self.scheduler.running else 1.0,
         }
         if self.step_cache_reserved_bytes:
             # Caches that live only during one step, outside the page pool (Dreamer's per-token

@@ -114,6 +114,11 @@ class StaticDecode:
         self.decisions = torch.zeros(rows, spec.decisions, dtype=torch.int32, device=device)
         # CPU: batch and table length marked dynamic per call; CUDA: one static graph per bucket.
         dynamic = None if self.dynamic else False
+        if not self.dynamic:
+            # Every bucket is a recompilation of the same forward (and each engine's model adds its
+            # own): raise dynamo's per-function limit (8), past which it would run the rest eagerly.
+            config = torch._dynamo.config
+            config.recompile_limit = max(config.recompile_limit, 4 * len(self.buckets))
         self.forward = torch.compile(forward, fullgraph=True, dynamic=dynamic)
 
     def bucket(self, num_rows: int) -> int:
