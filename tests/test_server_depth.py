@@ -126,7 +126,8 @@ def test_models_list_knobs_and_presets_choose_depth(depth_server):
 
 BAD_DEPTH = {
     "sgt": [({"loops": 99}, "loops"), ({"loops": -1}, "loops"), ({"loops": {"0": 1}}, "layers"),
-            ({"loops": "2"}, "loops"), ({"selection_ratios": [0.5, 0.5]}, "selection_ratios")],
+            ({"loops": "2"}, "depth knob 'loops' of this model must be an integer or a map from layer to integer"),
+            ({"selection_ratios": [0.5, 0.5]}, "selection_ratios")],
     "itt": [({"selection_ratios": [1.5, 0.2]}, "selection_ratios"), ({"selection_ratios": [0.5]}, "exactly 2"),
             ({"thinking_steps": 3}, "thinking_steps"), ({"selection_ratios": 0.5}, "selection_ratios"),
             ({"loops": 1}, "loops")],
