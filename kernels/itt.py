@@ -17,13 +17,32 @@ def itt_route(
     Returns (scores [rows] fp32, slot_of_row [rows] int32: the row's index among the selected
     rows, -1 if skipped, -2 if the step is off for it, selected_rows [selected] int64 in order).
     """
-    scores = torch.sigmoid(y.float() @ router_weight.float() + router_bias)
-    enabled = thresholds < float("inf")
-    selected = (scores >= thresholds) & enabled
+    scores, selected, enabled = itt_select(y, router_weight, router_bias, thresholds)
     rank = torch.cumsum(selected.to(torch.int32), dim=0) - 1
     off = torch.full_like(rank, -2, dtype=torch.int32)
     slot_of_row = torch.where(selected, rank.to(torch.int32), torch.where(enabled, off + 1, off))
     return scores, slot_of_row, selected.nonzero().squeeze(1)
+
+
+def itt_select(y: torch.Tensor, router_weight: torch.Tensor, router_bias: float,
+               thresholds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Router scores s = sigmoid(r·y + b) [rows] fp32, and per row: selected (s >= tau, step on)
+    and enabled (the step on for its request: tau finite)."""
+    scores = torch.sigmoid(y.float() @ router_weight.float() + router_bias)
+    enabled = thresholds < float("inf")
+    return scores, (scores >= thresholds) & enabled, enabled
+
+
+def itt_blend(old: torch.Tensor, step_out: torch.Tensor | None, selected: torch.Tensor, skipped: torch.Tensor,
+              scores: torch.Tensor, phi: torch.Tensor, alpha: float, skip_rule: str) -> torch.Tensor:
+    """The ITT step update over every row in fp32 (old [rows, d] fp32, step_out [rows, d] fp32 or
+    None when no row is selected): selected rows old + alpha * s * f_t * phi_t, skipped rows
+    old * (1 + phi_t) (skip rule "paper") or old, the others (step off) old."""
+    phi = phi.float()
+    new = torch.where(skipped.unsqueeze(1), old * (1 + phi) if skip_rule == "paper" else old, old)
+    if step_out is None:
+        return new
+    return torch.where(selected.unsqueeze(1), old + (alpha * scores).unsqueeze(1) * step_out * phi, new)
 
 
 def itt_update(
@@ -39,12 +58,5 @@ def itt_update(
 
     Computed densely over all rows and blended with `where` (a decode batch has few rows, and a
     fixed handful of ops costs less than gathering and scattering the selected and skipped rows)."""
-    phi = phi.float()
-    old = y.float()
-    new = old * (1 + phi) if skip_rule == "paper" else old
-    new = torch.where((slot_of_row == -1).unsqueeze(1), new, old)
-    if len(step_out):
-        selected = (slot_of_row >= 0).unsqueeze(1)
-        f = step_out.index_select(0, slot_of_row.clamp(min=0).long()).float()
-        new = torch.where(selected, old + (alpha * scores).unsqueeze(1) * f * phi, new)
-    y.copy_(new)
+    f = step_out.index_select(0, slot_of_row.clamp(min=0).long()).float() if len(step_out) else None
+    y.copy_(itt_blend(y.float(), f, slot_of_row >= 0, slot_of_row == -1, scores, phi, alpha, skip_rule))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -77,8 +78,7 @@ class ModelRunner:
             if self.static.spec.decisions:
                 for item, decisions in zip(batch, self.static.decisions[: len(batch)].cpu().numpy()):
                     stored = self.model.after_static_step(item.seq.depth_record, item.start, decisions)
-                    for slot in item.seq.layout.routed_slots:
-                        self.block_manager.commit_routed(item.seq, slot.name, stored.get(slot.name, 0))
+                    self._commit_routed_slots(item.seq, lambda name: stored.get(name, 0))
             return self._postprocess_logits(batch, hidden)
         input_ids, positions, meta = self._prepare(batch)
         hidden = self.model(input_ids, positions, self.pool, meta)
@@ -122,11 +122,15 @@ class ModelRunner:
         return self._columns[layout]
 
     def _commit_routed(self, step: StepBatch) -> None:
-        """Routed slots: keep what the step selected, return the rest of the worst-case reservation."""
         for item in step.items:
-            for slot in item.seq.layout.routed_slots:
-                count = step.routed_counts.get((item.seq.seq_id, slot.name), 0)
-                self.block_manager.commit_routed(item.seq, slot.name, count)
+            seq_id = item.seq.seq_id
+            self._commit_routed_slots(item.seq, lambda name: step.routed_counts.get((seq_id, name), 0))
+
+    def _commit_routed_slots(self, seq, stored: Callable[[str], int]) -> None:
+        """Routed slots: keep the tokens the step stored in each (by slot name), return the rest of
+        the worst-case reservation."""
+        for slot in seq.layout.routed_slots:
+            self.block_manager.commit_routed(seq, slot.name, stored(slot.name))
 
     def _prepare(self, batch: list[ScheduledSeq]):
         bs = self.block_size

@@ -27,6 +27,7 @@ from depthserve.archs.llama.format import LlamaConfig
 from depthserve.archs.llama.model import LlamaDecoderLayer, LlamaForCausalLM
 from depthserve.cache import CacheLayout, SlotKind, SlotSpec
 from depthserve.depth import DepthParams, DepthReport, KnobSpec
+from depthserve.kernels.itt import itt_blend, itt_select
 from depthserve.layers.attention import decode_slot_meta
 from depthserve.layers.batch import BatchItem, StepBatch
 
@@ -112,16 +113,11 @@ class ITTDecoderLayer(LlamaDecoderLayer):
         for t in range(1, T + 1):
             thresholds = settings[:, self.position * T + t - 1]  # +inf: the step is off for the row
             routed = meta.static.routed_lens[:, self.static_routed[t - 1]]
-            scores = torch.sigmoid(y.float() @ self.router_weight[t - 1].float() + self.router_bias[t - 1])
-            on = thresholds < float("inf")
-            selected = (scores >= thresholds) & on
+            scores, selected, on = itt_select(y, self.router_weight[t - 1], self.router_bias[t - 1], thresholds)
             sub = decode_slot_meta(meta, self.static_columns[t - 1], stores=selected, context_lens=routed + 1)
             out = f(y, cos, sin, pool, sub, slice(None)).float()
-            old, phi = y.float(), self.step_encoding[t].float()
-            skipped = old * (1 + phi) if self.spec.skip_rule == "paper" else old
-            new = torch.where(selected[:, None], old + (self.spec.alphas[t - 1] * scores)[:, None] * out * phi,
-                              torch.where(on[:, None], skipped, old))
-            y = new.to(y.dtype)
+            y = itt_blend(y.float(), out, selected, on & ~selected, scores, self.step_encoding[t],
+                          self.spec.alphas[t - 1], self.spec.skip_rule).to(y.dtype)
             selections.append(torch.where(on, selected.to(torch.int32), -1))
             all_scores.append(torch.where(on, scores, 0.0))
         decisions.append((torch.stack(selections, 1), torch.stack(all_scores, 1)))

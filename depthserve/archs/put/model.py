@@ -135,10 +135,14 @@ def _page_index(pool: KVPool, page_lists: list[np.ndarray]) -> torch.Tensor:
     return torch.from_numpy(np.concatenate(page_lists).astype(np.int64)).to(pool.k_pages.device)
 
 
+def _read_pages(pool: KVPool, pages: torch.Tensor) -> torch.Tensor:
+    """[*pages.shape, 2, block_size, head_dim] the values of these pages, each its K half then its V half."""
+    return torch.stack([pool.k_pages[pages], pool.v_pages[pages]], dim=pages.dim())
+
+
 def _gather_state_pages(pool: KVPool, page_lists: list[np.ndarray]) -> torch.Tensor:
-    """The values of these pages in state order, flat: one gather of K halves, one of V halves."""
-    index = _page_index(pool, page_lists)
-    return torch.stack([pool.k_pages.index_select(0, index), pool.v_pages.index_select(0, index)], dim=1).view(-1)
+    """The values of these pages in state order, flat."""
+    return _read_pages(pool, _page_index(pool, page_lists)).view(-1)
 
 
 def _scatter_state_pages(pool: KVPool, page_lists: list[np.ndarray], values: torch.Tensor) -> None:
@@ -151,9 +155,7 @@ def _scatter_state_pages(pool: KVPool, page_lists: list[np.ndarray], values: tor
 def _read_static_states(pool: KVPool, static: StaticRows) -> torch.Tensor:
     """[rows, pages * page values] the state pages of each row of a static decode step (zeros for a
     row at position 0; pages of -1 read page 0, never kept)."""
-    pages = static.state_pages.clamp(min=0)
-    values = torch.stack([pool.k_pages[pages], pool.v_pages[pages]], dim=2)  # [rows, pages, 2, bs, hd]
-    values = values.reshape(pages.shape[0], -1)
+    values = _read_pages(pool, static.state_pages.clamp(min=0)).reshape(static.state_pages.shape[0], -1)
     return torch.where((static.positions > 0)[:, None], values, torch.zeros_like(values))
 
 
