@@ -10,6 +10,8 @@
                         setting's predicted compute implies and that compute itself on one chart
     step-breakdown-*.json  a decode step's time by part (weight matmuls, paged attention, the
                         architecture's depth mechanism, the rest) for each setting, as stacked bars
+    depth-quality-*.json   the demo models' held-out accuracy against the relative compute of
+                        each depth setting, one line per model
 A result kind with no files is skipped with a note.
 """
 
@@ -212,11 +214,29 @@ def plot_step_breakdown(payload: dict[str, Any], out: Path) -> list[Path]:
     return [save(fig, out)]
 
 
+def plot_depth_quality(payload: dict[str, Any], out: Path) -> list[Path]:
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for model in payload["models"]:
+        rows = sorted(model["rows"], key=lambda row: row["relative_compute"])
+        ax.plot([row["relative_compute"] for row in rows], [100 * row["accuracy"] for row in rows], marker="o",
+                label=f"{model['model']} ({model['knob']})")
+        ax.axhline(100 * model["chance"], color="grey", linestyle=":", linewidth=1)
+    ax.set_xlabel("relative compute (FLOPs / the plain model's, engine's depth report)")
+    ax.set_ylabel(f"held-out accuracy, {payload['settings']['problems']} problems (%)")
+    ax.set_ylim(0, 100)
+    ax.set_title(f"Demo depth models: accuracy against the compute each depth setting spends (dotted: chance)\n"
+                 f"{machine_line(payload)}", fontsize=9)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    return [save(fig, out)]
+
+
 PLOTTERS: dict[str, Callable[[dict[str, Any], Path], list[Path]]] = {
     "throughput": plot_throughput,
     "serving": plot_serving,
     "depth-sweep": plot_depth_sweep,
     "step-breakdown": plot_step_breakdown,
+    "depth-quality": plot_depth_quality,
 }
 
 

@@ -167,10 +167,16 @@ def test_the_engine_logs_a_stats_line_while_busy(tiny_server, monkeypatch, caplo
         body = {"model": "tiny", "prompt": "Hello", "max_tokens": 4}
         assert httpx.post(f"{base}/v1/completions", json=body, timeout=60).status_code == 200
         wait_idle(llm)
+        # The access line is written once the response has gone out, which may be after the client has it.
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            access = [r.getMessage() for r in caplog.records if r.name == "depthserve.server"]
+            if any("POST /v1/completions 200 in" in line for line in access):
+                break
+            time.sleep(0.02)
     lines = [r.getMessage() for r in caplog.records if r.name == "depthserve.async_llm"]
     assert any("requests; prompt" in line and "generation" in line and "KV cache" in line
                and "mean relative compute x1.00" in line for line in lines), lines
-    access = [r.getMessage() for r in caplog.records if r.name == "depthserve.server"]
     assert any("POST /v1/completions 200 in" in line for line in access), access
     assert any(re.search(r"success: \d+ prompt \+ 4 generated tokens, first token at \d+ ms", line)
                for line in access), access

@@ -16,7 +16,7 @@ def test_problems_are_seeded_solvable_and_in_their_split():
     assert first != problems(4, 200, "train", max_hops=4)
     for problem in first:
         assert problem.split == "train" and solve(problem.prompt) == problem.answer
-        assert problem.prompt.endswith("?") and problem.answer.isdigit()
+        assert problem.prompt.endswith("=?") and problem.answer.isdigit()
     assert Counter(p.hops for p in first).keys() == {1, 2, 3, 4}
 
 
@@ -36,7 +36,7 @@ def test_the_answer_needs_every_hop_and_the_right_chain():
     # The digit sits at the far end of the question's chain: changing it changes the answer,
     # changing the other chain's digit does not.
     values = dict(s.split("=") for s in statements)
-    name = problem.prompt.split(";")[-1][:-1]
+    name = problem.prompt.split(";")[-1][:-2]
     for _ in range(problem.hops):
         name = values[name]
     assert values[name] == problem.answer
@@ -56,7 +56,7 @@ def test_tokenizer_is_one_token_per_character_and_loads_as_a_checkpoint_tokenize
 
     save_tokenizer(tmp_path)
     tokenizer = AutoTokenizer.from_pretrained(str(tmp_path))
-    problem = Problem("f=c;c=4;h=f;h?", "4", 2)
+    problem = Problem("f=c;c=4;h=f;h=?", "4", 2)
     ids = tokenizer.encode(problem.prompt + problem.answer, add_special_tokens=False)
     assert len(ids) == len(problem.prompt) + 1
     assert tokenizer.decode(ids) == problem.prompt + problem.answer

@@ -317,6 +317,7 @@ TOOL_COMMANDS = {
                    "convert an SGT training checkpoint (OLMo v1 layout) to the native format"),
     "graft-sgt": ("depthserve.tools.graft",
                   "training-free SGT: loop the highest-entropy heads of any Llama checkpoint"),
+    "train-demo": ("depthserve.demo.cli", "train a small ITT, Dreamer or PUT model on variable chasing"),
 }
 
 

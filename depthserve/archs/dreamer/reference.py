@@ -11,6 +11,7 @@ depthserve/archs/dreamer/format.py: read_spec, read_weights). For depth index d 
     logits = forward(model_dir, ids, depth=None)
     logits, decisions = forward(model_dir, ids, depth, return_decisions=True)
     logits = forward(model_dir, ids, depth, force={("ea", d): int[n, k], ("attn", d): int[n]})
+    logits, decisions = run(cfg, spec, weights, ids[B, n], depth)       # batched, autograd-friendly
 
 Decisions: {("ea", d): {"choice": int[n, k] (sorted ids), "margin": float[n]},
             ("attn", d): {"choice": int[n], "margin": float[n]}} where the margin is the gap between
@@ -75,7 +76,7 @@ def choose(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, np.ndarray]:
     ordered = scores.sort(dim=-1, descending=True)
     ids = ordered.indices[:, :k].sort(dim=-1).values
     if scores.shape[-1] > k:
-        margin = (ordered.values[:, k - 1] - ordered.values[:, k]).double().numpy()
+        margin = (ordered.values[:, k - 1] - ordered.values[:, k]).detach().double().numpy()
     else:
         margin = np.full(scores.shape[0], NO_MARGIN)
     return ids, margin
@@ -95,15 +96,26 @@ def _knob_depth(depth: Any, D: int) -> int:
 def forward(model_dir, token_ids, depth=None, *, return_decisions: bool = False, force: dict | None = None,
             dtype: torch.dtype = torch.float64):
     cfg, spec, w = load(model_dir, dtype)
+    ids = torch.as_tensor(list(token_ids), dtype=torch.long)[None]
+    logits, decisions = run(cfg, spec, w, ids, _knob_depth(depth, spec.depth), force)
+    return (logits[0], decisions) if return_decisions else logits[0]
+
+
+def run(cfg: dict, spec, w: dict, ids: torch.Tensor, depth: int, force: dict | None = None):
+    """ids [B, n] (every row its own sequence from position 0) -> (logits [B, n, V], decisions).
+
+    Everything but SA is per token, so it runs over the B * n tokens flattened; the decisions and
+    `force` index those flattened tokens (row-major), which for B = 1 are the sequence's tokens.
+    """
     D = spec.depth
-    depth = _knob_depth(depth, D)
     force = force or {}
-    ids = torch.as_tensor(list(token_ids), dtype=torch.long)
-    n = len(ids)
-    dm = cfg["hidden_size"]
+    B, n = ids.shape
+    ids = ids.reshape(-1)
+    N = len(ids)
+    dtype = w["model.embed_tokens.weight"].dtype
     H = cfg["num_attention_heads"]
     H_kv = cfg.get("num_key_value_heads", H)
-    hd = cfg.get("head_dim") or dm // H
+    hd = cfg.get("head_dim") or cfg["hidden_size"] // H
     eps = float(cfg.get("rms_norm_eps", 1e-5))
     theta = float(cfg.get("rope_theta", 10000.0))
     positions = torch.arange(n, dtype=torch.float64)
@@ -117,17 +129,17 @@ def forward(model_dir, token_ids, depth=None, *, return_decisions: bool = False,
     for d in range(depth):
         # ---- DA: each token over its own states x_0..x_d (one or more heads), RoPE over depth ----
         h_da = rms_norm(x, w[P + "da_norm.weight"], eps)
-        q = (h_da @ w[P + "da.q_proj.weight"].T).view(n, spec.da_heads, dh)
+        q = (h_da @ w[P + "da.q_proj.weight"].T).view(N, spec.da_heads, dh)
         q = rotate(q, depth_angle(dh, d, D, spec.da_rope_theta, spec.da_rope).to(dtype))
         keys, values = [], []
         for j, s in enumerate(states):
             hj = rms_norm(s, w[P + "da_norm.weight"], eps)
-            kj = (hj @ w[P + "da.k_proj.weight"].T).view(n, spec.da_heads, dh)
+            kj = (hj @ w[P + "da.k_proj.weight"].T).view(N, spec.da_heads, dh)
             keys.append(rotate(kj, depth_angle(dh, j, D, spec.da_rope_theta, spec.da_rope).to(dtype)))
-            values.append((hj @ w[P + "da.v_proj.weight"].T).view(n, spec.da_heads, dh))
-        K, Vd = torch.stack(keys, 2), torch.stack(values, 2)  # [n, heads, d+1, dh]
+            values.append((hj @ w[P + "da.v_proj.weight"].T).view(N, spec.da_heads, dh))
+        K, Vd = torch.stack(keys, 2), torch.stack(values, 2)  # [N, heads, d+1, dh]
         p = torch.softmax(torch.einsum("nhc,nhjc->nhj", q, K) / math.sqrt(dh), dim=-1)
-        da = torch.einsum("nhj,nhjc->nhc", p, Vd).reshape(n, spec.da_dim) @ w[P + "da.o_proj.weight"].T
+        da = torch.einsum("nhj,nhjc->nhc", p, Vd).reshape(N, spec.da_dim) @ w[P + "da.o_proj.weight"].T
 
         # ---- SA: causal over tokens, QK-norm then RoPE over positions; projections maybe top-1 experts ----
         h = rms_norm(x, w[P + "sa_norm.weight"], eps)
@@ -138,25 +150,25 @@ def forward(model_dir, token_ids, depth=None, *, return_decisions: bool = False,
             if ("attn", d) in force:
                 chosen = torch.as_tensor(np.asarray(force[("attn", d)]), dtype=torch.long)
             decisions[("attn", d)] = {"choice": chosen.numpy().copy(), "margin": margin}
-            sigma = torch.sigmoid(logits.gather(1, chosen[:, None]))  # [n, 1]
+            sigma = torch.sigmoid(logits.gather(1, chosen[:, None]))  # [N, 1]
 
             def project(inp, name):  # Eq. 7 at inference: sigma x W_e + sigma x W_shared
-                we = w[P + f"sa.experts.{name}_proj.weight"][chosen]  # [n, out, in]
+                we = w[P + f"sa.experts.{name}_proj.weight"][chosen]  # [N, out, in]
                 return sigma * torch.einsum("ni,noi->no", inp, we) + sigma * (
                     inp @ w[P + f"sa.shared_expert.{name}_proj.weight"].T)
         else:
             def project(inp, name):
                 return inp @ w[P + f"sa.{name}_proj.weight"].T
-        q = project(h, "q").view(n, H, hd).transpose(0, 1)  # [H, n, hd]
-        k = project(h, "k").view(n, H_kv, hd).transpose(0, 1)
-        v = project(h, "v").view(n, H_kv, hd).transpose(0, 1)
+        q = project(h, "q").view(B, n, H, hd).transpose(1, 2)  # [B, H, n, hd]
+        k = project(h, "k").view(B, n, H_kv, hd).transpose(1, 2)
+        v = project(h, "v").view(B, n, H_kv, hd).transpose(1, 2)
         q = rotate(rms_norm(q, w[P + "sa.q_norm.weight"], spec.qk_norm_eps), pos_angle)
         k = rotate(rms_norm(k, w[P + "sa.k_norm.weight"], spec.qk_norm_eps), pos_angle)
         group = H // H_kv
-        k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
         scores = (q @ k.transpose(-1, -2)) / math.sqrt(hd)
-        attn = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1) @ v  # [H, n, hd]
-        sa = project(attn.transpose(0, 1).reshape(n, H * hd), "o")
+        attn = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1) @ v  # [B, H, n, hd]
+        sa = project(attn.transpose(1, 2).reshape(N, H * hd), "o")
 
         y = x + da + sa
 
@@ -177,11 +189,10 @@ def forward(model_dir, token_ids, depth=None, *, return_decisions: bool = False,
                 gate = he @ w[P + "ea.experts.gate_proj.weight"][e].T
                 up = he @ w[P + "ea.experts.up_proj.weight"][e].T
                 out = (torch.nn.functional.silu(gate) * up) @ w[P + "ea.experts.down_proj.weight"][e].T
-                ea[mask] += weights[mask, slot, None] * out
+                ea = ea.index_put((mask,), ea[mask] + weights[mask, slot, None] * out)
         x = rms_norm(y + ea, w[P + "out_norm.weight"], eps)
         states.append(x)
 
     head = w.get("lm_head.weight") if not cfg.get("tie_word_embeddings", False) else None
     logits = x @ (w["model.embed_tokens.weight"] if head is None else head).T
-    return (logits, decisions) if return_decisions else logits
-
+    return logits.view(B, n, -1), decisions

@@ -71,7 +71,7 @@ def itt_layer(ref: Reference, layer: int, x: torch.Tensor, ratios: list[float], 
             levels = torch.linspace(0, 1, NUM_QUANTILES, dtype=torch.float64)
             valid = calibration.get("valid")  # [B, n]: real tokens of right-padded sequences
             scores = score[valid] if valid is not None else score.flatten()
-            table = torch.quantile(scores.double(), levels)
+            table = torch.quantile(scores.detach().double(), levels)
             calibration.setdefault(layer, [None] * spec.steps)[t - 1] = table.float()
             quantiles = table.float().double().numpy()  # route with the table as it will be stored
         else:
@@ -85,11 +85,12 @@ def itt_layer(ref: Reference, layer: int, x: torch.Tensor, ratios: list[float], 
         selected = score >= threshold
         if force is not None and (layer, t) in force:
             selected = torch.as_tensor(np.asarray(force[(layer, t)], dtype=bool)).reshape(B, n)
+        plain = score.detach()
         decisions[(layer, t)] = {
             "selected": selected[0].numpy().copy() if B == 1 else selected.numpy().copy(),
-            "score": score[0].numpy().copy() if B == 1 else score.numpy().copy(),
+            "score": plain[0].numpy().copy() if B == 1 else plain.numpy().copy(),
             "threshold": threshold,
-            "margin": (score - threshold).abs()[0].numpy() if B == 1 else (score - threshold).abs().numpy(),
+            "margin": (plain - threshold).abs()[0].numpy() if B == 1 else (plain - threshold).abs().numpy(),
         }
         # 2.3: f_t attends over the step-t slot: earlier tokens also selected at step t, and itself.
         step_mask = mask & selected[:, None, :]

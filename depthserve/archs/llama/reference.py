@@ -83,29 +83,37 @@ def attention(ref: Reference, layer: int, x: torch.Tensor, heads: list[int], mas
 
     x: [B, n, d] already normed; mask: [B, n, n] bool (True = may attend).
     """
+    head_out = head_attention(ref, layer, x, heads, mask)  # [B, h, n, hd]
+    if head_scales is not None:
+        head_out = head_out * torch.tensor(head_scales, dtype=head_out.dtype)[None, :, None, None]
+    _, _, hd, _ = attention_dims(ref.cfg)
+    w_o = ref.w[f"model.layers.{layer}.self_attn.o_proj.weight"]
+    w_o = w_o.view(w_o.shape[0], -1, hd)[:, torch.tensor(heads)]  # W_O^(i): [d, h, hd]
+    return torch.einsum("bhnc,dhc->bnd", head_out, w_o)
+
+
+def head_attention(ref: Reference, layer: int, x: torch.Tensor, heads: list[int], mask: torch.Tensor) -> torch.Tensor:
+    """softmax(q_i k_g^T / sqrt(d_h) + mask) v_g of each query head i in `heads` [B, len(heads), n, hd]
+    (x [B, n, d] already normed; every head computed at once, each from its own rows of W_Q and
+    its KV group's rows of W_K and W_V)."""
     cfg, w = ref.cfg, ref.w
     H, H_kv, hd, theta = attention_dims(cfg)
     p = f"model.layers.{layer}.self_attn."
-    B, n, _ = x.shape
-    positions = torch.arange(n)
-    out = torch.zeros_like(x)
-    for j, i in enumerate(heads):
-        g = i // (H // H_kv)
-        wq = w[p + "q_proj.weight"][i * hd : (i + 1) * hd]
-        wk = w[p + "k_proj.weight"][g * hd : (g + 1) * hd]
-        wv = w[p + "v_proj.weight"][g * hd : (g + 1) * hd]
-        q, k, v = x @ wq.T, x @ wk.T, x @ wv.T
-        if p + "q_proj.bias" in w:  # an attention bias is added on every use, loops included
-            q = q + w[p + "q_proj.bias"][i * hd : (i + 1) * hd]
-            k = k + w[p + "k_proj.bias"][g * hd : (g + 1) * hd]
-            v = v + w[p + "v_proj.bias"][g * hd : (g + 1) * hd]
-        q, k = rope(q, positions, theta), rope(k, positions, theta)
-        scores = (q @ k.transpose(-1, -2)) / math.sqrt(hd)
-        scores = scores.masked_fill(~mask, float("-inf"))
-        head_out = torch.softmax(scores, dim=-1) @ v  # [B, n, hd]
-        scale = 1.0 if head_scales is None else head_scales[j]
-        out = out + scale * (head_out @ w[p + "o_proj.weight"][:, i * hd : (i + 1) * hd].T)
-    return out
+    index = torch.tensor(heads)
+    group = index // (H // H_kv)  # query head i reads KV head g
+    rows = {"q": index, "k": group, "v": group}
+    proj = {}
+    for name, sel in rows.items():
+        weight = w[p + f"{name}_proj.weight"]
+        out = torch.einsum("bnd,hcd->bhnc", x, weight.view(-1, hd, weight.shape[-1])[sel])
+        if p + f"{name}_proj.bias" in w:  # an attention bias is added on every use, loops included
+            out = out + w[p + f"{name}_proj.bias"].view(-1, hd)[sel][None, :, None, :]
+        proj[name] = out
+    positions = torch.arange(x.shape[1])
+    q, k = rope(proj["q"], positions, theta), rope(proj["k"], positions, theta)
+    scores = (q @ k.transpose(-1, -2)) / math.sqrt(hd)
+    scores = scores.masked_fill(~mask[:, None], float("-inf"))
+    return torch.softmax(scores, dim=-1) @ proj["v"]
 
 
 def mlp(ref: Reference, layer: int, x: torch.Tensor) -> torch.Tensor:

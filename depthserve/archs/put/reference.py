@@ -19,7 +19,6 @@ in depthserve/archs/llama/reference.py.
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
@@ -28,14 +27,13 @@ import torch.nn.functional as F
 
 from depthserve.archs.llama.reference import (
     Reference,
-    attention_dims,
     causal_mask,
     full_layer,
+    head_attention,
     knob_values,
     load,
     logits_of,
     norm,
-    rope,
 )
 from depthserve.archs.put.format import PUTSpec, layer_prefixes, read_spec
 
@@ -54,19 +52,8 @@ def load_put(model_dir: str | Path, dtype: torch.dtype = torch.float64) -> Refer
 
 def head_outputs(ref: Reference, layer: int, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """O: every head's causal softmax attention output, concatenated [B, n, H * head_dim]. x is normed."""
-    H, H_kv, hd, theta = attention_dims(ref.cfg)
-    p = f"model.layers.{layer}.self_attn."
-    positions = torch.arange(x.shape[1])
-    heads = []
-    for i in range(H):
-        g = i // (H // H_kv)  # query head i reads KV head g
-        q = x @ ref.w[p + "q_proj.weight"][i * hd : (i + 1) * hd].T
-        k = x @ ref.w[p + "k_proj.weight"][g * hd : (g + 1) * hd].T
-        v = x @ ref.w[p + "v_proj.weight"][g * hd : (g + 1) * hd].T
-        q, k = rope(q, positions, theta), rope(k, positions, theta)
-        scores = ((q @ k.transpose(-1, -2)) / math.sqrt(hd)).masked_fill(~mask, float("-inf"))
-        heads.append(torch.softmax(scores, dim=-1) @ v)
-    return torch.cat(heads, dim=-1)
+    heads = head_attention(ref, layer, x, list(range(ref.cfg["num_attention_heads"])), mask)  # [B, H, n, hd]
+    return heads.transpose(1, 2).flatten(2)
 
 
 def dwconv(z: torch.Tensor, conv: torch.Tensor) -> torch.Tensor:
@@ -109,10 +96,14 @@ def forward(model_dir: str | Path, token_ids: list[int], depth: Any = None, *, r
     """Logits [n_tokens, vocab] of the full-sequence forward with `loops` core passes (default T).
     PUT has no discrete decisions: with return_decisions the second value is {}."""
     ref = load_put(model_dir, dtype)
+    logits = run(ref, torch.as_tensor(list(token_ids), dtype=torch.long)[None], put_loops(ref.spec, depth))[0]
+    return (logits, {}) if return_decisions else logits
+
+
+def run(ref: Reference, ids: torch.Tensor, loops: int) -> torch.Tensor:
+    """ids [B, n] (every row its own sequence from position 0) -> logits [B, n, V] after `loops` core passes."""
     spec: PUTSpec = ref.spec
-    loops = put_loops(spec, depth)
-    ids = torch.as_tensor(list(token_ids), dtype=torch.long)[None]
-    mask = causal_mask(1, ids.shape[1])
+    mask = causal_mask(ids.shape[0], ids.shape[1])
     x = ref.w["model.embed_tokens.weight"][ids]
     for i in range(spec.n_prefix):
         x = full_layer(ref, i, x, mask)
@@ -121,5 +112,4 @@ def forward(model_dir: str | Path, token_ids: list[int], depth: Any = None, *, r
             x = core_layer(ref, j, t, x, mask)
     for i in range(spec.n_suffix):
         x = full_layer(ref, spec.n_prefix + spec.n_core + i, x, mask)
-    logits = logits_of(ref, x)[0]
-    return (logits, {}) if return_decisions else logits
+    return logits_of(ref, x)

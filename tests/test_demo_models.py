@@ -1,0 +1,73 @@
+"""The demo depth models: `depthserve train-demo` end to end on a reduced recipe (the checkpoint
+it writes loads, and the engine equals the reference on it in a mixed-depth batch)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from depthserve import DepthParams, SamplingParams
+from depthserve.demo.arches import DEMO_ARCHES
+from depthserve.demo.task import problems
+from depthserve.engine.model_runner import ModelRunner
+from depthserve.loading.registry import resolve_model
+from depthserve.loading.tokenizer import load_tokenizer
+from depthserve.tools.cli import main as cli
+from tests.depth_helpers import BLOCK_SIZE, cache_layout, tiny_llm
+from tests.test_dreamer import check_against_reference as check_dreamer
+from tests.test_sgt_itt_engine import check_against_reference as check_routed
+
+DECODE = 8  # tokens generated per request (past the answer: still deterministic, still compared)
+
+
+def check(arch: str, path, prompts, depths, outputs) -> dict:
+    """Engine = reference (decisions compared under the margin rule, then teacher-forced)."""
+    if arch == "dreamer":
+        return check_dreamer(path, prompts, depths, outputs)
+    return check_routed(path, prompts, depths, outputs, routed=arch == "itt")
+
+
+def mixed_batch_equals_reference(path, arch: str, tokenizer) -> dict:
+    """Held-out problems at every setting of the model's knob, round robin, in one batch under a KV
+    budget of one costliest request (admission waits, and decode may preempt), prefilled in chunks;
+    every token's logprobs against the reference."""
+    cfg = json.loads((path / "config.json").read_text())
+    settings = DEMO_ARCHES[arch].settings(cfg)
+    held_out = problems(7, 10, "held_out", 3)
+    prompts = [tokenizer.encode(p.prompt, add_special_tokens=False) for p in held_out]
+    depths = [DepthParams(**settings[i % len(settings)]) for i in range(len(prompts))]
+    params = [SamplingParams(temperature=0.0, max_tokens=DECODE, ignore_eos=True, logprobs=2,
+                             prompt_logprobs=1 if i % 3 == 1 else None) for i in range(len(prompts))]
+    longest = max(map(len, prompts)) + DECODE
+    probe = tiny_llm(path, max_model_len=longest)
+    bm, model = probe.engine.block_manager, probe.engine.model
+    need = [bm.pages_for(cache_layout(model, d), len(p) + DECODE) for p, d in zip(prompts, depths)]
+    costliest = max(bm.pages_for(cache_layout(model, d), longest) for d in depths)
+    page_bytes = ModelRunner.page_bytes(BLOCK_SIZE, cfg["head_dim"], torch.float32)
+    depth_cache = -(-model.step_cache_bytes_bound(16) // page_bytes)
+    assert sum(need) > 2 * (costliest + 1)
+    llm = tiny_llm(path, pages=costliest + 1 + depth_cache, max_model_len=longest, max_num_batched_tokens=16)
+    outputs = llm.generate(prompts, params, depths)
+    stats = check(arch, path, prompts, depths, outputs)
+    stats["preemptions"] = llm.engine.scheduler.num_preemptions
+    assert llm.engine.block_manager.num_used_pages == 0
+    return stats
+
+
+@pytest.mark.parametrize("arch", sorted(DEMO_ARCHES))
+@pytest.mark.slow
+def test_train_demo_end_to_end_on_a_reduced_recipe(tmp_path, arch):
+    out = tmp_path / arch
+    rc = cli(["train-demo", "--arch", arch, "--out", str(out), "--steps", "60", "--eval-every", "20",
+              "--batch-size", "16", "--hidden-size", "32", "--heads", "2", "--intermediate-size", "64",
+              "--lr", "3e-3", "--threads", "1"])
+    assert rc == 0
+    meta = json.loads((out / "train_demo.json").read_text())
+    curve = meta["curve"]
+    assert [point["step"] for point in curve] == [20, 40, 60]
+    assert curve[-1]["loss"] < curve[0]["loss"] - 0.25, curve  # down from ~ln(vocab), towards the digits
+    assert meta["command"].startswith(f"depthserve train-demo --arch {arch} --steps 60")
+    stats = mixed_batch_equals_reference(out, arch, load_tokenizer(resolve_model(str(out))))
+    assert stats["tokens"] > 0
