@@ -1,15 +1,16 @@
 """`depthserve train-demo`: train a small adaptive-depth model on the variable-chasing task.
 
-A plain PyTorch loop (AdamW, warm-up then cosine decay, seeded): each batch draws problems from
-the training split and a depth setting (`DemoArch.sample_setting`), and the loss is the answer
-digit's cross-entropy at question marks. A training sequence asks about every variable of its
-problem, the problem's own question first (so the first question is exactly the prompt a user
-sends) and the others after it, with no answer written anywhere in the sequence (nothing to copy):
-`f=c;c=4;q=x;h=f;x=8;h=?;c=?;x=?;f=?;q=?`, answers 4 4 8 4 8 at the five question marks. One problem so
-gives a question of every hop count from 0 (a plain lookup) up to its own, which is the
-curriculum: a model that cannot look one variable up cannot learn to chain lookups, and a
-sequence with a single question teaches the lookup too slowly for a CPU budget. The result is a
-native checkpoint (with the ITT calibration table where the architecture has one).
+A plain PyTorch loop (AdamW with warm-up, a constant rate and a cosine decay over the last fifth,
+seeded): each batch draws problems from the training split and a depth setting
+(`DemoArch.sample_setting`), and the loss is the answer digit's cross-entropy at question marks.
+A training sequence asks about every variable of its problem, the problem's own question first
+(so the first question is exactly the prompt a user sends) and the others after it, with no
+answer written anywhere in the sequence (nothing to copy): `f=c;c=4;q=x;h=f;x=8;h=?;c=?;x=?;f=?;q=?`,
+answers 4 4 8 4 8 at the five question marks, so one problem gives questions of every hop count
+up to its own. Hop levels come as a curriculum (level L: problems of 0..L hops, 0 being a plain
+lookup; up a level once the level's hardest held-out problems are answered at the largest
+setting): a model that cannot look one variable up cannot learn to chain lookups. The result is
+a native checkpoint (with the ITT calibration table where the architecture has one).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import json
 import math
 import random
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +41,6 @@ class Recipe:
     weight_decay: float = 0.01
     max_hops: int = 3  # the task: hops 1..max_hops
     pool_size: int = 20000  # training problems drawn from, per curriculum level
-    every_question: bool = True  # ask about every variable of a training problem (False: its own question only)
     advance_at: float = 0.9  # held-out accuracy on a level's hardest problems that moves training up a level
     eval_every: int = 100
     eval_problems: int = 200
@@ -65,7 +65,7 @@ class Recipe:
 @dataclass
 class TrainResult:
     out: Path
-    curve: list[dict[str, Any]]  # per evaluation: step, mean loss since the last, hop level, accuracy
+    curve: list[dict[str, Any]]  # per evaluation: step, mean loss since the last, level, accuracies
     accuracy: float  # held-out (eval_problems), at the largest setting
     seconds: float
 
@@ -101,9 +101,9 @@ def every_question(problem: Problem, rng: random.Random) -> tuple[str, list[str]
 
 
 def training_loss(model: Trainable, tokenizer, batch: list[Problem], setting: dict[str, Any],
-                  rng: random.Random, ask_all: bool = True) -> torch.Tensor:
+                  rng: random.Random) -> torch.Tensor:
     """Mean cross-entropy of the answers at every question mark of the batch's sequences."""
-    texts, answers = zip(*(every_question(p, rng) if ask_all else (p.prompt, [p.answer]) for p in batch))
+    texts, answers = zip(*(every_question(p, rng) for p in batch))
     ids, _, valid = encode(tokenizer, list(texts))
     logits = model.logits(ids, {**setting, "valid": valid})
     marks = ids == tokenizer.convert_tokens_to_ids("?")
@@ -153,7 +153,7 @@ def train(recipe: Recipe, out: Path, progress: bool = True) -> TrainResult:
     bar = tqdm(range(recipe.steps), desc=f"train-demo {recipe.arch}", disable=not progress, unit="step")
     for step in bar:
         batch = [rng.choice(pools[level]) for _ in range(recipe.batch_size)]
-        loss = training_loss(model, tokenizer, batch, arch.sample_setting(rng), rng, recipe.every_question)
+        loss = training_loss(model, tokenizer, batch, arch.sample_setting(rng), rng)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.params.values(), 1.0)
