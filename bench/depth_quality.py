@@ -4,13 +4,14 @@
     python bench/depth_quality.py --models demo-put --problems 200
 
 Method: `--problems` held-out variable-chasing problems (depthserve/demo/task.py, hops uniform in
-1..`--max-hops`, seed `--seed`; the held-out split never meets a training problem) are answered
-greedily through `LLM.generate` (one token, temperature 0) at each setting of the model's knob
+1..`--max-hops` (default: the hops the model was trained for), seed `--seed`; the held-out split
+never meets a training problem) are answered greedily through `LLM.generate` (one token,
+temperature 0) at each setting of the model's knob
 (ITT: thinking steps and selection ratios; Dreamer: depth 1..D; PUT: loops 1..T), all problems of
 a setting in one batch. Accuracy = answers equal to the solver's; the relative compute of a
 setting is the mean of the engine's per-request depth report (FLOPs against the plain model's
 on the same tokens), so it is what the engine counted, not a formula of this script. Chance is
-1 / (digits in the prompt) on average. Not a timing benchmark.
+1 / (digits in the prompt): a guess among the chains' digits. Not a timing benchmark.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-hops", type=int, default=None, help="default: each model's own (train_demo.json)")
     p.add_argument("--seed", type=int, default=1234, help="seeds the held-out problems")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--out", default="depth-quality", help="result name under bench/results")
+    p.add_argument("--out", default="depth-quality-demo", help="result name under bench/results")
     return p.parse_args(argv)
 
 
@@ -60,7 +61,7 @@ def evaluate(model: str, problems, threads: int) -> dict:
     for setting in arch.settings(cfg):
         outputs = llm.generate(prompts, greedy, DepthParams(**setting))
         correct = [o.text.strip() == p.answer for o, p in zip(outputs, problems)]
-        compute = [o.depth.relative_compute() for o in outputs]
+        compute = [o.depth.relative_compute for o in outputs]
         by_hops: dict[int, list[bool]] = {}
         for ok, p in zip(correct, problems):
             by_hops.setdefault(p.hops, []).append(ok)
@@ -84,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for model in [m for m in ns.models.split(",") if m]:
         meta = json.loads((resolve_model(model).path / "train_demo.json").read_text())
-        max_hops = ns.max_hops or meta["recipe"]["max_hops"]
+        max_hops = ns.max_hops or meta["max_hops"]
         held_out = make_problems(ns.seed, ns.problems, "held_out", max_hops)
         result = evaluate(model, held_out, ns.threads)
         result.update(max_hops=max_hops, chance=sum(map(chance, (p.prompt for p in held_out))) / len(held_out),

@@ -10,8 +10,8 @@
                         setting's predicted compute implies and that compute itself on one chart
     step-breakdown-*.json  a decode step's time by part (weight matmuls, paged attention, the
                         architecture's depth mechanism, the rest) for each setting, as stacked bars
-    depth-quality-*.json   the demo models' held-out accuracy against the relative compute of
-                        each depth setting, one line per model
+    depth-quality-*.json   the demo models' held-out accuracy against the compute of each depth
+                        setting, one line per model and knob
 A result kind with no files is skipped with a note.
 """
 
@@ -215,19 +215,33 @@ def plot_step_breakdown(payload: dict[str, Any], out: Path) -> list[Path]:
 
 
 def plot_depth_quality(payload: dict[str, Any], out: Path) -> list[Path]:
+    """Accuracy against compute, relative to each model's largest setting (the engine's depth
+    reports measure each architecture against its own baseline, so raw figures do not share an
+    axis). A model whose settings mix two knobs (ITT: thinking steps, then selection ratios at
+    every step) gets a line per knob, both ending at the largest setting."""
     fig, ax = plt.subplots(figsize=(8, 5))
     for model in payload["models"]:
-        rows = sorted(model["rows"], key=lambda row: row["relative_compute"])
-        ax.plot([row["relative_compute"] for row in rows], [100 * row["accuracy"] for row in rows], marker="o",
-                label=f"{model['model']} ({model['knob']})")
-        ax.axhline(100 * model["chance"], color="grey", linestyle=":", linewidth=1)
-    ax.set_xlabel("relative compute (FLOPs / the plain model's, engine's depth report)")
+        largest = model["rows"][-1]["relative_compute"]
+        series: dict[str, list[dict[str, Any]]] = {}
+        for row in model["rows"]:
+            knob = next(iter(row["setting"]))
+            series.setdefault(knob, []).append(row)
+        for knob, rows in series.items():
+            if rows[-1] is not model["rows"][-1]:
+                rows = rows + [model["rows"][-1]]
+            rows = sorted(rows, key=lambda row: row["relative_compute"])
+            ax.plot([row["relative_compute"] / largest for row in rows], [100 * row["accuracy"] for row in rows],
+                    marker="o", label=f"{model['model']} ({knob})")
+    chance = [model["chance"] for model in payload["models"]]
+    ax.axhline(100 * sum(chance) / len(chance), color="grey", linestyle=":", linewidth=1)
+    ax.set_xlabel("compute per token, relative to the model's largest setting (engine's depth report)")
     ax.set_ylabel(f"held-out accuracy, {payload['settings']['problems']} problems (%)")
     ax.set_ylim(0, 100)
-    ax.set_title(f"Demo depth models: accuracy against the compute each depth setting spends (dotted: chance)\n"
-                 f"{machine_line(payload)}", fontsize=9)
+    ax.set_xlim(0, 1.05)
+    ax.set_title(f"Demo depth models: held-out accuracy against compute (dotted: a guess among the prompt's "
+                 f"digits)\n{machine_line(payload)}", fontsize=9)
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="lower right")
     return [save(fig, out)]
 
 

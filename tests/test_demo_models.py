@@ -1,5 +1,6 @@
-"""The demo depth models: `depthserve train-demo` end to end on a reduced recipe (the checkpoint
-it writes loads, and the engine equals the reference on it in a mixed-depth batch)."""
+"""The demo depth models: `depthserve train-demo` end to end on a reduced recipe, and the built-in
+checkpoints (`demo-put`, `demo-dreamer`, `demo-itt`): the engine equals the reference on them in a
+mixed-depth batch, their depth knob visibly matters, and one answers over HTTP."""
 
 from __future__ import annotations
 
@@ -8,9 +9,9 @@ import json
 import pytest
 import torch
 
-from depthserve import DepthParams, SamplingParams
+from depthserve import LLM, DepthParams, SamplingParams
 from depthserve.demo.arches import DEMO_ARCHES
-from depthserve.demo.task import problems
+from depthserve.demo.task import problems, solve
 from depthserve.engine.model_runner import ModelRunner
 from depthserve.loading.registry import resolve_model
 from depthserve.loading.tokenizer import load_tokenizer
@@ -19,7 +20,8 @@ from tests.depth_helpers import BLOCK_SIZE, cache_layout, tiny_llm
 from tests.test_dreamer import check_against_reference as check_dreamer
 from tests.test_sgt_itt_engine import check_against_reference as check_routed
 
-DECODE = 4  # tokens generated per request (past the answer: still deterministic, still compared)
+DECODE = 4  # tokens generated per request (past the answer and its </s>: still compared)
+DEMO_MODELS = {"put": "demo-put", "dreamer": "demo-dreamer", "itt": "demo-itt"}
 
 
 def check(arch: str, path, prompts, depths, outputs) -> dict:
@@ -35,7 +37,7 @@ def mixed_batch_equals_reference(path, arch: str, tokenizer) -> dict:
     every token's logprobs against the reference."""
     cfg = json.loads((path / "config.json").read_text())
     settings = DEMO_ARCHES[arch].settings(cfg)
-    held_out = problems(7, 6, "held_out", 3)
+    held_out = problems(7, max(6, len(settings)), "held_out", 4)
     prompts = [tokenizer.encode(p.prompt, add_special_tokens=False) for p in held_out]
     depths = [DepthParams(**settings[i % len(settings)]) for i in range(len(prompts))]
     params = [SamplingParams(temperature=0.0, max_tokens=DECODE, ignore_eos=True, logprobs=2,
@@ -71,3 +73,57 @@ def test_train_demo_end_to_end_on_a_reduced_recipe(tmp_path, arch):
     assert meta["command"].startswith(f"depthserve train-demo --arch {arch} --steps 60")
     stats = mixed_batch_equals_reference(out, arch, load_tokenizer(resolve_model(str(out))))
     assert stats["tokens"] > 0
+
+
+@pytest.mark.parametrize("arch", sorted(DEMO_MODELS))
+@pytest.mark.slow
+def test_builtin_demo_model_equals_its_reference_in_a_mixed_depth_batch(arch):
+    source = resolve_model(DEMO_MODELS[arch])
+    stats = mixed_batch_equals_reference(source.path, arch, load_tokenizer(source))
+    assert stats["tokens"] > 0
+
+
+@pytest.mark.parametrize("arch", sorted(DEMO_MODELS))
+def test_builtin_demo_model_answers_more_with_more_depth(arch):
+    """The shipped checkpoint is the trained one: on held-out problems its largest setting answers
+    nearly all and its smallest far fewer, each answer followed by </s> (bench/depth_quality.py
+    has the full table on 1000 problems, against the bars of 90% and 60%)."""
+    source = resolve_model(DEMO_MODELS[arch])
+    meta = json.loads((source.path / "train_demo.json").read_text())
+    settings = DEMO_ARCHES[arch].settings(json.loads((source.path / "config.json").read_text()))
+    held_out = problems(99, 100, "held_out", meta["max_hops"])
+    llm = LLM(DEMO_MODELS[arch], device="cpu", dtype="float32", load_progress=False, max_model_len=64)
+    greedy = SamplingParams(temperature=0.0, max_tokens=4)
+    accuracy = {}
+    for setting in (settings[0], settings[-1]):
+        outputs = llm.generate([p.prompt for p in held_out], greedy, DepthParams(**setting))
+        right = [o.text.split()[:1] == [p.answer] for o, p in zip(outputs, held_out)]
+        accuracy[json.dumps(setting)] = sum(right) / len(held_out)
+        if setting is settings[-1]:  # the answer, then </s>
+            assert sum(o.finish_reason == "stop" and len(o.token_ids) == 2 for o in outputs) >= 90
+    smallest, largest = accuracy.values()
+    assert largest >= 0.9 and smallest <= largest - 0.3, accuracy
+
+
+def test_a_demo_model_answers_over_http():
+    openai = pytest.importorskip("openai")
+    from depthserve.config import EngineArgs
+    from depthserve.engine.async_llm import AsyncLLM
+    from depthserve.engine.llm_engine import LLMEngine
+    from depthserve.server.app import build_app
+    from tests.live_server import live_server
+
+    engine = LLMEngine(EngineArgs(model="demo-dreamer", device="cpu", dtype="float32", load_progress=False,
+                                  max_model_len=64))
+    prompt = "k=3 c=7 p=k w=1 m=w d=p y=c t=y t?"
+    assert solve(prompt) == "7"
+    with live_server(build_app(AsyncLLM(engine))) as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="none")
+        answer = client.completions.create(model="demo-dreamer", prompt=prompt, max_tokens=4, temperature=0.0,
+                                           extra_body={"depth": {"depth": 6}})
+        shallow = client.completions.create(model="demo-dreamer", prompt=prompt, max_tokens=4, temperature=0.0,
+                                            extra_body={"depth": {"depth": 1}})
+    assert answer.choices[0].text.strip() == "7" and answer.choices[0].finish_reason == "stop"
+    assert answer.usage.model_extra["depth"]["depth"] == 6
+    assert shallow.usage.model_extra["depth"]["depth"] == 1
+    assert shallow.usage.model_extra["depth"]["relative_compute"] < answer.usage.model_extra["depth"]["relative_compute"]

@@ -1,20 +1,26 @@
 """How each demo architecture is built, trained and written back: a small checkpoint in the
 native format, trained through the architecture's own reference equations (so what is trained is
-exactly what the engine must equal), with the depth knob sampled per batch so every setting is a
+exactly what the engine must equal), with every depth setting trained so every setting is a
 usable model.
 
     demo = DEMO_ARCHES["put"]
     cfg, weights = demo.initial(shape, tokenizer)        # the untrained checkpoint
     model = demo.trainable(checkpoint_dir)               # float32 tensors with gradients
-    logits = model.logits(ids, demo.sample_setting(rng)) # [B, n, V]
+    logits = model.logits(ids, valid, {"loops": 3})      # [B, n, V] at one setting of the knob
+    for reach, logits in model.readouts(ids, valid, rng): ...   # [B, n, V] at each depth trained
     weights = model.export()                             # native tensor names, for write_checkpoint
+
+A readout's `reach` is the hops its depth can follow (one lookup per layer pass, see
+depthserve/demo/task.py): training asks each depth only the questions within its reach, so a
+shallow setting answers the short chains exactly and is not taught to guess at the long ones.
 """
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +31,12 @@ from depthserve.archs.itt import format as itt_format
 from depthserve.archs.llama.reference import Reference
 from depthserve.archs.llama.tiny import base_config
 from depthserve.archs.put import format as put_format
+from depthserve.demo.task import DIGITS, VARIABLES
 
-INIT_STD = 0.02  # every matrix; norms start at 1, step embeddings, conv taps and routers at 0 or small
+EMBEDDING_STD = 0.1  # a word's embedding (the sum of two factors of std EMBEDDING_STD / sqrt 2)
+ROUTER_STD = 0.02  # router queries and weights start near uniform routing
+
+Readout = tuple[int, torch.Tensor]  # (hops the depth can reach, logits [B, n, V])
 
 
 @dataclass(frozen=True)
@@ -35,7 +45,7 @@ class Shape:
     hidden_size: int = 128
     intermediate_size: int = 256
     num_attention_heads: int = 8
-    max_position_embeddings: int = 256
+    max_position_embeddings: int = 128
 
     @property
     def head_dim(self) -> int:
@@ -50,26 +60,30 @@ class Shape:
 
 @dataclass
 class Trainable:
-    """A checkpoint's tensors as trainable float32 leaves and the forward over them."""
+    """A checkpoint's tensors as trainable float32 leaves and the training forward over them."""
     params: dict[str, torch.Tensor]  # name -> leaf with requires_grad
-    logits: Callable[[torch.Tensor, dict[str, Any]], torch.Tensor]  # (ids [B, n], knob setting) -> [B, n, V]
+    # (ids [B, n], real-token mask [B, n], rng) -> the readouts this batch trains
+    readouts: Callable[[torch.Tensor, torch.Tensor, random.Random], list[Readout]]
+    logits: Callable[[torch.Tensor, torch.Tensor, dict[str, Any]], torch.Tensor]  # (ids, mask, knob setting) -> [B, n, V]
     export: Callable[[], dict[str, torch.Tensor]]  # native checkpoint tensors (detached copies)
-    extras: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
 class DemoArch:
     name: str
     knob: str  # the knob the depth-quality table sweeps (its settings: `settings`)
+    max_hops: int  # hops the largest setting reaches: the task's hardest problems
+    steps: int  # optimizer steps of the built-in model's recipe
     initial: Callable[[Shape, Any], tuple[dict[str, Any], dict[str, torch.Tensor]]]
     trainable: Callable[[Path], Trainable]
-    sample_setting: Callable[[random.Random], dict[str, Any]]
-    settings: Callable[[dict[str, Any]], list[dict[str, Any]]]  # every setting of a checkpoint's knob, cheapest first
+    settings: Callable[[dict[str, Any]], list[dict[str, Any]]]  # the knob's settings: smallest first, largest last
     finish: Callable[[Path, list[list[int]]], None] | None = None  # after the weights are written (token prompts)
 
 
-def _matrix(*shape: int, gen: torch.Generator) -> torch.Tensor:
-    return (torch.randn(*shape, generator=gen) * INIT_STD).contiguous()
+def _matrix(*shape: int, gen: torch.Generator, std: float | None = None) -> torch.Tensor:
+    """N(0, 1/fan_in) (fan_in: the last dimension), so every projection starts at unit gain."""
+    std = 1.0 / math.sqrt(shape[-1]) if std is None else std
+    return (torch.randn(*shape, generator=gen) * std).contiguous()
 
 
 def _llama_layer(prefix: str, shape: Shape, gen: torch.Generator) -> dict[str, torch.Tensor]:
@@ -82,8 +96,32 @@ def _llama_layer(prefix: str, shape: Shape, gen: torch.Generator) -> dict[str, t
     return w
 
 
-def _embeddings(cfg: dict[str, Any], gen: torch.Generator) -> dict[str, torch.Tensor]:
-    return {"model.embed_tokens.weight": _matrix(cfg["vocab_size"], cfg["hidden_size"], gen=gen),
+def word_embeddings(tokenizer, hidden_size: int, gen: torch.Generator) -> torch.Tensor:
+    """The embedding table's starting point, factored by role: a statement `a=b` starts as
+    name(a) + value(b), a question `b?` as its own vector + value(b), a digit as value(digit).
+    Each is an ordinary row of the table once training starts; the shared factors only spare the
+    model learning ~900 unrelated vectors before it can match a question to a statement."""
+    factor = EMBEDDING_STD / math.sqrt(2)
+    vocab = tokenizer.get_vocab()
+
+    def vectors(names: str) -> dict[str, torch.Tensor]:
+        return {c: torch.randn(hidden_size, generator=gen) * factor for c in names}
+
+    name, value, asking = vectors(VARIABLES), vectors(VARIABLES + DIGITS), vectors(VARIABLES)
+    table = torch.randn(len(tokenizer), hidden_size, generator=gen) * EMBEDDING_STD
+    for word, index in vocab.items():
+        if "=" in word:
+            lhs, rhs = word.split("=")
+            table[index] = name[lhs] + value[rhs]
+        elif word.endswith("?"):
+            table[index] = asking[word[0]] + value[word[0]]
+        elif word in DIGITS:
+            table[index] = value[word]
+    return table
+
+
+def _embeddings(cfg: dict[str, Any], tokenizer, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    return {"model.embed_tokens.weight": word_embeddings(tokenizer, cfg["hidden_size"], gen),
             "model.norm.weight": torch.ones(cfg["hidden_size"])}
 
 
@@ -95,8 +133,13 @@ def _detached(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {name: t.detach().clone().contiguous() for name, t in weights.items()}
 
 
-# ---- PUT: prefix, a shared core run `loops` times with step embeddings, suffix ---------------------------
-PUT_LAYOUT = put_format.PUTSpec(n_prefix=1, n_core=1, n_suffix=1, steps=6, conv_kernel=2)
+# ---- PUT: a shared core run `loops` times with step embeddings ------------------------------------------
+PUT_LAYOUT = put_format.PUTSpec(n_prefix=0, n_core=1, n_suffix=0, steps=6, conv_kernel=2)
+
+
+def _put_passes(spec: put_format.PUTSpec, loops: int) -> int:
+    """Layer passes a token makes at `loops`: the hops that setting can follow."""
+    return spec.n_prefix + spec.n_core * loops + spec.n_suffix
 
 
 def _put_initial(shape: Shape, tokenizer) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
@@ -104,7 +147,7 @@ def _put_initial(shape: Shape, tokenizer) -> tuple[dict[str, Any], dict[str, tor
     cfg = base_config(tokenizer, {**shape.llama_fields(), "num_hidden_layers": spec.num_layers}, tied=True)
     cfg.update(architectures=["PUTForCausalLM"], model_type="put", depth=put_format.to_section(spec))
     gen = torch.Generator().manual_seed(0)
-    w = _embeddings(cfg, gen)
+    w = _embeddings(cfg, tokenizer, gen)
     for prefix in put_format.layer_prefixes(spec):
         w.update(_llama_layer(prefix, shape, gen))
     for j in range(spec.n_core):
@@ -114,12 +157,17 @@ def _put_initial(shape: Shape, tokenizer) -> tuple[dict[str, Any], dict[str, tor
 
 
 def _put_trainable(path: Path) -> Trainable:
-    from depthserve.archs.put.reference import load_put, run
+    from depthserve.archs.put.reference import load_put, put_loops, run, run_each_loop
 
     loaded = load_put(path, torch.float32)
     params = _leaves(loaded.w)
     ref = Reference(loaded.cfg, params, loaded.spec)
     prefixes = put_format.layer_prefixes(loaded.spec)
+
+    def readouts(ids: torch.Tensor, valid: torch.Tensor, rng: random.Random) -> list[Readout]:
+        # One run of all T passes gives the logits of every loops setting (a loss at every depth).
+        logits = run_each_loop(ref, ids, loaded.spec.steps)
+        return [(_put_passes(loaded.spec, t), out) for t, out in enumerate(logits, 1)]
 
     def export() -> dict[str, torch.Tensor]:  # model.layers.i. -> the layer's native prefix
         out = {}
@@ -130,11 +178,10 @@ def _put_trainable(path: Path) -> Trainable:
             out[name] = t
         return out
 
-    return Trainable(params, lambda ids, setting: run(ref, ids, setting["loops"]), export)
+    def logits(ids: torch.Tensor, valid: torch.Tensor, setting: dict[str, Any]) -> torch.Tensor:
+        return run(ref, ids, put_loops(loaded.spec, setting))
 
-
-def _put_sample(rng: random.Random) -> dict[str, Any]:
-    return {"loops": rng.randint(1, PUT_LAYOUT.steps)}
+    return Trainable(params, readouts, logits, export)
 
 
 def _put_settings(cfg: dict[str, Any]) -> list[dict[str, Any]]:
@@ -161,13 +208,16 @@ def _dreamer_initial(shape: Shape, tokenizer) -> tuple[dict[str, Any], dict[str,
             w[name] = torch.zeros(*dims)
         elif name.endswith("router.keys"):
             w[name] = torch.randn(*dims, generator=gen)  # distinct experts from the start
+        elif name.endswith("router.query.weight"):
+            w[name] = _matrix(*dims, gen=gen, std=ROUTER_STD)
         else:
             w[name] = _matrix(*dims, gen=gen)
+    w["model.embed_tokens.weight"] = word_embeddings(tokenizer, cfg["hidden_size"], gen)
     return cfg, w
 
 
 def _dreamer_trainable(path: Path) -> Trainable:
-    from depthserve.archs.dreamer.reference import load, run
+    from depthserve.archs.dreamer.reference import knob_depth, load, run
 
     cfg, spec, weights = load(path, torch.float32)
     params = _leaves(weights)
@@ -175,14 +225,16 @@ def _dreamer_trainable(path: Path) -> Trainable:
     for name in frozen:
         params[name].requires_grad_(False)
 
-    def logits(ids: torch.Tensor, setting: dict[str, Any]) -> torch.Tensor:
-        return run(cfg, spec, params, ids, setting["depth"])[0]
+    def readouts(ids: torch.Tensor, valid: torch.Tensor, rng: random.Random) -> list[Readout]:
+        # One run to depth D reads the LM head at every depth (the depth-d model's output).
+        logits, _ = run(cfg, spec, params, ids, spec.depth, every_depth=True)
+        return list(enumerate(logits, 1))
 
-    return Trainable({k: v for k, v in params.items() if k not in frozen}, logits, lambda: _detached(params))
+    def logits(ids: torch.Tensor, valid: torch.Tensor, setting: dict[str, Any]) -> torch.Tensor:
+        return run(cfg, spec, params, ids, knob_depth(setting, spec.depth))[0]
 
-
-def _dreamer_sample(rng: random.Random) -> dict[str, Any]:
-    return {"depth": rng.randint(1, DREAMER_LAYOUT.depth)}
+    trained = {k: v for k, v in params.items() if k not in frozen}
+    return Trainable(trained, readouts, logits, lambda: _detached(params))
 
 
 def _dreamer_settings(cfg: dict[str, Any]) -> list[dict[str, Any]]:
@@ -190,9 +242,12 @@ def _dreamer_settings(cfg: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 # ---- ITT: layers that think again on the tokens their routers select --------------------------------------
-ITT_LAYERS = 2
-ITT_LAYOUT = itt_format.ITTSpec(layers=(0, 1), steps=2, alphas=(1.0, 1.0), trained_ratios=(1.0, 1.0),
-                                skip_rule="identity")
+# One layer thinking up to five more times: with two plain layers the model learns to follow up
+# to four hops without thinking (pointer doubling across layers), and thinking barely matters.
+ITT_LAYERS = 1
+ITT_STEPS = 5
+ITT_LAYOUT = itt_format.ITTSpec(layers=(0,), steps=ITT_STEPS, alphas=(1.0,) * ITT_STEPS,
+                                trained_ratios=(1.0,) * ITT_STEPS, skip_rule="identity")
 ITT_RATIOS = (0.25, 0.5, 0.75, 1.0)
 
 
@@ -201,12 +256,12 @@ def _itt_initial(shape: Shape, tokenizer) -> tuple[dict[str, Any], dict[str, tor
     cfg = base_config(tokenizer, {**shape.llama_fields(), "num_hidden_layers": ITT_LAYERS}, tied=True)
     cfg["depth"] = itt_format.to_section(spec)
     gen = torch.Generator().manual_seed(0)
-    w = _embeddings(cfg, gen)
+    w = _embeddings(cfg, tokenizer, gen)
     for i in range(ITT_LAYERS):
         w.update(_llama_layer(f"model.layers.{i}.", shape, gen))
     d = shape.hidden_size
     for layer in spec.layers:
-        w[itt_format.router_weight(layer)] = _matrix(spec.steps, d, gen=gen)
+        w[itt_format.router_weight(layer)] = _matrix(spec.steps, d, gen=gen, std=ROUTER_STD)
         w[itt_format.router_bias(layer)] = torch.zeros(spec.steps)
         w[itt_format.step_encoding(layer)] = torch.ones(spec.steps + 1, d)
     return cfg, w
@@ -216,21 +271,29 @@ def _itt_trainable(path: Path) -> Trainable:
     from depthserve.archs.itt.reference import load_itt, run
 
     loaded = load_itt(path, torch.float32)
+    spec: itt_format.ITTSpec = loaded.spec
     params = _leaves(loaded.w)
     extras = {layer: {"router_w": entry["router_w"].detach().clone().requires_grad_(),
                       "router_b": entry["router_b"].detach().clone(),  # b_t: kept at 0 (selection is by quantile)
                       "phi": entry["phi"].detach().clone().requires_grad_(), "quantiles": None}
               for layer, entry in loaded.extras.items()}
-    ref = Reference(loaded.cfg, params, loaded.spec, extras)
+    ref = Reference(loaded.cfg, params, spec, extras)
     for layer, entry in extras.items():
         params[itt_format.router_weight(layer)] = entry["router_w"]
         params[itt_format.step_encoding(layer)] = entry["phi"]
 
-    def logits(ids: torch.Tensor, setting: dict[str, Any]) -> torch.Tensor:
-        # Training routes each step by the quantile of this batch's scores (the rule the calibration
-        # table stands in for at serving time); `valid` marks the real tokens of right-padded rows.
-        tables = {"valid": setting.get("valid")}
-        return run(ref, ids, {k: v for k, v in setting.items() if k != "valid"}, None, tables)[0]
+    def readouts(ids: torch.Tensor, valid: torch.Tensor, rng: random.Random) -> list[Readout]:
+        # The paper's elastic thinking: a setting drawn per batch (thinking steps, and a selection
+        # ratio for them). Training routes each step by the quantile of this batch's scores (the
+        # rule the calibration table stands in for at serving time); `valid` marks the real tokens
+        # of right-padded rows. A selected token passes each ITT layer 1 + steps times.
+        steps, ratio = rng.randint(0, spec.steps), rng.choice(ITT_RATIOS)
+        setting = {"selection_ratios": [ratio if t < steps else 0.0 for t in range(spec.steps)]}
+        reach = loaded.cfg["num_hidden_layers"] + len(spec.layers) * steps
+        return [(reach, logits(ids, valid, setting))]
+
+    def logits(ids: torch.Tensor, valid: torch.Tensor, setting: dict[str, Any]) -> torch.Tensor:
+        return run(ref, ids, setting, None, {"valid": valid})[0]
 
     def export() -> dict[str, torch.Tensor]:
         out = _detached(params)
@@ -238,21 +301,15 @@ def _itt_trainable(path: Path) -> Trainable:
             out[itt_format.router_bias(layer)] = entry["router_b"].clone()
         return out
 
-    return Trainable(params, logits, export)
-
-
-def _itt_sample(rng: random.Random) -> dict[str, Any]:
-    steps = rng.randint(0, ITT_LAYOUT.steps)
-    ratio = rng.choice(ITT_RATIOS)
-    return {"selection_ratios": [ratio if t < steps else 0.0 for t in range(ITT_LAYOUT.steps)]}
+    return Trainable(params, readouts, logits, export)
 
 
 def _itt_settings(cfg: dict[str, Any]) -> list[dict[str, Any]]:
+    """Thinking steps 0..T at the trained ratios (every token), then every step at a lower selection
+    ratio; the largest setting (every step, every token) last."""
     steps = cfg["depth"]["itt"]["steps"]
-    out = [{"thinking_steps": 0}]
-    for t in range(1, steps + 1):
-        out += [{"thinking_steps": t, "selection_ratios": [r] * steps} for r in ITT_RATIOS]
-    return out
+    ratios = [{"selection_ratios": [r] * steps} for r in ITT_RATIOS if r < 1.0]
+    return [{"thinking_steps": t} for t in range(steps)] + ratios + [{"thinking_steps": steps}]
 
 
 def _itt_calibrate(out: Path, prompts: list[list[int]]) -> None:
@@ -263,8 +320,10 @@ def _itt_calibrate(out: Path, prompts: list[list[int]]) -> None:
 
 
 DEMO_ARCHES: dict[str, DemoArch] = {
-    "put": DemoArch("put", "loops", _put_initial, _put_trainable, _put_sample, _put_settings),
-    "dreamer": DemoArch("dreamer", "depth", _dreamer_initial, _dreamer_trainable, _dreamer_sample, _dreamer_settings),
-    "itt": DemoArch("itt", "selection_ratios", _itt_initial, _itt_trainable, _itt_sample, _itt_settings,
-                    _itt_calibrate),
+    "put": DemoArch("put", "loops", _put_passes(PUT_LAYOUT, PUT_LAYOUT.steps), 10000, _put_initial, _put_trainable,
+                    _put_settings),
+    "dreamer": DemoArch("dreamer", "depth", DREAMER_LAYOUT.depth, 2500, _dreamer_initial, _dreamer_trainable,
+                        _dreamer_settings),
+    "itt": DemoArch("itt", "thinking_steps", ITT_LAYERS + len(ITT_LAYOUT.layers) * ITT_LAYOUT.steps, 10000,
+                    _itt_initial, _itt_trainable, _itt_settings, _itt_calibrate),
 }

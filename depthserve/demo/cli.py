@@ -22,10 +22,13 @@ def add_subcommands(sub) -> None:
                                    "and write a native checkpoint the engine serves like any other.")
     p.add_argument("--arch", required=True, choices=sorted(DEMO_ARCHES), help="the architecture")
     p.add_argument("--out", required=True, help="checkpoint directory to write")
-    p.add_argument("--steps", type=int, default=defaults["steps"], help="optimizer steps")
+    p.add_argument("--steps", type=int, default=defaults["steps"],
+                   help="optimizer steps (0: the architecture's recipe, "
+                        + ", ".join(f"{name} {arch.steps}" for name, arch in sorted(DEMO_ARCHES.items())) + ")")
     p.add_argument("--batch-size", type=int, default=defaults["batch_size"], help="problems per step")
     p.add_argument("--lr", type=float, default=defaults["lr"], help="peak learning rate (AdamW, cosine decay)")
-    p.add_argument("--max-hops", type=int, default=defaults["max_hops"], help="the task's hardest problems")
+    p.add_argument("--max-hops", type=int, default=defaults["max_hops"],
+                   help="the task's longest chains (0: the hops the largest setting reaches)")
     p.add_argument("--eval-every", type=int, default=defaults["eval_every"],
                    help="steps between held-out evaluations (the curriculum's check)")
     p.add_argument("--hidden-size", type=int, default=Shape.hidden_size, help="model width")
@@ -39,7 +42,11 @@ def add_subcommands(sub) -> None:
 def _cmd_train_demo(ns: argparse.Namespace) -> int:
     from depthserve.demo.train import train
 
-    for name in ("steps", "batch_size", "max_hops", "eval_every", "hidden_size", "intermediate_size", "heads"):
+    for name in ("steps", "max_hops"):
+        if getattr(ns, name) < 0:
+            print(f"error: --{name.replace('_', '-')} must be at least 0", file=sys.stderr)
+            return 2
+    for name in ("batch_size", "eval_every", "hidden_size", "intermediate_size", "heads"):
         if getattr(ns, name) < 1:
             print(f"error: --{name.replace('_', '-')} must be at least 1", file=sys.stderr)
             return 2
@@ -55,5 +62,5 @@ def _cmd_train_demo(ns: argparse.Namespace) -> int:
                                 num_attention_heads=ns.heads))
     result = train(recipe, Path(ns.out))
     print(f"wrote {result.out}: held-out accuracy {result.accuracy:.1%} at the largest setting "
-          f"(hops 1..{recipe.max_hops}), {result.seconds:.0f} s")
+          f"(hops 1..{recipe.hops}), {result.seconds:.0f} s")
     return 0

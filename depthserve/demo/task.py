@@ -1,17 +1,20 @@
-"""The demo task: k-hop variable chasing, where thinking longer is what it takes.
+"""The demo task: variable chasing in a straight-line program, where thinking longer is what it takes.
 
-A problem assigns a digit to one variable and chains others to it, in shuffled order, with a
-second, unrelated chain beside it; the question asks for the value at the end of one chain:
+A problem is a short program of assignments, each variable defined before it is used, with two
+unrelated chains interleaved beside the asked one; the question asks for the digit at the end of
+one chain:
 
-    f=c;c=4;q=x;h=f;x=8;h=?   ->  4        (h = f = c = 4: three hops)
+    c=4 x=8 f=c q=x h=f h?   ->  4        (h = f = c = 4: three hops)
 
-Reading the answer takes one lookup per hop, each of which needs the previous one, so a model
-with a fixed number of layers can only follow so many hops per pass: more recurrences, loops or
-thinking steps buy more hops (the looped-transformer literature's k-hop / pointer-chasing probes).
-The order is shuffled so that no position gives the answer away, and the distractor chain makes
-the question's variable matter. The question is written like a statement (`h=?`), so the
-question mark stands where a statement's value stands: whatever a model learns to find a
-statement's variable from its value's position serves the question too.
+Each statement is one word (one token), so looking a variable up is a single attention step, and
+a chain of k statements takes k lookups, each needing the one before. A looped model can resolve
+the chains level by level, every statement reading its right-hand side's definition (written
+earlier, so causal attention sees it) once per pass: after t passes every variable at most t hops
+from its digit holds that digit, and the question reads its own. So t passes answer exactly the
+questions of at most t hops, and every extra loop, recurrence or thinking step buys one more hop:
+the looped-transformer literature's k-hop and variable-tracking probes, at a size that trains on
+two CPU cores. The interleaving is random, the digits of the chains differ, and the distractor
+chains are as long as the asked one may be, so neither position nor length gives the answer away.
 
 Problems come from a seed, and every problem belongs to exactly one split, decided by a hash of
 its text: the held-out split can never meet a training problem.
@@ -26,15 +29,16 @@ from dataclasses import dataclass
 
 VARIABLES = string.ascii_lowercase
 DIGITS = string.digits
+CHAINS = 3  # the asked chain and two distractors
 HELD_OUT_SHARE = 10  # one problem in this many (by hash) is held out
 SPLITS = ("train", "held_out")
 
 
 @dataclass(frozen=True)
 class Problem:
-    prompt: str  # "f=c;c=4;q=x;h=f;x=8;h=?"
+    prompt: str  # "c=4 x=8 f=c q=x h=f h?"
     answer: str  # "4"
-    hops: int  # assignments followed from the question to the digit
+    hops: int  # statements followed from the question to its digit (1: the variable holds the digit)
 
     @property
     def split(self) -> str:
@@ -46,39 +50,58 @@ def split_of(prompt: str) -> str:
     return "held_out" if int.from_bytes(digest[:8], "big") % HELD_OUT_SHARE == 0 else "train"
 
 
-def make_problem(rng: random.Random, hops: int, distractor_hops: int) -> Problem:
-    """One problem whose question is `hops` assignments away from its digit."""
-    names = rng.sample(VARIABLES, hops + distractor_hops + 2)
-    chain, other = names[: hops + 1], names[hops + 1 :]
-    digit, other_digit = rng.choice(DIGITS), rng.choice(DIGITS)
-    statements = [f"{chain[0]}={digit}"] + [f"{chain[i + 1]}={chain[i]}" for i in range(hops)]
-    statements += [f"{other[0]}={other_digit}"] + [f"{other[i + 1]}={other[i]}" for i in range(distractor_hops)]
-    rng.shuffle(statements)
-    return Problem(prompt=";".join(statements) + f";{chain[-1]}=?", answer=digit, hops=hops)
+def make_problem(rng: random.Random, hops: int, max_hops: int, chains: int = CHAINS) -> Problem:
+    """One problem whose question is `hops` statements away from its digit, beside `chains - 1`
+    distractor chains of 1..max_hops statements, interleaved at random with each chain in order."""
+    if not 1 <= hops <= max_hops or chains < 1:
+        raise ValueError("hops must lie in 1..max_hops and there must be at least one chain")
+    if chains * max_hops > len(VARIABLES) or chains > len(DIGITS):
+        raise ValueError(f"{chains} chains of up to {max_hops} statements need more than {len(VARIABLES)} variables")
+    lengths = [hops] + [rng.randint(1, max_hops) for _ in range(chains - 1)]
+    names = rng.sample(VARIABLES, sum(lengths))
+    digits = rng.sample(DIGITS, chains)
+    pending: list[list[str]] = []
+    for length, digit in zip(lengths, digits):
+        chain, names = names[:length], names[length:]
+        pending.append([f"{chain[0]}={digit}"] + [f"{chain[i]}={chain[i - 1]}" for i in range(1, length)])
+    asked = pending[0][-1].split("=")[0]
+    statements = []
+    while any(pending):  # a uniform random interleaving of the chains, each kept in order
+        chain = rng.choices(pending, weights=[len(c) for c in pending])[0]
+        statements.append(chain.pop(0))
+    return Problem(prompt=" ".join(statements) + f" {asked}?", answer=digits[0], hops=hops)
 
 
-def problems(seed: int, count: int, split: str, max_hops: int, min_hops: int = 1) -> list[Problem]:
-    """`count` problems of one split, hops uniform in min_hops..max_hops, the same for a seed
-    (0 hops: the question's variable holds the digit itself, a plain lookup)."""
+def problems(seed: int, count: int, split: str, max_hops: int, min_hops: int = 1,
+             chains: int = CHAINS) -> list[Problem]:
+    """`count` problems of one split, hops uniform in min_hops..max_hops, the same for a seed."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-    if not 0 <= min_hops <= max_hops or max_hops + max_hops + 2 > len(VARIABLES):
-        raise ValueError(f"hops must satisfy 0 <= min_hops <= max_hops <= {(len(VARIABLES) - 2) // 2}")
     rng = random.Random(f"{seed}:{split}")
-    out: list[Problem] = []
-    while len(out) < count:
-        hops = rng.randint(min_hops, max_hops)
-        problem = make_problem(rng, hops, distractor_hops=rng.randint(0, max_hops))
+    return [draw(rng, split, max_hops, min_hops, chains) for _ in range(count)]
+
+
+def draw(rng: random.Random, split: str, max_hops: int, min_hops: int = 1, chains: int = CHAINS) -> Problem:
+    """A fresh problem of `split` (training draws one per sequence, so no problem is learnt by heart)."""
+    while True:
+        problem = make_problem(rng, rng.randint(min_hops, max_hops), max_hops, chains)
         if problem.split == split:
-            out.append(problem)
-    return out
+            return problem
+
+
+def definitions(prompt: str) -> dict[str, str]:
+    """Variable -> its right-hand side, from a prompt's statements."""
+    return dict(word.split("=") for word in prompt.split() if "=" in word)
+
+
+def chase(values: dict[str, str], name: str) -> tuple[str, int]:
+    """The digit `name` holds and the statements followed to reach it."""
+    hops = 0
+    while name in values:
+        name, hops = values[name], hops + 1
+    return name, hops
 
 
 def solve(prompt: str) -> str:
     """The answer by following the assignments (the task's own check)."""
-    *statements, question = prompt.split(";")
-    values = dict(statement.split("=") for statement in statements)
-    name = question.split("=")[0]
-    while name in values:
-        name = values[name]
-    return name
+    return chase(definitions(prompt), prompt.split()[-1].rstrip("?"))[0]

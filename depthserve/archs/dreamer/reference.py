@@ -11,13 +11,19 @@ depthserve/archs/dreamer/format.py: read_spec, read_weights). For depth index d 
     logits = forward(model_dir, ids, depth=None)
     logits, decisions = forward(model_dir, ids, depth, return_decisions=True)
     logits = forward(model_dir, ids, depth, force={("ea", d): int[n, k], ("attn", d): int[n]})
+    logits = forward(model_dir, ids, schedule=[{"depth": 3}, {"depth": 1}, ...])   # per-token depth
     logits, decisions = run(cfg, spec, weights, ids[B, n], depth)       # batched, autograd-friendly
+
+Per-token depth (section 6): token n runs depths 0..depth_n - 1; the sequence-attention slot of
+depth d holds the tokens with depth_n > d, and a token running depth d attends to the earlier of
+them and to itself; the LM head reads x_{depth_n}. A constant schedule is the fixed knob.
 
 Decisions: {("ea", d): {"choice": int[n, k] (sorted ids), "margin": float[n]},
             ("attn", d): {"choice": int[n], "margin": float[n]}} where the margin is the gap between
 the k-th and (k+1)-th biased score (logit + b): a choice may flip under rounding only where it is
-small. With `force`, the forced choices replace the rule (teacher forcing) and the gates are
-those of the forced experts.
+small; a token that does not run depth d has choice -1 and an infinite margin there. With `force`,
+the forced choices replace the rule (teacher forcing) and the gates are those of the forced
+experts.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import numpy as np
 import torch
 
 from depthserve.archs.dreamer.format import P, read_spec, read_weights
-from depthserve.archs.llama.reference import knob_values, rms_norm
+from depthserve.archs.llama.reference import knob_values, level_mask, rms_norm
 from depthserve.archs.llama.reference import load as load_reference
 
 NO_MARGIN = float("inf")
@@ -82,7 +88,14 @@ def choose(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, np.ndarray]:
     return ids, margin
 
 
-def _knob_depth(depth: Any, D: int) -> int:
+def not_run(choice: torch.Tensor, margin: np.ndarray, runs: torch.Tensor) -> dict:
+    """A decision entry: -1 and an infinite margin where the token did not run the depth."""
+    ran = runs.numpy()
+    shape = (-1,) + (1,) * (choice.dim() - 1)
+    return {"choice": np.where(ran.reshape(shape), choice.numpy(), -1), "margin": np.where(ran, margin, NO_MARGIN)}
+
+
+def knob_depth(depth: Any, D: int) -> int:
     """The `depth` knob: recurrences in 1..D (default D)."""
     value = knob_values(depth).get("depth")
     if value is None:
@@ -94,15 +107,26 @@ def _knob_depth(depth: Any, D: int) -> int:
 
 @torch.no_grad()
 def forward(model_dir, token_ids, depth=None, *, return_decisions: bool = False, force: dict | None = None,
-            dtype: torch.dtype = torch.float64):
+            dtype: torch.dtype = torch.float64, schedule: list | None = None):
+    """Logits [n, V] at the `depth` knob, or with `schedule` (one knob setting per token) at each
+    token's own depth."""
     cfg, spec, w = load(model_dir, dtype)
     ids = torch.as_tensor(list(token_ids), dtype=torch.long)[None]
-    logits, decisions = run(cfg, spec, w, ids, _knob_depth(depth, spec.depth), force)
+    if schedule is None:
+        logits, decisions = run(cfg, spec, w, ids, knob_depth(depth, spec.depth), force)
+    else:
+        if len(schedule) != ids.shape[1]:
+            raise ValueError(f"a schedule needs one setting per token: {len(schedule)} for {ids.shape[1]} tokens")
+        token_depths = torch.tensor([[knob_depth(setting, spec.depth) for setting in schedule]])
+        logits, decisions = run(cfg, spec, w, ids, int(token_depths.max()), force, token_depths=token_depths)
     return (logits[0], decisions) if return_decisions else logits[0]
 
 
-def run(cfg: dict, spec, w: dict, ids: torch.Tensor, depth: int, force: dict | None = None):
-    """ids [B, n] (every row its own sequence from position 0) -> (logits [B, n, V], decisions).
+def run(cfg: dict, spec, w: dict, ids: torch.Tensor, depth: int, force: dict | None = None,
+        every_depth: bool = False, token_depths: torch.Tensor | None = None):
+    """ids [B, n] (every row its own sequence from position 0) -> (logits [B, n, V], decisions);
+    with `every_depth`, a list of the logits read at depth 1..depth instead. `token_depths` [B, n]
+    (at most `depth`): each token's own depth (section 6), else every token runs `depth`.
 
     Everything but SA is per token, so it runs over the B * n tokens flattened; the decisions and
     `force` index those flattened tokens (row-major), which for B = 1 are the sequence's tokens.
@@ -124,9 +148,12 @@ def run(cfg: dict, spec, w: dict, ids: torch.Tensor, depth: int, force: dict | N
     dh = spec.da_head_dim
     decisions: dict = {}
 
+    token_depths = torch.full((B, n), depth) if token_depths is None else token_depths
     x = w["model.embed_tokens.weight"][ids]
-    states = [x]  # x_0 .. x_d of every token
+    states = [x]  # x_0 .. x_d of every token (a token past its depth keeps its last state)
     for d in range(depth):
+        runs = token_depths.reshape(-1) > d  # [N]: the tokens that run depth d
+        level = level_mask(causal[None].expand(B, n, n), runs.view(B, n))  # SA over slot d
         # ---- DA: each token over its own states x_0..x_d (one or more heads), RoPE over depth ----
         h_da = rms_norm(x, w[P + "da_norm.weight"], eps)
         q = (h_da @ w[P + "da.q_proj.weight"].T).view(N, spec.da_heads, dh)
@@ -148,8 +175,8 @@ def run(cfg: dict, spec, w: dict, ids: torch.Tensor, depth: int, force: dict | N
             chosen, margin = choose(logits + w[P + "sa.router.bias"], 1)
             chosen = chosen[:, 0]
             if ("attn", d) in force:
-                chosen = torch.as_tensor(np.asarray(force[("attn", d)]), dtype=torch.long)
-            decisions[("attn", d)] = {"choice": chosen.numpy().copy(), "margin": margin}
+                chosen = torch.where(runs, torch.as_tensor(np.asarray(force[("attn", d)]), dtype=torch.long), chosen)
+            decisions[("attn", d)] = not_run(chosen, margin, runs)
             sigma = torch.sigmoid(logits.gather(1, chosen[:, None]))  # [N, 1]
 
             def project(inp, name):  # Eq. 7 at inference: sigma x W_e + sigma x W_shared
@@ -167,7 +194,7 @@ def run(cfg: dict, spec, w: dict, ids: torch.Tensor, depth: int, force: dict | N
         group = H // H_kv
         k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
         scores = (q @ k.transpose(-1, -2)) / math.sqrt(hd)
-        attn = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1) @ v  # [B, H, n, hd]
+        attn = torch.softmax(scores.masked_fill(~level[:, None], float("-inf")), dim=-1) @ v  # [B, H, n, hd]
         sa = project(attn.transpose(1, 2).reshape(N, H * hd), "o")
 
         y = x + da + sa
@@ -177,8 +204,9 @@ def run(cfg: dict, spec, w: dict, ids: torch.Tensor, depth: int, force: dict | N
         logits = router_logits(w, "ea", h, d, spec)
         top, margin = choose(logits + w[P + "ea.router.bias"], spec.top_k)
         if ("ea", d) in force:
-            top = torch.as_tensor(np.asarray(force[("ea", d)]), dtype=torch.long).sort(dim=-1).values
-        decisions[("ea", d)] = {"choice": top.numpy().copy(), "margin": margin}
+            forced = torch.as_tensor(np.asarray(force[("ea", d)]), dtype=torch.long).sort(dim=-1).values
+            top = torch.where(runs[:, None], forced, top)
+        decisions[("ea", d)] = not_run(top, margin, runs)
         gates = torch.sigmoid(logits.gather(1, top))
         weights = gates / gates.sum(-1, keepdim=True)
         ea = torch.zeros_like(y)
@@ -190,9 +218,11 @@ def run(cfg: dict, spec, w: dict, ids: torch.Tensor, depth: int, force: dict | N
                 up = he @ w[P + "ea.experts.up_proj.weight"][e].T
                 out = (torch.nn.functional.silu(gate) * up) @ w[P + "ea.experts.down_proj.weight"][e].T
                 ea = ea.index_put((mask,), ea[mask] + weights[mask, slot, None] * out)
-        x = rms_norm(y + ea, w[P + "out_norm.weight"], eps)
+        x = torch.where(runs[:, None], rms_norm(y + ea, w[P + "out_norm.weight"], eps), x)
         states.append(x)
 
     head = w.get("lm_head.weight") if not cfg.get("tie_word_embeddings", False) else None
-    logits = x @ (w["model.embed_tokens.weight"] if head is None else head).T
-    return logits.view(B, n, -1), decisions
+    head = w["model.embed_tokens.weight"] if head is None else head
+    if every_depth:  # what the model reads at depth 1..depth (training gives every depth a loss)
+        return [(x_d @ head.T).view(B, n, -1) for x_d in states[1:]], decisions
+    return (x @ head.T).view(B, n, -1), decisions

@@ -31,6 +31,7 @@ from depthserve.archs.llama.reference import (
     full_layer,
     head_attention,
     knob_values,
+    level_mask,
     load,
     logits_of,
     norm,
@@ -66,18 +67,33 @@ def dwconv(z: torch.Tensor, conv: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def core_layer(ref: Reference, j: int, t: int, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Core layer j at step t (section 4)."""
+def dwconv_over(z: torch.Tensor, conv: torch.Tensor, ran: torch.Tensor) -> torch.Tensor:
+    """dwconv over each row's subsequence of the tokens that ran the pass (section 6: the pass-t
+    conv state is the last k-1 rows of Z of the tokens that ran pass t); other rows are zero.
+    z [B, n, f], ran [B, n] bool."""
+    out = torch.zeros_like(z)
+    for b in range(z.shape[0]):
+        index = ran[b].nonzero()[:, 0]
+        out[b, index] = dwconv(z[b, index], conv)
+    return out
+
+
+def core_layer(ref: Reference, j: int, t: int, x: torch.Tensor, mask: torch.Tensor,
+               ran: torch.Tensor | None = None) -> torch.Tensor:
+    """Core layer j at step t (section 4); with `ran` [B, n] (per-token loops, section 6) only those
+    tokens run it, attending to the earlier of them, and the others keep x."""
     layer = ref.spec.n_prefix + j
     w = ref.w
     p = f"model.layers.{layer}."
-    O = head_outputs(ref, layer, norm(ref, layer, "a", x), mask)
+    O = head_outputs(ref, layer, norm(ref, layer, "a", x), mask if ran is None else level_mask(mask, ran))
     h = x + (F.silu(O) * O) @ w[p + "self_attn.o_proj.weight"].T  # Eq. 7, elementwise per head
     H = norm(ref, layer, "m", h)
     P_t = w[p + "mlp.step_embedding"][t - 1]
     Z = torch.relu(H @ w[p + "mlp.gate_proj.weight"].T + P_t) * (H @ w[p + "mlp.up_proj.weight"].T)  # Eq. 9
-    U = F.silu(Z + dwconv(Z, w[p + "mlp.conv.weight"]))  # Eq. 8
-    return h + U @ w[p + "mlp.down_proj.weight"].T
+    conv = dwconv(Z, w[p + "mlp.conv.weight"]) if ran is None else dwconv_over(Z, w[p + "mlp.conv.weight"], ran)
+    U = F.silu(Z + conv)  # Eq. 8
+    out = h + U @ w[p + "mlp.down_proj.weight"].T
+    return out if ran is None else torch.where(ran[..., None], out, x)
 
 
 def put_loops(spec: PUTSpec, depth: Any) -> int:
@@ -92,24 +108,51 @@ def put_loops(spec: PUTSpec, depth: Any) -> int:
 
 @torch.no_grad()
 def forward(model_dir: str | Path, token_ids: list[int], depth: Any = None, *, return_decisions: bool = False,
-            force: dict | None = None, dtype: torch.dtype = torch.float64):
-    """Logits [n_tokens, vocab] of the full-sequence forward with `loops` core passes (default T).
-    PUT has no discrete decisions: with return_decisions the second value is {}."""
+            force: dict | None = None, dtype: torch.dtype = torch.float64, schedule: list | None = None):
+    """Logits [n_tokens, vocab] of the full-sequence forward with `loops` core passes (default T), or
+    with `schedule` (one knob setting per token) each token's own loops (section 6). PUT has no
+    discrete decisions: with return_decisions the second value is {}."""
     ref = load_put(model_dir, dtype)
-    logits = run(ref, torch.as_tensor(list(token_ids), dtype=torch.long)[None], put_loops(ref.spec, depth))[0]
+    ids = torch.as_tensor(list(token_ids), dtype=torch.long)[None]
+    if schedule is None:
+        logits = run(ref, ids, put_loops(ref.spec, depth))[0]
+    else:
+        if len(schedule) != ids.shape[1]:
+            raise ValueError(f"a schedule needs one setting per token: {len(schedule)} for {ids.shape[1]} tokens")
+        token_loops = torch.tensor([[put_loops(ref.spec, setting) for setting in schedule]])
+        logits = run(ref, ids, int(token_loops.max()), token_loops)[0]
     return (logits, {}) if return_decisions else logits
 
 
-def run(ref: Reference, ids: torch.Tensor, loops: int) -> torch.Tensor:
-    """ids [B, n] (every row its own sequence from position 0) -> logits [B, n, V] after `loops` core passes."""
+def run(ref: Reference, ids: torch.Tensor, loops: int, token_loops: torch.Tensor | None = None) -> torch.Tensor:
+    """ids [B, n] (every row its own sequence from position 0) -> logits [B, n, V] after `loops` core
+    passes, or each token after its own `token_loops` [B, n] (at most `loops`; section 6)."""
+    *_, logits = run_each_loop(ref, ids, loops, every_loop=False, token_loops=token_loops)
+    return logits
+
+
+def run_each_loop(ref: Reference, ids: torch.Tensor, loops: int, every_loop: bool = True,
+                  token_loops: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """The logits the model gives at loops = 1..`loops` (suffix layers and head after each core
+    pass), from one run of the shared passes; only the last with `every_loop` False. With
+    `token_loops`, token n runs passes 1..token_loops[n] and the suffix reads its last pass."""
     spec: PUTSpec = ref.spec
     mask = causal_mask(ids.shape[0], ids.shape[1])
     x = ref.w["model.embed_tokens.weight"][ids]
     for i in range(spec.n_prefix):
         x = full_layer(ref, i, x, mask)
+    out = []
     for t in range(1, loops + 1):
+        ran = None if token_loops is None else token_loops >= t
         for j in range(spec.n_core):
-            x = core_layer(ref, j, t, x, mask)
+            x = core_layer(ref, j, t, x, mask, ran)
+        if every_loop or t == loops:
+            out.append(logits_of(ref, _suffix(ref, x, mask)))
+    return out
+
+
+def _suffix(ref: Reference, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    spec: PUTSpec = ref.spec
     for i in range(spec.n_suffix):
         x = full_layer(ref, spec.n_prefix + spec.n_core + i, x, mask)
-    return logits_of(ref, x)
+    return x
