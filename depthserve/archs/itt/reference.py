@@ -21,7 +21,7 @@ import torch
 from tqdm import tqdm
 
 from depthserve.archs.itt.format import NUM_QUANTILES, ITTSpec, pop_itt_weights, read_spec
-from depthserve.archs.llama.reference import Reference, full_layer, knob_values, load, run_layers
+from depthserve.archs.llama.reference import Reference, full_layer, knob_values, level_mask, load, run_layers
 
 
 def _take_itt(spec: ITTSpec, weights: dict, path: str) -> dict:
@@ -55,8 +55,18 @@ def tau(quantiles: np.ndarray, ratio: float) -> float:
     return float(np.float32(np.interp(1.0 - ratio, levels, np.asarray(quantiles, dtype=np.float64))))
 
 
-def itt_layer(ref: Reference, layer: int, x: torch.Tensor, ratios: list[float], mask: torch.Tensor,
+def thresholds(quantiles: np.ndarray, rho: torch.Tensor) -> torch.Tensor:
+    """tau(quantiles, rho) of every token's own ratio (section 6); +inf where its step is off."""
+    out = torch.full(rho.shape, float("inf"), dtype=torch.float64)
+    for ratio in rho.unique().tolist():
+        if ratio > 0:
+            out[rho == ratio] = tau(quantiles, ratio)
+    return out
+
+
+def itt_layer(ref: Reference, layer: int, x: torch.Tensor, ratios: torch.Tensor, mask: torch.Tensor,
               decisions: dict, force: dict | None, calibration: dict | None) -> torch.Tensor:
+    """The ITT layer; `ratios` [B, n, T] holds every token's own ratios (a fixed knob: the same row)."""
     spec: ITTSpec = ref.spec
     p = ref.extras[layer]
     phi = p["phi"]
@@ -76,42 +86,45 @@ def itt_layer(ref: Reference, layer: int, x: torch.Tensor, ratios: list[float], 
             quantiles = table.float().double().numpy()  # route with the table as it will be stored
         else:
             quantiles = p["quantiles"][t - 1].double().numpy() if p["quantiles"] is not None else None
-        rho = ratios[t - 1]
-        if rho <= 0:
-            continue  # rho_t = 0: step t is off, no update for any token
+        rho = ratios[..., t - 1]
+        on = rho > 0  # rho_t = 0: step t is off for the token, no update
+        if not on.any():
+            continue
         if quantiles is None:
             raise ValueError(f"layer {layer} has no calibration table (run `depthserve calibrate`)")
-        threshold = tau(quantiles, rho)  # causal rule: tau_t(rho) = the (1 - rho) quantile
-        selected = score >= threshold
+        threshold = thresholds(quantiles, rho)  # causal rule: tau_t(rho) = the (1 - rho) quantile
+        selected = on & (score >= threshold)
         if force is not None and (layer, t) in force:
             selected = torch.as_tensor(np.asarray(force[(layer, t)], dtype=bool)).reshape(B, n)
         plain = score.detach()
-        decisions[(layer, t)] = {
-            "selected": selected[0].numpy().copy() if B == 1 else selected.numpy().copy(),
-            "score": plain[0].numpy().copy() if B == 1 else plain.numpy().copy(),
-            "threshold": threshold,
-            "margin": (plain - threshold).abs()[0].numpy() if B == 1 else (plain - threshold).abs().numpy(),
-        }
+        margin = torch.where(on, (plain - threshold).abs(), torch.inf)
+
+        def row(values: torch.Tensor) -> np.ndarray:
+            return (values[0] if B == 1 else values).numpy().copy()
+
+        decisions[(layer, t)] = {"selected": row(selected), "score": row(plain), "threshold": row(threshold),
+                                 "margin": row(margin)}
         # 2.3: f_t attends over the step-t slot: earlier tokens also selected at step t, and itself.
-        step_mask = mask & selected[:, None, :]
-        step_mask = step_mask | torch.eye(n, dtype=torch.bool)[None]  # rows of skipped tokens are discarded
-        f_t = full_layer(ref, layer, y, step_mask)
+        f_t = full_layer(ref, layer, y, level_mask(mask, selected))  # rows of skipped tokens are discarded
         s = score[..., None]
         chosen = y + float(spec.alphas[t - 1]) * s * f_t * phi[t]  # Eq. 6-7: y + alpha_t * s * f_t(y) ⊙ phi_t
         skipped = y + y * phi[t] if spec.skip_rule == "paper" else y  # skipped: y + y ⊙ phi_t
-        y = torch.where(selected[..., None], chosen, skipped)
+        y = torch.where(selected[..., None], chosen, torch.where(on[..., None], skipped, y))
     return y
 
 
 def run(ref: Reference, ids: torch.Tensor, depth: Any = None, force: dict | None = None,
-        calibration: dict | None = None, with_logits: bool = True, layers_done=None):
-    """ids [B, n] -> (logits [B, n, V] or final states, decisions)."""
-    ratios = itt_ratios(ref.spec, depth)
+        calibration: dict | None = None, with_logits: bool = True, layers_done=None,
+        token_ratios: torch.Tensor | None = None):
+    """ids [B, n] -> (logits [B, n, V] or final states, decisions); `token_ratios` [B, n, T]: every
+    token's own ratios (section 6) instead of the knob's."""
+    if token_ratios is None:
+        token_ratios = torch.tensor(itt_ratios(ref.spec, depth), dtype=torch.float64).expand(*ids.shape, -1)
     decisions: dict = {}
 
     def layer_fn(ref: Reference, layer: int, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         if layer in ref.spec.layers:
-            return itt_layer(ref, layer, x, ratios, mask, decisions, force, calibration)
+            return itt_layer(ref, layer, x, token_ratios, mask, decisions, force, calibration)
         return full_layer(ref, layer, x, mask)
 
     return run_layers(ref, ids, layer_fn, with_logits, layers_done), decisions
@@ -119,10 +132,17 @@ def run(ref: Reference, ids: torch.Tensor, depth: Any = None, force: dict | None
 
 @torch.no_grad()
 def forward(model_dir: str | Path, token_ids: list[int], depth: Any = None, *, return_decisions: bool = False,
-            force: dict | None = None, dtype: torch.dtype = torch.float64):
-    """Logits [n_tokens, vocab] with these ratios; `force` replaces the threshold rule's decisions."""
+            force: dict | None = None, dtype: torch.dtype = torch.float64, schedule: list | None = None):
+    """Logits [n_tokens, vocab] with these ratios, or with `schedule` (one knob setting per token)
+    each token's own; `force` replaces the threshold rule's decisions."""
     ref = load_itt(model_dir, dtype)
-    logits, decisions = run(ref, torch.as_tensor(list(token_ids), dtype=torch.long)[None], depth, force, None)
+    ids = torch.as_tensor(list(token_ids), dtype=torch.long)[None]
+    token_ratios = None
+    if schedule is not None:
+        if len(schedule) != ids.shape[1]:
+            raise ValueError(f"a schedule needs one setting per token: {len(schedule)} for {ids.shape[1]} tokens")
+        token_ratios = torch.tensor([[itt_ratios(ref.spec, setting) for setting in schedule]], dtype=torch.float64)
+    logits, decisions = run(ref, ids, depth, force, None, token_ratios=token_ratios)
     return (logits[0], decisions) if return_decisions else logits[0]
 
 

@@ -140,6 +140,13 @@ def causal_mask(B: int, n: int) -> torch.Tensor:
     return torch.ones(n, n, dtype=torch.bool).tril()[None].expand(B, n, n)
 
 
+def level_mask(mask: torch.Tensor, ran: torch.Tensor) -> torch.Tensor:
+    """The attention of a level only some tokens run (an ITT step's selected tokens; with per-token
+    depth, depth-semantics.md section 6, the tokens deep enough): each token attends to the earlier
+    tokens that ran the level and to itself. mask [B, n, n], ran [B, n] bool."""
+    return mask & ran[:, None, :] | torch.eye(mask.shape[-1], dtype=torch.bool)[None]
+
+
 def logits_of(ref: Reference, x: torch.Tensor) -> torch.Tensor:
     x = rms_norm(x, ref.w["model.norm.weight"], float(ref.cfg.get("rms_norm_eps", 1e-5)))
     head = ref.w.get("lm_head.weight")
