@@ -4,6 +4,7 @@
     python bench/serving.py --launch --server-args "--num-threads 2" --request-rate 1,2,4,inf
     python bench/serving.py --base-url http://127.0.0.1:8000 --max-concurrency 8 --num-prompts 64
     python bench/serving.py --launch --model DIR --depth '{"loops": 2}' --goodput ttft:500 tpot:100
+    python bench/serving.py --launch --model DIR --depth '{"depth": "auto"}' --depth-policy slo --tpot-slo-ms 300
 
 Workload: `--num-prompts` prompts of exactly `--input-len` tokens, sent as token ids to
 /v1/completions: the first tokens of the documents of the C4 sample (`--dataset`, tokenized by
@@ -65,6 +66,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     server.add_argument("--server-start-timeout", type=float, default=600.0, help="seconds to wait for /health")
     server.add_argument("--served-model", default=None, help="model id in requests (default: the server's first)")
     server.add_argument("--api-key", default=None)
+    server.add_argument("--depth-policy", default=None, choices=["fixed", "slo"],
+                        help="the launched server's depth policy (with --launch; slo needs --tpot-slo-ms)")
+    server.add_argument("--tpot-slo-ms", type=float, default=None, help="the slo depth policy's TPOT target")
     load = p.add_argument_group("workload")
     load.add_argument("--num-prompts", type=int, default=64, help="requests per request rate")
     load.add_argument("--input-len", type=int, default=128)
@@ -197,6 +201,8 @@ class RequestResult:
     output_tokens: int = 0
     itl_s: list[float] = field(default_factory=list)
     error: str | None = None
+    mean_depth: float | None = None  # a depth range: the mean level its tokens ran at (usage.depth)
+    relative_compute: float | None = None  # a depth model: usage.depth.relative_compute
 
     @property
     def tpot_s(self) -> float | None:
@@ -241,6 +247,9 @@ async def send_streaming_request(client: httpx.AsyncClient, body: dict, run_star
                 now = time.perf_counter()
                 if event.get("usage"):
                     result.output_tokens = event["usage"]["completion_tokens"]
+                    depth = event["usage"].get("depth") or {}
+                    result.mean_depth = depth.get("mean_depth")
+                    result.relative_compute = depth.get("relative_compute")
                 if not any(choice.get("text") for choice in event.get("choices", [])):
                     continue
                 if result.ttft_s is None:
@@ -316,6 +325,12 @@ def summarize_run(results: list[RequestResult], duration: float, ns: argparse.Na
         "itl_ms": ms(gap for r in done for gap in r.itl_s),
         "e2el_ms": ms(r.e2el_s for r in done),
     }
+    depths = [r.mean_depth for r in done if r.mean_depth is not None]
+    if depths:  # requests with a depth range: how deep the server ran them
+        summary["mean_depth"] = sum(depths) / len(depths)
+    computes = [r.relative_compute for r in done if r.relative_compute is not None]
+    if computes:
+        summary["mean_relative_compute"] = sum(computes) / len(computes)
     if ns.slos_ms:
         good = [r for r in done if meets_slos(r, ns.slos_ms)]
         summary["goodput_slos_ms"] = ns.slos_ms
@@ -391,6 +406,8 @@ def format_summary(rate: float, s: dict[str, Any]) -> str:
             f"E2EL ms median {value('e2el_ms', 'median')}")
     if "goodput" in s:
         text += f" | goodput {s['goodput']:.2f} req/s"
+    if "mean_depth" in s:
+        text += f" | mean depth {s['mean_depth']:.2f}"
     return text
 
 
@@ -401,6 +418,10 @@ def main(argv: list[str] | None = None) -> int:
               "(pass --dataset PATH, or --random-prompts for random token ids)")
         return 0
     if ns.launch:
+        if ns.depth_policy is not None:
+            ns.server_args += f" --depth-policy {ns.depth_policy}"
+        if ns.tpot_slo_ms is not None:
+            ns.server_args += f" --tpot-slo-ms {ns.tpot_slo_ms:g}"
         with launched_server(ns.model, ns.server_args, ns.server_start_timeout) as base_url:
             outcome = asyncio.run(benchmark(base_url, ns))
         device = common.resolve_device(server_arg(ns.server_args, "--device") or "auto")

@@ -30,6 +30,10 @@ class EngineArgs:
     # Decode-only steps padded to batch buckets and run through torch.compile (models with
     # static_decode). None: compiled on CUDA, eager on CPU; True: always eager; False: compiled.
     enforce_eager: bool | None = None
+    # How deep the tokens of requests with a range knob run (depthserve/engine/depth_policy.py):
+    # "fixed" (each range at its maximum) or "slo" (as deep as keeps each step within tpot_slo_ms).
+    depth_policy: str = "fixed"
+    tpot_slo_ms: float | None = None
 
     def validate(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -40,5 +44,9 @@ class EngineArgs:
             raise ConfigurationError("kv_cache_memory_gib must be positive")
         if self.kernel_backend not in ("auto", "torch", "triton"):
             raise ConfigurationError(f"kernel_backend must be auto, torch or triton, got {self.kernel_backend!r}")
+        if self.depth_policy not in ("fixed", "slo"):
+            raise ConfigurationError(f"depth_policy must be fixed or slo, got {self.depth_policy!r}")
+        if self.depth_policy == "slo" and not (self.tpot_slo_ms or 0) > 0:
+            raise ConfigurationError("depth_policy slo needs a positive tpot_slo_ms (the time per output token to keep)")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigurationError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")

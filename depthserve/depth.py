@@ -17,6 +17,20 @@ from depthserve.cache import CacheLayout
 from depthserve.errors import InvalidDepthError
 
 KNOB_NAMES = ("loops", "selection_ratios", "thinking_steps", "depth")
+AUTO = "auto"  # a range knob written as its whole range
+
+
+@dataclass(frozen=True)
+class DepthRange:
+    """A knob value the server chooses within, token by token (depth-semantics.md section 6): the
+    request's inclusive range. Written `{"min": a, "max": b}`, or "auto" for the knob's whole range.
+    The request is priced at its maximum; the depth policy picks each token's value."""
+
+    minimum: int
+    maximum: int
+
+    def as_json(self) -> dict[str, int]:
+        return {"min": self.minimum, "max": self.maximum}
 
 
 @dataclass(frozen=True)
@@ -27,6 +41,8 @@ class KnobSpec:
     - "int_or_map": an integer, or a map from one of `keys` (layer indices; JSON string keys are
       accepted) to an integer, each in [minimum, maximum];
     - "ratio_list": exactly `length` numbers, each in [minimum, maximum].
+
+    An `elastic` knob also takes a range (`DepthRange`): `{"min": a, "max": b}` or "auto".
     """
 
     name: str
@@ -37,13 +53,17 @@ class KnobSpec:
     kind: str = "int"
     length: int | None = None
     keys: tuple[int, ...] | None = None
+    elastic: bool = False  # takes a range the server chooses each token's value within
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     def check(self, value: Any, model_name: str = "this model") -> Any:
-        """The value in canonical form (map keys as ints, ratios as floats), or InvalidDepthError."""
+        """The value in canonical form (map keys as ints, ratios as floats, a range as DepthRange),
+        or InvalidDepthError."""
         where = f"depth knob '{self.name}' of {model_name}"
+        if value == AUTO or (isinstance(value, dict) and set(value) & {"min", "max"}):
+            return self._check_range(value, where)
         if self.kind == "ratio_list":
             if not isinstance(value, (list, tuple)) or not all(_is_number(v) for v in value):
                 raise InvalidDepthError(f"{where} must be a list of numbers, got {value!r}")
@@ -68,6 +88,18 @@ class KnobSpec:
             return out
         return self._check_int(value, where)
 
+    def _check_range(self, value: Any, where: str) -> DepthRange:
+        if not self.elastic:
+            raise InvalidDepthError(f"{where} takes one value: this model does not run per-token depth ranges")
+        if value == AUTO:
+            return DepthRange(int(self.minimum), int(self.maximum))
+        if set(value) != {"min", "max"}:
+            raise InvalidDepthError(f"{where}: a range is {{\"min\": a, \"max\": b}} or \"auto\", got {value!r}")
+        low, high = (self._check_int(value[key], f"{where} ({key})") for key in ("min", "max"))
+        if low > high:
+            raise InvalidDepthError(f"{where}: the range's min ({low}) is above its max ({high})")
+        return DepthRange(low, high)
+
     def _check_int(self, value: Any, where: str) -> int:
         if not _is_int(value):
             shape = "an integer or a map from layer to integer" if self.kind == "int_or_map" else "an integer"
@@ -91,7 +123,7 @@ class DepthParams:
     loops: int | dict[int, int] | None = None
     selection_ratios: list[float] | None = None
     thinking_steps: int | None = None
-    depth: int | None = None
+    depth: int | DepthRange | None = None
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> "DepthParams":
@@ -116,6 +148,8 @@ class DepthParams:
     def cache_key(self) -> tuple:
         """Hashable identity of the settings (part of the prefix-cache key)."""
         def freeze(value: Any) -> Any:
+            if isinstance(value, DepthRange):
+                return ("range", value.minimum, value.maximum)
             if isinstance(value, dict):
                 return tuple(sorted(value.items()))
             if isinstance(value, list):
@@ -148,7 +182,11 @@ class DepthPlan:
     what their forward needs (loop counts, thresholds, slot columns)."""
 
     depth: DepthParams  # the normalized knobs
-    layout: CacheLayout  # the cache slots the request needs
+    layout: CacheLayout  # the cache slots the request needs (a range: at its maximum)
+    # A range knob (section 6): the levels the depth policy may run each token at, inclusive, in the
+    # architecture's unit (Dreamer: recurrences). None: every token runs the fixed setting, `level`.
+    elastic: DepthRange | None = None
+    level: int = 1
     flops_per_token: float = 0.0  # weight-matrix FLOPs of one token at these settings (estimate)
     plain_flops_per_token: float = 0.0  # the same for the model at its default depth
 

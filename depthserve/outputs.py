@@ -27,6 +27,9 @@ class CompletionOutput:
     logprobs: list[TokenLogprobs] | None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None while running
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+    # With a range knob (per-token depth): the level each generated token ran at (the depth of the
+    # forward whose logits it was sampled from), parallel to token_ids; None for a fixed knob.
+    token_depths: list[int] | None = None
 
     @property
     def finished(self) -> bool:

@@ -6,7 +6,7 @@ import time
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from depthserve.depth import DepthReport
 from depthserve.outputs import RequestMetrics
@@ -42,6 +42,7 @@ class _EngineCollector:
         hits = CounterMetricFamily("depthserve_prefix_cache_hits", "Prompt blocks found in the prefix cache since start")
         hits.add_metric([], stats["prefix_cache_hits"])
         yield from (running, waiting, preemptions, pages, total, by_kind, queries, hits)
+        yield from _depth_policy_metrics(stats)
         if "last_step_cache_bytes_by_kind" in stats:  # caches that live for one step (Dreamer depth cache)
             step_cache = GaugeMetricFamily("depthserve_step_cache_bytes",
                                            "Peak bytes of step-lived caches in the last step, by cache kind",
@@ -52,6 +53,26 @@ class _EngineCollector:
                                          "Cache memory set aside for a full step's step-lived caches")
             reserved.add_metric([], stats.get("step_cache_reserved_bytes", 0))
             yield from (step_cache, reserved)
+
+
+def _depth_policy_metrics(stats: dict):
+    """The depth policy's view (depth-semantics.md section 6): the levels tokens of range-knob requests
+    ran, as a histogram over levels; tokens run below their range's maximum; the policy's cap."""
+    levels = stats.get("depth_levels_run", {})
+    histogram = HistogramMetricFamily("depthserve_depth_token_level",
+                                      "Levels (Dreamer depth) the tokens of requests with a depth range ran at")
+    counts, running = [], 0
+    for level in sorted(levels):
+        running += levels[level]
+        counts.append((str(level), running))
+    histogram.add_metric([], counts + [("+Inf", running)], sum_value=sum(k * n for k, n in levels.items()))
+    shed = CounterMetricFamily("depthserve_depth_shed_tokens",
+                               "Tokens of requests with a depth range run below the range's maximum")
+    shed.add_metric([], stats.get("depth_shed_tokens", 0))
+    target = GaugeMetricFamily("depthserve_depth_policy_target", "The depth policy's level cap in the last step "
+                               "with a depth range (0: none yet)", labels=["policy"])
+    target.add_metric([str(stats.get("depth_policy", "fixed"))], stats.get("depth_policy_target") or 0)
+    yield from (histogram, shed, target)
 
 
 class ServerMetrics:

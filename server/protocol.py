@@ -265,6 +265,8 @@ class CompletionChoice(ResponseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # With a range knob (per-token depth): the level each token of this choice (or chunk) ran at.
+    token_depths: list[int] | None = Field(default=None, exclude_if=_absent_if_none)
 
 
 class CompletionResponse(ResponseModel):
@@ -301,6 +303,8 @@ class ChatChoice(ResponseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # With a range knob (per-token depth): the level each token of this choice (or chunk) ran at.
+    token_depths: list[int] | None = Field(default=None, exclude_if=_absent_if_none)
 
 
 class ChatCompletionResponse(ResponseModel):
@@ -322,6 +326,8 @@ class ChatChunkChoice(ResponseModel):
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    # With a range knob (per-token depth): the level each token of this choice (or chunk) ran at.
+    token_depths: list[int] | None = Field(default=None, exclude_if=_absent_if_none)
 
 
 class ChatCompletionChunk(ResponseModel):

@@ -21,7 +21,7 @@ from depthserve.server.protocol import (
     TokenLogprob,
     TopLogprob,
 )
-from depthserve.server.serving_engine import ADMITTED, Job, OpenAIServing, sse, usage
+from depthserve.server.serving_engine import ADMITTED, Job, OpenAIServing, new_depths, sse, usage
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -39,7 +39,8 @@ class OpenAIServingChat(OpenAIServing):
         (out,) = await self.collect(jobs, params, depth, request_id)
         choices = [ChatChoice(index=comp.index, message=ChatMessageOut(content=comp.text),
                               logprobs=self._logprobs(comp, req.top_logprobs or 0) if req.logprobs else None,
-                              finish_reason=comp.finish_reason, stop_reason=comp.stop_reason)
+                              finish_reason=comp.finish_reason, stop_reason=comp.stop_reason,
+                              token_depths=comp.token_depths)
                    for comp in out.outputs]
         return ChatCompletionResponse(id=request_id, created=int(time.time()), model=req.model, choices=choices,
                                       usage=usage(jobs, [out]))
@@ -52,6 +53,7 @@ class OpenAIServingChat(OpenAIServing):
         created = int(time.time())
         sent: dict[int, int] = {}
         logprobs_sent: dict[int, int] = {}
+        tokens_sent: dict[int, int] = {}
         final: list[RequestOutput | None] = [None]
 
         def chunk(choices: list[ChatChunkChoice], with_usage: bool = False) -> str:
@@ -70,8 +72,11 @@ class OpenAIServingChat(OpenAIServing):
                 if req.logprobs:
                     logprobs = self._logprobs(comp, req.top_logprobs or 0, logprobs_sent.get(comp.index, 0))
                     logprobs_sent[comp.index] = len(comp.token_ids)
+                depths = new_depths(comp, tokens_sent.get(comp.index, 0))
+                tokens_sent[comp.index] = len(comp.token_ids)
                 yield chunk([ChatChunkChoice(index=comp.index, delta=ChatDelta(content=delta or None),
-                                             logprobs=logprobs, finish_reason=comp.finish_reason)])
+                                             logprobs=logprobs, finish_reason=comp.finish_reason,
+                                             token_depths=depths)])
         if req.stream_options and req.stream_options.include_usage:
             yield chunk([], with_usage=True)
         yield sse("[DONE]")

@@ -10,7 +10,7 @@ from depthserve.depth import DepthParams
 from depthserve.outputs import RequestOutput, TokenLogprobs
 from depthserve.sampling_params import SamplingParams
 from depthserve.server.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
-from depthserve.server.serving_engine import ADMITTED, Job, OpenAIServing, sse, usage
+from depthserve.server.serving_engine import ADMITTED, Job, OpenAIServing, new_depths, sse, usage
 
 TokenEntry = tuple[int, TokenLogprobs | None]  # a token id and its logprobs entry
 
@@ -45,7 +45,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     logprobs = self._logprobs(pairs, position, req.logprobs)
                 choices.append(CompletionChoice(index=i * req.n + comp.index, text=prompt_text + comp.text,
                                                 logprobs=logprobs, finish_reason=comp.finish_reason,
-                                                stop_reason=comp.stop_reason))
+                                                stop_reason=comp.stop_reason, token_depths=comp.token_depths))
         return CompletionResponse(id=request_id, created=int(time.time()), model=req.model, choices=choices,
                                   usage=usage(jobs, outputs))
 
@@ -90,9 +90,11 @@ class OpenAIServingCompletion(OpenAIServing):
                         offsets[key] = len(self._prompt_text(jobs[i]))
                     logprobs = self._logprobs(pairs, offsets[key], req.logprobs)
                     offsets[key] += sum(len(t) for t in logprobs.tokens)
+                depths = new_depths(comp, sent_tokens.get(key, 0))
                 sent_tokens[key] = len(comp.token_ids)
                 yield chunk([CompletionChoice(index=i * req.n + comp.index, text=delta, logprobs=logprobs,
-                                              finish_reason=comp.finish_reason, stop_reason=comp.stop_reason)])
+                                              finish_reason=comp.finish_reason, stop_reason=comp.stop_reason,
+                                              token_depths=depths)])
         if req.stream_options and req.stream_options.include_usage:
             yield chunk([], with_usage=True)
         yield sse("[DONE]")

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from depthserve.depth import DepthParams, combine_reports
 from depthserve.engine.async_llm import AsyncLLM, RequestStream
 from depthserve.errors import EngineDeadError, InvalidRequestError, ModelNotFoundError, QueueFullError
-from depthserve.outputs import RequestOutput, TokenLogprobs
+from depthserve.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from depthserve.sampling_params import SamplingParams
 from depthserve.server.metrics import RequestTimer, ServerMetrics
 from depthserve.server.protocol import (
@@ -222,6 +222,11 @@ class OpenAIServing:
         if entry is not None and token_id in entry and entry[token_id].decoded_token is not None:
             return entry[token_id].decoded_token
         return self.tokenizer_worker.decode([token_id])
+
+
+def new_depths(comp: CompletionOutput, sent: int) -> list[int] | None:
+    """The per-token depths of the tokens a streamed chunk adds (None for a fixed knob)."""
+    return None if comp.token_depths is None else comp.token_depths[sent:]
 
 
 def usage(jobs: list[Job], outputs: list[RequestOutput | None]) -> UsageInfo:

@@ -113,7 +113,8 @@ def test_ctrl_c_in_chat_stops_the_reply_and_returns_to_the_prompt(tiny_server):
     """SIGINT while a reply streams: the reply stops ("(stopped)"), the request is aborted on the
     server (no page left in use), and the chat goes on to the next prompt."""
     base, llm = tiny_server
-    process = subprocess.Popen([sys.executable, "-m", "depthserve", "chat", "--url", base, "--max-tokens", "200",
+    # A reply long enough (900 of the 1024 positions) that it is still streaming when the signal lands.
+    process = subprocess.Popen([sys.executable, "-m", "depthserve", "chat", "--url", base, "--max-tokens", "900",
                                 "--temperature", "0"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True, bufsize=0)
     output = []

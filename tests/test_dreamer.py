@@ -56,13 +56,18 @@ def _prompts() -> list[list[int]]:
 
 
 def check_against_reference(path, prompts, depths, outputs) -> dict:
+    """Each request against the reference: at its knob, or with a depth range on the schedule it
+    reports (section 6); expert choices equal where the margin exceeds DELTA, then logprobs
+    teacher-forced on the engine's choices."""
     stats = {"tokens": 0, "decisions": 0, "within_delta": 0, "max_err": 0.0}
     for prompt, depth, out in zip(prompts, depths, outputs):
         tokens = prompt + out.token_ids[:-1]
         n = len(tokens)
         record = out.depth.decisions
-        used = out.depth.settings["depth"]
-        _, decisions = reference.forward(path, tokens, depth, return_decisions=True)
+        per_token = out.depth.per_token
+        schedule = None if per_token is None else [{"depth": d} for d in per_token]
+        used = out.depth.settings["depth"] if per_token is None else max(per_token)
+        _, decisions = reference.forward(path, tokens, depth, return_decisions=True, schedule=schedule)
         assert {key[1] for key in decisions} == set(range(used))
         assert (record["ea"][:n, used:] == -1).all() and (record["attn"][:n, used:] == -1).all()
         force = {}
@@ -70,8 +75,9 @@ def check_against_reference(path, prompts, depths, outputs) -> dict:
             mine = record[kind][:n, d]
             if kind == "ea":
                 mine = np.sort(mine, axis=-1)
-            # Positions served from the prefix cache were computed for another request: no record.
-            computed = (mine >= 0).reshape(n, -1).all(-1)
+            # Positions served from the prefix cache were computed for another request: no record
+            # (a position that did not run depth d has none either, nor does the reference).
+            computed = ((mine >= 0) | (ref["choice"] < 0)).reshape(n, -1).all(-1)
             assert computed[out.num_cached_tokens:].all(), f"{kind}{d}: a computed position has no record"
             mine = np.where(computed.reshape((n,) + (1,) * (mine.ndim - 1)), mine, ref["choice"])
             same = (mine == ref["choice"]).reshape(n, -1).all(-1)
@@ -81,7 +87,7 @@ def check_against_reference(path, prompts, depths, outputs) -> dict:
             bad = np.flatnonzero(~same & confident)
             assert not len(bad), f"{kind} at depth {d}: choices differ at {bad} (margins {ref['margin'][bad]})"
             force[(kind, d)] = mine
-        logprobs = torch.log_softmax(reference.forward(path, tokens, depth, force=force), dim=-1)
+        logprobs = torch.log_softmax(reference.forward(path, tokens, depth, force=force, schedule=schedule), dim=-1)
         check_logprobs(logprobs, len(prompt), out.outputs[0], stats, tol=TOL, near_tie=NEAR_TIE,
                        prompt_logprobs=out.prompt_logprobs)
     return stats

@@ -15,6 +15,7 @@ from depthserve.config import EngineArgs
 from depthserve.depth import DepthParams, DepthPlan, KnobSpec
 from depthserve.detokenizer import IncrementalDetokenizer
 from depthserve.engine.block_manager import BlockManager
+from depthserve.engine.depth_policy import make_policy
 from depthserve.engine.model_runner import ModelRunner, SeqStepOutput
 from depthserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
 from depthserve.engine.sequence import Sequence, SequenceStatus
@@ -113,6 +114,9 @@ class LLMEngine:
         )
         if not args.enable_chunked_prefill and args.max_num_batched_tokens < self.max_model_len:
             raise ConfigurationError("without chunked prefill, max_num_batched_tokens must be >= max_model_len")
+        self.depth_policy = make_policy(args.depth_policy, args.tpot_slo_ms)
+        self.depth_levels_run: dict[int, int] = {}  # range-knob tokens computed, by the level they ran
+        self.depth_shed_tokens = 0  # range-knob tokens run below their range's maximum
         sampler = Sampler(self.eos_token_ids, self.vocab_size, seed=args.seed)
         self.runner = ModelRunner(self.model, self.block_manager, sampler, self.dtype, self.device, kernels)
         static_spec = self.model.static_decode_spec()
@@ -275,6 +279,10 @@ class LLMEngine:
             "mean_relative_compute": (sum(seq.plan.relative_compute_estimate for seq in self.scheduler.running)
                                       / len(self.scheduler.running)) if self.scheduler.running else 1.0,
         }
+        stats["depth_policy"] = self.depth_policy.name
+        stats["depth_policy_target"] = self.depth_policy.target
+        stats["depth_levels_run"] = dict(self.depth_levels_run)
+        stats["depth_shed_tokens"] = self.depth_shed_tokens
         if self.step_cache_reserved_bytes:
             # Caches that live only during one step, outside the page pool (Dreamer's per-token
             # depth cache, SlotKind.TOKEN_DEPTH): held now (0 between steps) and the last step's peak.
@@ -295,10 +303,13 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if plan.empty:
             return []
+        scheduled = self.depth_policy.assign(plan.scheduled)
         # A seeded sequence's draws must not depend on a failed attempt: its re-run draws again.
-        seeded = [(g, g.get_state()) for item in plan.scheduled if (g := item.seq.generator) is not None]
+        seeded = [(g, g.get_state()) for item in scheduled if (g := item.seq.generator) is not None]
         try:
-            results = self.runner.execute(plan.scheduled)
+            start = time.perf_counter()
+            results = self.runner.execute(scheduled)
+            self.depth_policy.observe(scheduled, time.perf_counter() - start)
         except Exception as exc:
             if _is_device_fault(exc):
                 raise
@@ -306,11 +317,18 @@ class LLMEngine:
                 generator.set_state(state)
             return self._on_step_fault(plan.scheduled, exc)
         self.scheduler.step_succeeded(plan.scheduled)
+        self._count_levels(scheduled)
         for result in results:
             item = result.scheduled
             self.prompt_tokens_computed += max(0, min(item.end, item.seq.num_prompt_tokens) - item.start)
             self.tokens_generated += result.sampled is not None
         return self._postprocess(results)
+
+    def _count_levels(self, scheduled: list[ScheduledSeq]) -> None:
+        for item in scheduled:
+            if item.level is not None:
+                self.depth_levels_run[item.level] = self.depth_levels_run.get(item.level, 0) + item.num_tokens
+                self.depth_shed_tokens += item.num_tokens * (item.level < item.seq.plan.elastic.maximum)
 
     def _on_step_fault(self, scheduled: list[ScheduledSeq], exc: Exception) -> list[RequestOutput]:
         if len(scheduled) > 1:
@@ -365,6 +383,8 @@ class LLMEngine:
         self.block_manager.commit_computed(seq, seq.plan.cache_key)
         self._record_prompt_logprobs(seq, result)
         if result.sampled is not None:
+            if result.scheduled.level is not None:
+                seq.output_levels.append(result.scheduled.level)
             self._append_token(seq, result.sampled)
         elif result.scheduled.samples and result.fault is None and len(seq.output_token_ids) >= seq.max_tokens:
             self.scheduler.finish(seq, "length")  # max_tokens == 0: prompt scoring only
@@ -419,6 +439,7 @@ class LLMEngine:
                     logprobs=seq.logprobs,
                     finish_reason=seq.finish_reason,
                     stop_reason=seq.stop_reason,
+                    token_depths=list(seq.output_levels) if seq.plan.elastic is not None else None,
                 )
             )
         first = request.seqs[0]

@@ -87,8 +87,9 @@ class ModelRunner:
         return self._postprocess_logits(batch, hidden)
 
     def _is_static_decode(self, batch: list[ScheduledSeq]) -> bool:
+        # A range knob's deeper slots grow with the tokens that ran them: such steps run eagerly.
         return (self.static is not None and len(batch) <= self.static.buckets[-1]
-                and all(item.num_tokens == 1 for item in batch))
+                and all(item.num_tokens == 1 and item.level is None for item in batch))
 
     def _decode_row(self, item: ScheduledSeq) -> DecodeRow:
         """The sequence's decode step with its page-table columns moved to the static spec's."""
@@ -152,7 +153,7 @@ class ModelRunner:
                 routed = {slot.name: self.block_manager.routed_table(item.seq, slot.name)
                           for slot in item.seq.layout.routed_slots}
                 items.append(BatchItem(item.seq, item.start, item.num_tokens, row, full_table, routed,
-                                       self.block_manager.state_table(item.seq)))
+                                       self.block_manager.state_table(item.seq), item.level))
             positions = np.arange(item.start, item.end)
             ids.extend(item.seq.token_ids(item.start, item.end))
             pos_chunks.append(positions)

@@ -37,6 +37,9 @@ class ScheduledSeq:
     seq: Sequence
     start: int  # first position computed this step
     num_tokens: int
+    # The level this step's tokens run at, for a request with a range knob (set by the depth
+    # policy after scheduling, depthserve/engine/depth_policy.py); None: the request's fixed knob.
+    level: int | None = None
 
     @property
     def end(self) -> int:

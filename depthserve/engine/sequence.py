@@ -51,6 +51,7 @@ class Sequence:
     cumulative_logprob: float = 0.0
     prompt_logprobs: list | None = None  # filled as the prompt is computed, when asked for
     depth_record: Any = None  # the model's per-position decisions (DepthModel.new_record)
+    output_levels: list[int] = field(default_factory=list)  # a range knob: each output token's level
 
     @property
     def depth(self) -> DepthParams:

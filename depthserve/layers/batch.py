@@ -28,6 +28,7 @@ class BatchItem:
     table: np.ndarray  # [blocks, row_width] token-covering page table
     routed: dict[str, tuple[np.ndarray, int]] = field(default_factory=dict)  # name -> (pages, committed length)
     state: np.ndarray | None = None  # pages holding the sequence's per-sequence state (SEQ_STATE), if any
+    level: int | None = None  # the depth policy's level for these tokens (a range knob), else None
 
     @property
     def end(self) -> int:
@@ -147,15 +148,36 @@ class StepBatch:
         attended head to a stored KV head (GQA subsets whose query heads do not split evenly
         over their KV groups attend through one table row per query head).
         """
+        entries = [self._slot_entry(item, cols, read_heads) for item, cols in zip(items, columns)]
+        return build_metadata(entries, self.block_size, self.device, self.kernels)
+
+    def level_meta(self, items: list[BatchItem], slots: list[slice | str]) -> AttentionMetadata:
+        """Attention metadata over one depth level for `items`, every row of each running it: per
+        item, its slot of that level is token-covering (`slots[i]` its columns) or, past the
+        minimum of a range knob, routed (`slots[i]` its name: it holds only the tokens that ran
+        the level, depth-semantics.md section 6)."""
+        entries = [self._routed_entry(item, slot, item.num_tokens) if isinstance(slot, str)
+                   else self._slot_entry(item, slot) for item, slot in zip(items, slots)]
+        return build_metadata(entries, self.block_size, self.device, self.kernels)
+
+    def _slot_entry(self, item: BatchItem, cols: slice, read_heads: np.ndarray | None = None) -> MetaEntry:
         bs = self.block_size
-        entries = []
-        for item, cols in zip(items, columns):
-            table = item.table[: -(-item.end // bs), cols]
-            positions = np.arange(item.start, item.end)
-            write = table[positions // bs] * bs + (positions % bs)[:, None]
-            read = table if read_heads is None else table[:, read_heads]
-            entries.append(MetaEntry(item.num_tokens, item.end, read, write, item.decode))
-        return build_metadata(entries, bs, self.device, self.kernels)
+        table = item.table[: -(-item.end // bs), cols]
+        positions = np.arange(item.start, item.end)
+        write = table[positions // bs] * bs + (positions % bs)[:, None]
+        read = table if read_heads is None else table[:, read_heads]
+        return MetaEntry(item.num_tokens, item.end, read, write, item.decode)
+
+    def _routed_entry(self, item: BatchItem, name: str, count: int) -> MetaEntry:
+        """`count` of the item's tokens go to routed slot `name` (the j-th to routed index committed
+        + j, attending to 0..committed + j); the count is recorded for the commit after the step."""
+        bs = self.block_size
+        pages, committed = item.routed[name]
+        routed_index = committed + np.arange(count)
+        write = pages[routed_index // bs] * bs + (routed_index % bs)[:, None]
+        read = pages[: -(-(committed + count) // bs)]
+        self._count_routed(item, name, count)
+        return MetaEntry(count, committed + count, read, write, item.decode)
 
     # ---- metadata for a routed slot, given the rows selected this step -----------------------------
     def routed_meta(self, name: str, selected_rows: np.ndarray) -> AttentionMetadata:
@@ -168,20 +190,12 @@ class StepBatch:
         owners = self.item_of_row()[selected_rows]
         if len(owners) and self.items[owners[0]].decode:  # decode rows come last: one row per sequence
             return self._routed_decode_meta(name, owners)
-        bs = self.block_size
         entries = []
         if len(selected_rows):
             boundaries = np.flatnonzero(np.diff(owners)) + 1
             for group in np.split(np.arange(len(selected_rows)), boundaries):
-                item = self.items[int(owners[group[0]])]
-                pages, committed = item.routed[name]
-                count = len(group)
-                routed_index = committed + np.arange(count)
-                write = pages[routed_index // bs] * bs + (routed_index % bs)[:, None]
-                read = pages[: -(-(committed + count) // bs)]
-                entries.append(MetaEntry(count, committed + count, read, write, item.decode))
-                self._count_routed(item, name, count)
-        return build_metadata(entries, bs, self.device, self.kernels)
+                entries.append(self._routed_entry(self.items[int(owners[group[0]])], name, len(group)))
+        return build_metadata(entries, self.block_size, self.device, self.kernels)
 
     def _routed_decode_meta(self, name: str, owners: np.ndarray) -> AttentionMetadata:
         """routed_meta when every selected row is a decode row: the same result, built in one pass."""

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from depthserve.cache import CacheLayout, SlotKind, SlotSpec
-from depthserve.depth import DepthParams, DepthPlan, DepthReport, KnobSpec
+from depthserve.depth import DepthParams, DepthPlan, DepthRange, DepthReport, KnobSpec
 from depthserve.loading.checkpoint import FORMAT_VERSION, CheckpointFormatError
 
 DA_ROPE_MODES = ("depth", "reversed_half")
@@ -199,7 +199,8 @@ def read_weights(cfg: dict, spec: DreamerSpec, weights: dict[str, Any], source: 
 # ---- the knob and the plan ------------------------------------------------------------------------
 def knobs(spec: DreamerSpec) -> dict[str, KnobSpec]:
     D = spec.depth
-    return {"depth": KnobSpec("depth", f"recurrences of the shared block (trained depth D={D})", 1, D, D)}
+    return {"depth": KnobSpec("depth", f"recurrences of the shared block (trained depth D={D})", 1, D, D,
+                              elastic=True)}
 
 
 def slot_name(depth_index: int) -> str:
@@ -208,17 +209,27 @@ def slot_name(depth_index: int) -> str:
 
 @dataclass(frozen=True, kw_only=True)
 class DreamerPlan(DepthPlan):
-    recurrences: int  # block applications, 1..D; the request holds one dense KV slot per recurrence
+    recurrences: int  # block applications, 1..D (a range: its maximum); one KV slot per recurrence
+
+    @property
+    def min_recurrences(self) -> int:
+        """Depths every token runs: their slots are dense, the deeper ones routed (section 6)."""
+        return self.recurrences if self.elastic is None else self.elastic.minimum
 
 
 def plan(cfg: DreamerConfig, spec: DreamerSpec, depth: DepthParams) -> DreamerPlan:
-    n = spec.depth if depth.depth is None else int(depth.depth)
-    # base_slots=1: depth 0 is the one slot every request has (depth >= 1).
-    layout = CacheLayout(tuple(SlotSpec(slot_name(j), SlotKind.DENSE, cfg.num_kv_heads) for j in range(n)),
-                         base_slots=1)
+    value = spec.depth if depth.depth is None else depth.depth
+    elastic = value if isinstance(value, DepthRange) and value.minimum < value.maximum else None
+    n = value.maximum if isinstance(value, DepthRange) else int(value)
+    lowest = n if elastic is None else elastic.minimum
+    # base_slots=1: depth 0 is the one slot every request has (depth >= 1). With a range, slot d
+    # holds only the tokens that ran depth d (routed, grown with them), past the range's minimum.
+    dense = tuple(SlotSpec(slot_name(j), SlotKind.DENSE, cfg.num_kv_heads) for j in range(lowest))
+    routed = tuple(SlotSpec(slot_name(j), SlotKind.ROUTED, cfg.num_kv_heads) for j in range(lowest, n))
+    layout = CacheLayout(dense, routed, base_slots=1)
     per_depth = weight_flops_per_depth(cfg, spec)
     return DreamerPlan(depth=depth, layout=layout, flops_per_token=n * per_depth,
-                       plain_flops_per_token=spec.depth * per_depth, recurrences=n)
+                       plain_flops_per_token=spec.depth * per_depth, recurrences=n, elastic=elastic, level=n)
 
 
 # ---- the decisions of one sequence, FLOP counting and the report -----------------------------------
@@ -255,20 +266,43 @@ def weight_flops_per_depth(cfg: DreamerConfig, spec: DreamerSpec) -> float:
 
 def depth_flops(cfg: DreamerConfig, spec: DreamerSpec, tokens: int, depth: int, logit_rows: int) -> float:
     """FLOPs of `tokens` positions (0..tokens-1) at `depth` recurrences, plus the LM head rows."""
-    ctx_sum = tokens * (tokens + 1) / 2
-    da_pairs = tokens * depth * (depth + 1) / 2  # depth j attends to j + 1 states
-    return (tokens * depth * weight_flops_per_depth(cfg, spec) + depth * 4 * cfg.num_heads * cfg.head_dim * ctx_sum
+    return schedule_flops(cfg, spec, np.full(tokens, depth), logit_rows)
+
+
+def schedule_flops(cfg: DreamerConfig, spec: DreamerSpec, depths: np.ndarray, logit_rows: int) -> float:
+    """FLOPs of positions 0..n-1 each at its own depth (section 6: at depth j a token attends to the
+    earlier tokens that ran depth j and itself), plus the LM head rows."""
+    depths = np.asarray(depths, dtype=np.int64)
+    ran = np.array([np.count_nonzero(depths > j) for j in range(int(depths.max(initial=0)))], dtype=np.float64)
+    ctx_sum = float((ran * (ran + 1) / 2).sum())  # keys attended, summed over levels
+    da_pairs = float((depths * (depths + 1) / 2).sum())  # depth j attends to j + 1 states
+    return (float(depths.sum()) * weight_flops_per_depth(cfg, spec) + 4 * cfg.num_heads * cfg.head_dim * ctx_sum
             + 4 * spec.da_dim * da_pairs + logit_rows * 2 * cfg.hidden_size * cfg.vocab_size)
+
+
+def ran_depths(record: DreamerRecord, tokens: int) -> np.ndarray:
+    """The depth each position ran, from the recorded expert choices (-1 where a depth did not run)."""
+    return np.count_nonzero(record.ea[:tokens, :, 0] >= 0, axis=1)
 
 
 def report(cfg: DreamerConfig, spec: DreamerSpec, plan: DreamerPlan, record: DreamerRecord | None, tokens: int,
            generated: int) -> DepthReport:
     decisions = None if record is None else {"ea": record.ea[:tokens].copy(), "attn": record.attn[:tokens].copy()}
+    settings: dict = {"depth": plan.recurrences, "trained_depth": spec.depth}
+    per_token = None
+    flops = depth_flops(cfg, spec, tokens, plan.recurrences, generated)  # this request's FLOPs
+    if plan.elastic is not None and record is not None:
+        per_token = ran_depths(record, tokens)
+        settings["depth"] = plan.elastic.as_json()
+        settings["mean_depth"] = round(float(per_token.mean()), 4) if tokens else 0.0
+        flops = schedule_flops(cfg, spec, per_token, generated)
+        per_token = per_token.tolist()
     return DepthReport(
         architecture="dreamer",
         tokens=tokens,
-        flops=depth_flops(cfg, spec, tokens, plan.recurrences, generated),  # this request's FLOPs
+        flops=flops,
         plain_flops=depth_flops(cfg, spec, tokens, spec.depth, generated),  # the same tokens at the trained depth D
-        settings={"depth": plan.recurrences, "trained_depth": spec.depth},
+        settings=settings,
         decisions=decisions,  # {"ea": [n, D, k], "attn": [n, D]} expert ids per position (-1: depth not run)
+        per_token=per_token,  # with a range knob: the depth each position ran
     )

@@ -44,6 +44,7 @@ from depthserve.archs.dreamer.format import (
     DreamerSpec,
     knobs,
     read_weights,
+    slot_name,
 )
 from depthserve.archs.dreamer.format import plan as dreamer_plan
 from depthserve.archs.dreamer.format import report as dreamer_report
@@ -297,7 +298,7 @@ class DreamerForCausalLM(nn.Module, DepthModel):
         x = self.embed_tokens(input_ids)
         out = torch.empty_like(x)
         n_rows = x.shape[0]
-        depths = [item.plan.recurrences for item in step.items]
+        depths = [self._depth(item) for item in step.items]
         max_depth = max(depths)
         # The step's per-token depth cache: its tokens x the batch's largest depth (<= D).
         shape = (n_rows, max_depth, spec.da_heads, spec.da_head_dim)
@@ -311,7 +312,7 @@ class DreamerForCausalLM(nn.Module, DepthModel):
         rows = np.arange(n_rows)  # packed rows of the active tokens, ascending
         rows_t = None  # the same as a tensor (None: every row)
         for j in range(max_depth):
-            still = [item for item in active if item.plan.recurrences > j]
+            still = [item for item in active if self._depth(item) > j]
             if len(still) < len(active):
                 # Tokens whose request stops at depth j finish their forward: x_j is final, their
                 # depth cache is released (the cache is compacted to the tokens still running).
@@ -325,7 +326,7 @@ class DreamerForCausalLM(nn.Module, DepthModel):
                 self.token_depth_live_values = live
                 active, rows = still, new_rows
                 rows_t = torch.from_numpy(rows).to(x.device)
-            sa_meta = step.slot_meta(active, [slice(j * kv, (j + 1) * kv)] * len(active))
+            sa_meta = step.level_meta(active, [self._level_slot(item, j) for item in active])
             sa, choice = self._sa(x, cos, sin, pool, sa_meta, j)
             y = x + self._da(x, k_cache, v_cache, j, meta.kernels) + sa
             ea, top = self._ea(y, j)
@@ -340,6 +341,23 @@ class DreamerForCausalLM(nn.Module, DepthModel):
         self.token_depth_steps.append((n_rows, max_depth, peak))
         self._record(step, ea_record.cpu().numpy(), attn_record.cpu().numpy())
         return out
+
+    @staticmethod
+    def _depth(item) -> int:
+        """How deep the item's tokens run this step: the depth policy's level for a range knob."""
+        plan = item.plan
+        if plan.elastic is None:
+            return plan.recurrences
+        if item.level is None or not plan.elastic.minimum <= item.level <= plan.elastic.maximum:
+            raise ValueError(f"a depth range {plan.elastic.as_json()} needs a level within it, got {item.level}")
+        return item.level
+
+    def _level_slot(self, item, j: int) -> slice | str:
+        """Depth j's slot of the item: its columns while every token runs j, else the routed slot."""
+        if j < item.plan.min_recurrences:
+            kv = self.config.num_kv_heads
+            return slice(j * kv, (j + 1) * kv)
+        return slot_name(j)
 
     def static_forward(self, input_ids, positions, pool, meta) -> torch.Tensor:
         """A decode step at static shapes: every row runs the D depths and keeps depth j where its

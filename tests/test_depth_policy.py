@@ -1,0 +1,99 @@
+"""The depth policies (depthserve/engine/depth_policy.py), without torch: which level each elastic
+request's tokens run at, the online step-cost model, and the fairness rule."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import pytest
+
+from depthserve.cache import CacheLayout
+from depthserve.depth import DepthParams, DepthPlan, DepthRange
+from depthserve.engine.depth_policy import FixedPolicy, SLOPolicy, StepCostModel, level_tokens, make_policy
+from depthserve.engine.scheduler import ScheduledSeq
+from depthserve.engine.sequence import Sequence
+from depthserve.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Plan(DepthPlan):
+    pass
+
+
+def _item(tokens: int = 1, elastic: tuple[int, int] | None = None, level: int = 4) -> ScheduledSeq:
+    span = DepthRange(*elastic) if elastic else None
+    plan = _Plan(depth=DepthParams(), layout=CacheLayout(()), elastic=span, level=span.maximum if span else level)
+    seq = Sequence("r", 0, [1, 2, 3], SamplingParams(), plan, max_tokens=4)
+    return ScheduledSeq(seq, 0, tokens)
+
+
+def test_fixed_runs_every_range_at_its_maximum_and_leaves_fixed_requests_alone():
+    batch = [_item(elastic=(1, 4)), _item(level=2), _item(tokens=5, elastic=(2, 3))]
+    out = FixedPolicy().assign(batch)
+    assert [item.level for item in out] == [4, None, 3]
+    assert level_tokens(out) == 4 + 2 + 5 * 3
+
+
+def test_the_cost_model_recovers_a_linear_step_time():
+    model = StepCostModel()
+    for work in (10, 40, 80, 120, 200):
+        model.add(work, 0.002 + 0.0005 * work)
+    assert model.fixed == pytest.approx(0.002) and model.per_level_token == pytest.approx(0.0005)
+    assert model.predict(100) == pytest.approx(0.052)
+    one_load = StepCostModel()
+    one_load.add(50, 0.1)  # one load seen: proportional until the loads differ
+    assert one_load.fixed == 0 and one_load.predict(100) == pytest.approx(0.2)
+
+
+def _slo(target: float) -> SLOPolicy:
+    cost = StepCostModel()
+    for work in (8, 32, 64, 128):
+        cost.add(work, 0.001 * work)  # 1 ms per level-token, no fixed part
+    return SLOPolicy(target, cost)
+
+
+def test_slo_picks_the_deepest_common_cap_that_meets_the_target():
+    batch = [_item(elastic=(1, 4)) for _ in range(8)]  # 8 decodes: level L costs 8 L ms
+    assert {item.level for item in _slo(0.040).assign(batch)} == {4}  # 32 ms fits
+    policy = _slo(0.020)
+    assert {item.level for item in policy.assign(batch)} == {2} and policy.target == 2  # 16 ms fits, 24 does not
+
+
+def test_slo_never_goes_below_a_minimum_and_holds_every_request_to_one_cap():
+    batch = [_item(elastic=(1, 4)), _item(elastic=(3, 4)), _item(elastic=(1, 2)), _item(level=4)]
+    out = _slo(0.008).assign(batch)  # fixed 4 ms + elastic: only cap 1 fits (1 + 3 + 1 = 5 ms > 4 ms: overload)
+    assert [item.level for item in out] == [1, 3, 1, None]
+    out = _slo(0.011).assign(batch)  # cap 2: 2 + 3 + 2 + 4 = 11 ms (cap 3: 12 ms)
+    assert [item.level for item in out] == [2, 3, 2, None]
+
+
+def test_slo_sheds_under_load_and_restores_when_it_falls():
+    policy = _slo(0.024)
+    heavy = [_item(elastic=(1, 4)) for _ in range(12)]
+    light = heavy[:3]
+    assert policy.assign(heavy)[0].level == 2
+    assert policy.assign(light)[0].level == 4
+
+
+def test_slo_learns_from_the_steps_it_observes():
+    policy = SLOPolicy(0.010)
+    batch = [_item(elastic=(1, 4)) for _ in range(4)]
+    assert policy.assign(batch)[0].level == 4  # nothing measured yet: run deep, measure
+    for work, seconds in ((16, 0.016), (8, 0.008), (12, 0.012)):
+        policy.observe([_item(tokens=work, level=1)], seconds)
+    assert policy.assign(batch)[0].level == 2  # 1 ms per level-token: 4 x 2 = 8 ms <= 10 ms < 12 ms
+
+
+def test_make_policy_checks_its_arguments():
+    assert make_policy("fixed").name == "fixed"
+    with pytest.raises(ValueError, match="tpot-slo-ms"):
+        make_policy("slo")
+    with pytest.raises(ValueError, match="unknown depth policy"):
+        make_policy("greedy")
+
+
+def test_the_policy_module_imports_no_torch():
+    code = "import sys, depthserve.engine.depth_policy; print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
