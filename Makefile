@@ -14,7 +14,7 @@ EVAL_STAMP := $(EVAL_VENV)/.installed
 EVAL_ARGS ?=
 C4_SAMPLE ?= ../shared/data/c4_sample.jsonl
 
-.PHONY: install serve test test-fast bench eval eval-install clean
+.PHONY: install browser serve test test-fast bench eval eval-install clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -31,12 +31,24 @@ install: $(STAMP)
 serve: $(STAMP)
 	$(BIN)/depthserve serve --model $(MODEL) --host $(HOST) --port $(PORT)
 
-test: $(STAMP)
+# The playground test (tests/test_playground.py) drives Debian's chromium through chromium-driver. Installed
+# here where make runs as root with apt-get (as in CI); elsewhere, or if the install fails, that test skips
+# and says why.
+browser:
+	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! command -v chromedriver >/dev/null; then \
+		echo "installing chromium and chromium-driver (apt) for the playground test"; \
+		export DEBIAN_FRONTEND=noninteractive; \
+		{ apt-get install -y -qq chromium chromium-driver >/dev/null 2>&1 \
+		  || { apt-get update -qq && apt-get install -y -qq chromium chromium-driver >/dev/null; }; } \
+		|| echo "could not install chromium: the playground test will skip"; \
+	fi
+
+test: $(STAMP) browser
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 # The tests not marked slow (parity with transformers, the mixed-batch engine = reference runs, the
 # soak and the other long ones are): a few minutes on 2 CPU cores.
-test-fast: $(STAMP)
+test-fast: $(STAMP) browser
 	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 # Quick versions of every benchmark, then the charts (bench/results/plots/): about 3 minutes on 2 CPU cores
@@ -47,6 +59,8 @@ bench: $(STAMP)
 		$(if $(wildcard $(C4_SAMPLE)),--dataset $(C4_SAMPLE),--random-prompts)
 	$(BIN)/python bench/depth_sweep.py --quick
 	$(BIN)/python bench/step_breakdown.py --quick
+	$(BIN)/python bench/depth_elastic.py --quick
+	$(BIN)/python bench/depth_confidence.py --quick
 	$(BIN)/python bench/plot.py
 
 $(EVAL_STAMP):

@@ -12,6 +12,8 @@
                         architecture's depth mechanism, the rest) for each setting, as stacked bars
     depth-quality-*.json   the demo models' held-out accuracy against the compute of each depth
                         setting, one line per model and knob
+    depth-elastic-*.json   p99 TPOT, goodput and mean depth against load, the fixed and the slo
+                        depth policy
 A result kind with no files is skipped with a note.
 """
 
@@ -245,12 +247,85 @@ def plot_depth_quality(payload: dict[str, Any], out: Path) -> list[Path]:
     return [save(fig, out)]
 
 
+def plot_depth_elastic(payload: dict[str, Any], out: Path) -> list[Path]:
+    """p99 TPOT, goodput and the depth run against the request rate, fixed vs slo."""
+    runs = sorted(payload["runs"], key=lambda row: float(row["request_rate"]))
+    rates = [float(row["request_rate"]) for row in runs]
+    target = payload["settings"]["tpot_slo_ms"]
+    graded = "accuracy" in runs[0]["fixed"]["summary"]  # the demo task: answers checked
+    fig, axes = plt.subplots(1, 4 if graded else 3, figsize=(20 if graded else 15, 4.5))
+    for policy, style in (("fixed", "s--"), ("slo", "o-")):
+        summaries = [row[policy]["summary"] for row in runs]
+        axes[0].plot(rates, [s["tpot_ms"]["p99"] for s in summaries], style, label=policy)
+        axes[1].plot(rates, [s["goodput"] for s in summaries], style, label=policy)
+        axes[2].plot(rates, [s.get("mean_output_depth") for s in summaries], style, label=f"{policy}, output tokens")
+        axes[2].plot(rates, [s.get("mean_depth") for s in summaries], style, alpha=0.4, label=f"{policy}, all tokens")
+        if graded:
+            axes[3].plot(rates, [100 * s["accuracy"] for s in summaries], style, label=policy)
+    axes[0].axhline(target, color="grey", linestyle=":", linewidth=1)
+    axes[1].plot(rates, rates, ":", color="grey", linewidth=1, label="offered")
+    panels = [(axes[0], f"p99 TPOT (dotted: the {target:g} ms target)", "ms"),
+              (axes[1], f"goodput (requests/s with TPOT <= {target:g} ms)", "requests/s"),
+              (axes[2], "mean depth run", "depth")]
+    if graded:
+        panels.append((axes[3], "held-out accuracy of the answers served", "%"))
+    for ax, title, ylabel in panels:
+        ax.set_title(title)
+        ax.set_ylabel(ylabel)
+        ax.set_xlabel("offered load (requests/s)")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    settings = payload["settings"]
+    workload = ("held-out demo problems" if graded else f"input {settings['input_len']} tokens")
+    fig.suptitle(f"Depth-elastic serving of {Path(payload['model_id']).name}: every request asks for depth "
+                 f"{settings['depth']}, {settings['num_prompts']} requests per rate and policy, {workload} / "
+                 f"output {settings['output_len']} tokens\n{machine_line(payload)}", fontsize=9)
+    return [save(fig, out)]
+
+
+def plot_depth_confidence(payload: dict[str, Any], out: Path) -> list[Path]:
+    """Accuracy against relative compute per confidence threshold, and the depth of the answers."""
+    rows, full = payload["rows"], payload["full_depth"]
+    fig, axes = plt.subplots(1, 3, figsize=(18, 4.5))
+    compute = [r["relative_compute"] for r in rows]
+    axes[0].plot(compute, [100 * r["accuracy"] for r in rows], "o-", label="confidence exit")
+    for r in rows:
+        axes[0].annotate(f"p={r['threshold']:g}", (r["relative_compute"], 100 * r["accuracy"]), fontsize=7,
+                         textcoords="offset points", xytext=(4, -10))
+    axes[0].plot([full["relative_compute"]], [100 * full["accuracy"]], "s", color="black", label="full depth")
+    axes[0].set_xlabel("relative compute (engine report, readouts included)")
+    axes[0].set_ylabel("held-out accuracy (%)")
+    axes[0].set_title("accuracy against compute")
+    thresholds = [str(r["threshold"]) for r in rows]
+    axes[1].bar(thresholds, [r["mean_answer_depth"] for r in rows], label="the answer's position")
+    axes[1].plot(thresholds, [r["mean_token_depth"] for r in rows], "o-", color="black", label="every token")
+    axes[1].set_xlabel("confidence threshold (top-1 probability)")
+    axes[1].set_ylabel("mean depth run")
+    axes[1].set_title("depth run")
+    for r in rows[:: max(1, len(rows) // 3)]:
+        hops = sorted(r["answer_depth_by_hops"], key=int)
+        axes[2].plot([int(h) for h in hops], [r["answer_depth_by_hops"][h] for h in hops], "o-",
+                     label=f"p={r['threshold']:g}")
+    axes[2].set_xlabel("hops the question needs")
+    axes[2].set_ylabel("mean depth of the answer's position")
+    axes[2].set_title("how long the model thinks, by question")
+    for ax in axes:
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    settings = payload["settings"]
+    fig.suptitle(f"Confidence exit on {settings['model']}: {settings['problems']} held-out problems, depth "
+                 f"{settings['depth']}\n{machine_line(payload)}", fontsize=9)
+    return [save(fig, out)]
+
+
 PLOTTERS: dict[str, Callable[[dict[str, Any], Path], list[Path]]] = {
     "throughput": plot_throughput,
     "serving": plot_serving,
     "depth-sweep": plot_depth_sweep,
     "step-breakdown": plot_step_breakdown,
     "depth-quality": plot_depth_quality,
+    "depth-elastic": plot_depth_elastic,
+    "depth-confidence": plot_depth_confidence,
 }
 
 

@@ -203,6 +203,8 @@ class RequestResult:
     error: str | None = None
     mean_depth: float | None = None  # a depth range: the mean level its tokens ran at (usage.depth)
     relative_compute: float | None = None  # a depth model: usage.depth.relative_compute
+    token_depths: list[int] = field(default_factory=list)  # a depth range: each output token's level
+    text: str = ""  # the completion's text
 
     @property
     def tpot_s(self) -> float | None:
@@ -245,6 +247,9 @@ async def send_streaming_request(client: httpx.AsyncClient, body: dict, run_star
                 return result
             async for event in sse_events(response):
                 now = time.perf_counter()
+                for choice in event.get("choices", []):
+                    result.token_depths += choice.get("token_depths") or []
+                    result.text += choice.get("text") or ""
                 if event.get("usage"):
                     result.output_tokens = event["usage"]["completion_tokens"]
                     depth = event["usage"].get("depth") or {}

@@ -31,9 +31,14 @@ class EngineArgs:
     # static_decode). None: compiled on CUDA, eager on CPU; True: always eager; False: compiled.
     enforce_eager: bool | None = None
     # How deep the tokens of requests with a range knob run (depthserve/engine/depth_policy.py):
-    # "fixed" (each range at its maximum) or "slo" (as deep as keeps each step within tpot_slo_ms).
+    # "fixed" (each range at its maximum), "slo" (as deep as keeps each step within tpot_slo_ms) or
+    # "confidence" (each token until its readout is confident, confidence_threshold).
     depth_policy: str = "fixed"
     tpot_slo_ms: float | None = None
+    # "confidence" (or "slo" with this set): a token of a range request whose readout is sampled stops
+    # deepening at the first level of its range whose top-1 probability reaches this (models with a
+    # readout per level).
+    confidence_threshold: float | None = None
 
     def validate(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -44,9 +49,16 @@ class EngineArgs:
             raise ConfigurationError("kv_cache_memory_gib must be positive")
         if self.kernel_backend not in ("auto", "torch", "triton"):
             raise ConfigurationError(f"kernel_backend must be auto, torch or triton, got {self.kernel_backend!r}")
-        if self.depth_policy not in ("fixed", "slo"):
-            raise ConfigurationError(f"depth_policy must be fixed or slo, got {self.depth_policy!r}")
+        if self.depth_policy not in ("fixed", "slo", "confidence"):
+            raise ConfigurationError(f"depth_policy must be fixed, slo or confidence, got {self.depth_policy!r}")
         if self.depth_policy == "slo" and not (self.tpot_slo_ms or 0) > 0:
             raise ConfigurationError("depth_policy slo needs a positive tpot_slo_ms (the time per output token to keep)")
+        if self.depth_policy == "confidence" and self.confidence_threshold is None:
+            raise ConfigurationError("depth_policy confidence needs confidence_threshold (a top-1 probability in (0, 1])")
+        if self.confidence_threshold is not None:
+            if self.depth_policy == "fixed":
+                raise ConfigurationError("confidence_threshold applies with depth_policy confidence or slo, not fixed")
+            if not 0 < self.confidence_threshold <= 1:
+                raise ConfigurationError(f"confidence_threshold must lie in (0, 1], got {self.confidence_threshold}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigurationError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")

@@ -187,8 +187,25 @@ class DepthPlan:
     # architecture's unit (Dreamer: recurrences). None: every token runs the fixed setting, `level`.
     elastic: DepthRange | None = None
     level: int = 1
+    # A range knob: the cost of one token at each level (index = level), in any unit proportional
+    # to its time (the slo policy fits step times to it); empty: the level itself (cost grows
+    # with the level from zero, as Dreamer's recurrences do).
+    level_work: tuple[float, ...] = ()
     flops_per_token: float = 0.0  # weight-matrix FLOPs of one token at these settings (estimate)
     plain_flops_per_token: float = 0.0  # the same for the model at its default depth
+
+    def step_level(self, level: int | None) -> int:
+        """The level a step's tokens of this request run at: the depth policy's `level` (within
+        the range) for a range knob, else the fixed setting."""
+        if self.elastic is None:
+            return self.level
+        if level is None or not self.elastic.minimum <= level <= self.elastic.maximum:
+            raise ValueError(f"a depth range {self.elastic.as_json()} needs a level within it, got {level}")
+        return level
+
+    def work_at(self, level: int) -> float:
+        """One token's cost at `level` (level_work)."""
+        return self.level_work[level] if self.level_work else float(level)
 
     @property
     def cache_key(self) -> tuple:

@@ -1,4 +1,5 @@
-"""FastAPI app: routes, auth, request ids, body limit, error mapping; `run_server` starts uvicorn.
+"""FastAPI app: routes (and the playground page at /, from static/), auth, request ids, body limit,
+error mapping; `run_server` starts uvicorn.
 
 Every non-2xx answer has the OpenAI error body (`protocol.error_body`): validation errors,
 typed engine errors (each `DepthServeError` carries its status), Starlette's 404/405, an
@@ -16,10 +17,12 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -47,6 +50,8 @@ from depthserve.server.tokenization import TokenizerWorker
 logger = logging.getLogger("depthserve.server")
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 _HTTP_ERROR_TYPES = {401: "authentication_error", 404: "not_found_error"}
+# The playground (GET /): plain HTML, CSS and JavaScript shipped in the package, nothing fetched from elsewhere.
+STATIC_DIR = Path(__file__).resolve().parent / "static"
 
 
 def _error(status: int, message: str, err_type: str, param: str | None = None,
@@ -120,6 +125,12 @@ def build_app(llm: AsyncLLM, served_model_name: str | None = None, api_key: str 
             return _too_large(max_body_bytes)
         err_type = _HTTP_ERROR_TYPES.get(exc.status_code, "invalid_request_error")
         return _error(exc.status_code, str(exc.detail), err_type, headers=exc.headers)
+
+    @app.get("/", include_in_schema=False)
+    async def playground():
+        return FileResponse(STATIC_DIR / "index.html")
+
+    app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
 
     @app.get("/health")
     async def health():

@@ -4,6 +4,7 @@ the float64 reference's."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from depthserve import LLM, DepthParams
@@ -85,3 +86,15 @@ def assert_same_generations(expected, got, tol: float = 1e-4) -> None:
         for e_step, g_step in zip(e.logprobs, g.logprobs, strict=True):
             for token, lp in e_step.items():
                 assert abs(g_step[token].logprob - lp.logprob) < tol, (token, lp.logprob, g_step[token].logprob)
+
+
+def assert_runs_like_the_fixed_knob(ranged, fixed, level: int) -> None:
+    """Outputs of a range run at `level` against the fixed knob at that level: the same tokens,
+    every token reported at the level, logprobs (chosen and alternatives) within 1e-6."""
+    for a, b in zip(ranged, fixed, strict=True):
+        assert a.token_ids == b.token_ids
+        assert a.depth.per_token == [level] * a.depth.tokens
+        assert a.outputs[0].token_depths == [level] * len(a.token_ids)
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+            assert {t: v.logprob for t, v in x.items()} == pytest.approx({t: v.logprob for t, v in y.items()},
+                                                                        abs=1e-6)

@@ -18,7 +18,7 @@ from depthserve.archs.dreamer.format import ran_depths, slot_name
 from depthserve.engine.model_runner import ModelRunner
 from depthserve.errors import InvalidDepthError
 from depthserve.tiny import make_tiny, synthetic_streams
-from tests.depth_helpers import BLOCK_SIZE, cache_layout, tiny_llm
+from tests.depth_helpers import BLOCK_SIZE, assert_runs_like_the_fixed_knob, cache_layout, tiny_llm
 from tests.test_dreamer import check_against_reference
 
 MAX_LEN = 48
@@ -97,12 +97,7 @@ def test_a_range_at_its_maximum_is_the_fixed_knob(path):
     llm = tiny_llm(path, max_num_batched_tokens=16)
     ranged = llm.generate(prompts, params, DepthParams(depth={"min": 1, "max": 3}))  # fixed policy: 3
     fixed = llm.generate(prompts, params, DepthParams(depth=3))
-    for a, b in zip(ranged, fixed):
-        assert a.token_ids == b.token_ids
-        assert a.depth.per_token == [3] * len(a.depth.per_token)
-        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
-            assert {t: v.logprob for t, v in x.items()} == pytest.approx({t: v.logprob for t, v in y.items()},
-                                                                        abs=1e-6)
+    assert_runs_like_the_fixed_knob(ranged, fixed, 3)
     assert llm.engine.depth_shed_tokens == 0
 
 

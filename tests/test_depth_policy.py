@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 
 from depthserve.cache import CacheLayout
 from depthserve.depth import DepthParams, DepthPlan, DepthRange
-from depthserve.engine.depth_policy import FixedPolicy, SLOPolicy, StepCostModel, level_tokens, make_policy
+from depthserve.engine.depth_policy import (AIM, FixedPolicy, SLOPolicy, StepCostModel, level_tokens, make_policy,
+                                            replay_recorded_levels)
 from depthserve.engine.scheduler import ScheduledSeq
 from depthserve.engine.sequence import Sequence
 from depthserve.sampling_params import SamplingParams
@@ -22,11 +23,13 @@ class _Plan(DepthPlan):
     pass
 
 
-def _item(tokens: int = 1, elastic: tuple[int, int] | None = None, level: int = 4) -> ScheduledSeq:
+def _item(tokens: int = 1, elastic: tuple[int, int] | None = None, level: int = 4, prompt: bool = False
+          ) -> ScheduledSeq:
+    """A scheduled sequence: decoding (past its 3-token prompt), or in its prompt."""
     span = DepthRange(*elastic) if elastic else None
     plan = _Plan(depth=DepthParams(), layout=CacheLayout(()), elastic=span, level=span.maximum if span else level)
     seq = Sequence("r", 0, [1, 2, 3], SamplingParams(), plan, max_tokens=4)
-    return ScheduledSeq(seq, 0, tokens)
+    return ScheduledSeq(seq, 0 if prompt else 3, tokens)
 
 
 def test_fixed_runs_every_range_at_its_maximum_and_leaves_fixed_requests_alone():
@@ -47,11 +50,12 @@ def test_the_cost_model_recovers_a_linear_step_time():
     assert one_load.fixed == 0 and one_load.predict(100) == pytest.approx(0.2)
 
 
-def _slo(target: float) -> SLOPolicy:
+def _slo(budget: float) -> SLOPolicy:
+    """An SLO policy whose predictions aim at `budget` seconds (its target is budget / AIM)."""
     cost = StepCostModel()
     for work in (8, 32, 64, 128):
         cost.add(work, 0.001 * work)  # 1 ms per level-token, no fixed part
-    return SLOPolicy(target, cost)
+    return SLOPolicy(budget / AIM, cost)
 
 
 def test_slo_picks_the_deepest_common_cap_that_meets_the_target():
@@ -77,13 +81,37 @@ def test_slo_sheds_under_load_and_restores_when_it_falls():
     assert policy.assign(light)[0].level == 4
 
 
+def test_slo_leaves_a_step_of_prompts_alone_deep():
+    """No client waits for a next token in a step of prompt chunks only: the TPOT target does not bind."""
+    prompts = [_item(tokens=64, elastic=(1, 4), prompt=True) for _ in range(4)]
+    assert {item.level for item in _slo(0.010).assign(prompts)} == {4}
+    assert {item.level for item in _slo(0.010).assign(prompts + [_item(elastic=(1, 4))])} == {1}
+
+
 def test_slo_learns_from_the_steps_it_observes():
-    policy = SLOPolicy(0.010)
+    policy = SLOPolicy(0.010 / AIM)
     batch = [_item(elastic=(1, 4)) for _ in range(4)]
     assert policy.assign(batch)[0].level == 4  # nothing measured yet: run deep, measure
-    for work, seconds in ((16, 0.016), (8, 0.008), (12, 0.012)):
-        policy.observe([_item(tokens=work, level=1)], seconds)
+    for work, seconds in ((16, 0.016), (8, 0.008), (12, 0.012)):  # prompt steps: no TPOT credit either way
+        policy.observe([_item(tokens=work, level=1, prompt=True)], seconds)
+    assert policy.credit == 0
     assert policy.assign(batch)[0].level == 2  # 1 ms per level-token: 4 x 2 = 8 ms <= 10 ms < 12 ms
+
+
+def test_slo_lets_a_heavy_step_spend_what_light_decode_steps_saved():
+    """A client's TPOT is the mean of its steps: time light decode steps saved lets a step with a
+    prompt chunk run deeper, an overrun is paid back by the next steps, both bounded."""
+    policy = _slo(0.010)  # aim 10 ms, 1 ms per level-token
+    heavy = [_item(tokens=3, elastic=(1, 4), prompt=True), _item(elastic=(1, 4))]  # 4 level-tokens per level
+    assert policy.assign(heavy)[0].level == 2  # 8 ms fits the aim, 12 does not
+    light = [_item(level=2)]  # a fixed decode: 2 ms
+    for _ in range(3):
+        policy.observe(light, 0.002)  # 8 ms saved each, banked up to 2 aims
+    assert policy.credit == pytest.approx(0.020)
+    assert policy.assign(heavy)[0].level == 4  # 16 ms <= 10 + 20
+    policy.observe(heavy, 0.045)  # a stall: 35 ms over, owed down to -2 aims
+    assert policy.credit == pytest.approx(-0.015)
+    assert policy.assign(heavy)[0].level == 1  # nothing fits 10 - 15 ms: the range's minimum
 
 
 def test_make_policy_checks_its_arguments():
@@ -97,3 +125,19 @@ def test_make_policy_checks_its_arguments():
 def test_the_policy_module_imports_no_torch():
     code = "import sys, depthserve.engine.depth_policy; print('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
+
+
+def test_recomputed_positions_replay_the_levels_they_ran_at():
+    """After a preemption a sequence recomputes its tokens: each position runs at its recorded level
+    whatever the policy chose, a chunk stops where the recorded level changes, new positions are
+    the policy's."""
+    item = _item(tokens=4, elastic=(1, 4))
+    item.seq.levels[:] = [3, 3, 3, 1, 1, 2]
+    at = lambda start, tokens, level: replace(item, start=start, num_tokens=tokens, level=level)  # noqa: E731
+    assert replay_recorded_levels([at(1, 4, 4)])[0] == at(1, 2, 3)
+    assert replay_recorded_levels([at(3, 4, 4)])[0] == at(3, 2, 1)
+    assert replay_recorded_levels([at(5, 4, 4)])[0] == at(5, 1, 2)
+    assert replay_recorded_levels([at(6, 4, 4)])[0] == at(6, 4, 4)
+    fixed = _item(tokens=4, level=2)
+    fixed.seq.levels[:] = [1, 1]
+    assert replay_recorded_levels([fixed]) == [fixed]

@@ -12,13 +12,29 @@ took. Requests with a fixed knob always run it and are never touched.
 - `slo`: keep each step within a time target (the TPOT target: while requests decode, every step
   is one output token for each of them). A cost model fitted online to the measured step times
   (`StepCostModel`: seconds = fixed + per level-token * level-tokens, least squares over recent
-  steps) predicts a step's time from its level-tokens (each scheduled token times the level it
-  runs at); the policy picks the deepest common cap whose prediction meets the target. Under
+  steps) predicts a step's time from its level-tokens (each scheduled token weighted by its cost
+  at the level it runs at, DepthPlan.work_at: for Dreamer the level itself). In a step where some
+  sequence is past its prompt (a client waits for its next token; a step of prompts alone runs at
+  the ranges' maxima), the policy picks the deepest common cap whose prediction meets the step's
+  budget: AIM = 90% of the target (the model predicts a step's mean time, and the tail must fit
+  too) plus the credit of earlier decode steps (what they came in under the aim, or minus what
+  they went over it, at most CREDIT_STEPS aims either way): a client's TPOT is the mean of the
+  steps it waited for, so a step with a prompt chunk beside the decodes may run deep on what
+  the light steps before it saved, and a step that overran is paid back by the next. Under
   overload it lowers elastic requests, never below their minimum, before anything else; when
   load falls the cap rises again. Fairness: every elastic request runs at the same cap, clipped
   to its own range (min(max_r, max(min_r, cap))), so no request is held at its minimum while
   another runs deeper than the cap, and a request is below another's level only when its own
   range says so.
+- `confidence` (early exit, after CALM): the range's maximum, like `fixed`, but a token whose readout
+  is sampled (each generated token, and the prompt's last) stops deepening at the first level of
+  its range whose readout (the LM head over that level's state) gives its top-1 next token at
+  least `--confidence-threshold` probability. Other prompt tokens run the policy's level: nobody
+  reads their readouts, and every later token reads their deeper levels (a token that stopped
+  early is absent from them). Only for models with a readout at every level (Dreamer). `slo`
+  takes the threshold too: tokens then exit early within the slo cap.
+The exit decision depends only on the token, its prefix and the threshold (depth-semantics.md
+section 6), so a request under `confidence` alone is reproducible.
 """
 
 from __future__ import annotations
@@ -32,7 +48,9 @@ import numpy as np
 from depthserve.depth import DepthRange
 from depthserve.engine.scheduler import ScheduledSeq
 
-POLICIES = ("fixed", "slo")
+POLICIES = ("fixed", "slo", "confidence")
+AIM = 0.9  # the slo policy aims its predicted step time at this share of the target
+CREDIT_STEPS = 2.0  # the most time (in aims) decode steps may bank or owe (SLOPolicy.credit)
 
 
 class DepthPolicy(Protocol):
@@ -56,18 +74,58 @@ def elastic_range(item: ScheduledSeq) -> DepthRange | None:
     return item.seq.plan.elastic
 
 
-def level_tokens(scheduled: list[ScheduledSeq]) -> int:
-    """Scheduled tokens times the level each runs at (elastic ones as assigned, fixed ones their plan's)."""
-    return sum(item.num_tokens * (item.level if item.level is not None else item.seq.plan.level) for item in scheduled)
+def replay_recorded_levels(scheduled: list[ScheduledSeq]) -> list[ScheduledSeq]:
+    """Positions computed before (a preempted sequence recomputing its tokens) run at the level they
+    ran at then, whatever the policy chose: the tokens already emitted came from those states, and
+    the schedule a request reports is the one that produced them. A chunk that reaches past a
+    change of recorded level stops at the change (its rest runs next step)."""
+    out = []
+    for item in scheduled:
+        recorded = item.seq.levels
+        if item.level is not None and item.start < len(recorded):
+            level, run = recorded[item.start], 1
+            while run < item.num_tokens and item.start + run < len(recorded) and recorded[item.start + run] == level:
+                run += 1
+            item = replace(item, level=level, num_tokens=run, exit_threshold=None, ran_levels=None)
+        out.append(item)
+    return out
+
+
+def token_levels(item: ScheduledSeq) -> list[int] | None:
+    """The level of each of the step's tokens of an elastic sequence (as ran, after the step), else None."""
+    if item.ran_levels is not None:
+        return list(item.ran_levels)
+    return None if item.level is None else [item.level] * item.num_tokens
+
+
+def level_tokens(scheduled: list[ScheduledSeq]) -> float:
+    """A step's work: its tokens, each weighted by its cost at the level it runs at
+    (DepthPlan.work_at; elastic ones as assigned or ran, fixed ones at their plan's level)."""
+    work = 0.0
+    for item in scheduled:
+        plan = item.seq.plan
+        levels = token_levels(item)
+        work += (item.num_tokens * plan.work_at(plan.level) if levels is None
+                 else sum(plan.work_at(level) for level in levels))
+    return work
+
+
+def with_exit(scheduled: list[ScheduledSeq], threshold: float | None) -> list[ScheduledSeq]:
+    """The elastic sequences' tokens may stop below their level once confident."""
+    if threshold is None:
+        return scheduled
+    return [replace(item, exit_threshold=threshold) if elastic_range(item) is not None else item
+            for item in scheduled]
 
 
 class FixedPolicy:
-    """Every elastic token at its range's maximum."""
+    """Every elastic token at its range's maximum (`confidence`: generated ones may exit earlier)."""
 
     name = "fixed"
 
-    def __init__(self) -> None:
+    def __init__(self, exit_threshold: float | None = None) -> None:
         self._target: float | None = None
+        self.exit_threshold = exit_threshold
 
     def assign(self, scheduled: list[ScheduledSeq]) -> list[ScheduledSeq]:
         out = []
@@ -77,7 +135,7 @@ class FixedPolicy:
                 item = replace(item, level=span.maximum)
                 self._target = span.maximum
             out.append(item)
-        return out
+        return with_exit(out, self.exit_threshold)
 
     def observe(self, scheduled: list[ScheduledSeq], seconds: float) -> None:
         return None
@@ -85,6 +143,15 @@ class FixedPolicy:
     @property
     def target(self) -> float | None:
         return self._target
+
+
+class ConfidencePolicy(FixedPolicy):
+    """Every elastic token at its range's maximum, generated ones stopping once confident."""
+
+    name = "confidence"
+
+    def __init__(self, exit_threshold: float) -> None:
+        super().__init__(exit_threshold)
 
 
 @dataclass
@@ -133,24 +200,33 @@ class SLOPolicy:
 
     name = "slo"
 
-    def __init__(self, target_seconds: float, cost: StepCostModel | None = None):
+    def __init__(self, target_seconds: float, cost: StepCostModel | None = None, exit_threshold: float | None = None):
         if not target_seconds > 0:
             raise ValueError("the SLO policy needs a positive step time target")
         self.target_seconds = target_seconds
+        self.exit_threshold = exit_threshold
         self.cost = cost or StepCostModel()
         self._target: float | None = None
+        # Seconds that decode steps came in under (> 0) or over (< 0) the aim, within
+        # +-CREDIT_STEPS aims: a heavy step (a prompt chunk beside the decodes) may spend what
+        # light steps saved, since a request's TPOT is the mean of its steps, not the worst.
+        self.credit = 0.0
 
     def assign(self, scheduled: list[ScheduledSeq]) -> list[ScheduledSeq]:
         elastic = [elastic_range(item) for item in scheduled]
         if not any(elastic):
             return scheduled
         deepest = max(span.maximum for span in elastic if span is not None)
+        lowest = min(span.minimum for span in elastic if span is not None)
         cap = deepest
-        if self.cost.ready:  # with no measurement yet, the first steps run deep and teach the model
-            cap = next((level for level in range(deepest, 0, -1)
-                        if self.cost.predict(level_tokens(self._at(scheduled, level))) <= self.target_seconds), 1)
+        # The target is a time per output token: it binds a step only when someone in it is waiting
+        # for their next token (a step of prompts alone delays no output token: it runs deep).
+        if _decoding(scheduled) and self.cost.ready:  # with no measurement yet, the first steps run deep and teach the model
+            budget = AIM * self.target_seconds + self.credit
+            cap = next((level for level in range(deepest, lowest - 1, -1)
+                        if self.cost.predict(level_tokens(self._at(scheduled, level))) <= budget), lowest)
         self._target = cap
-        return self._at(scheduled, cap)
+        return with_exit(self._at(scheduled, cap), self.exit_threshold)
 
     @staticmethod
     def _at(scheduled: list[ScheduledSeq], cap: int) -> list[ScheduledSeq]:
@@ -164,17 +240,29 @@ class SLOPolicy:
 
     def observe(self, scheduled: list[ScheduledSeq], seconds: float) -> None:
         self.cost.add(level_tokens(scheduled), seconds)
+        if _decoding(scheduled):
+            aim = AIM * self.target_seconds
+            self.credit = min(CREDIT_STEPS * aim, max(-CREDIT_STEPS * aim, self.credit + aim - seconds))
 
     @property
     def target(self) -> float | None:
         return self._target
 
 
-def make_policy(name: str, tpot_slo_ms: float | None = None) -> DepthPolicy:
+def _decoding(scheduled: list[ScheduledSeq]) -> bool:
+    """Some sequence of the step is past its prompt: a client waits for its next token."""
+    return any(item.start >= item.seq.num_prompt_tokens for item in scheduled)
+
+
+def make_policy(name: str, tpot_slo_ms: float | None = None, confidence_threshold: float | None = None) -> DepthPolicy:
     if name == "fixed":
         return FixedPolicy()
+    if name == "confidence":
+        if confidence_threshold is None:
+            raise ValueError("--depth-policy confidence needs --confidence-threshold (a top-1 probability)")
+        return ConfidencePolicy(confidence_threshold)
     if name == "slo":
         if tpot_slo_ms is None:
             raise ValueError("--depth-policy slo needs --tpot-slo-ms (the time per output token to keep within)")
-        return SLOPolicy(tpot_slo_ms / 1000.0)
+        return SLOPolicy(tpot_slo_ms / 1000.0, exit_threshold=confidence_threshold)
     raise ValueError(f"unknown depth policy {name!r}; known: {', '.join(POLICIES)}")

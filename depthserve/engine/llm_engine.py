@@ -15,7 +15,7 @@ from depthserve.config import EngineArgs
 from depthserve.depth import DepthParams, DepthPlan, KnobSpec
 from depthserve.detokenizer import IncrementalDetokenizer
 from depthserve.engine.block_manager import BlockManager
-from depthserve.engine.depth_policy import make_policy
+from depthserve.engine.depth_policy import make_policy, replay_recorded_levels, token_levels
 from depthserve.engine.model_runner import ModelRunner, SeqStepOutput
 from depthserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
 from depthserve.engine.sequence import Sequence, SequenceStatus
@@ -114,7 +114,11 @@ class LLMEngine:
         )
         if not args.enable_chunked_prefill and args.max_num_batched_tokens < self.max_model_len:
             raise ConfigurationError("without chunked prefill, max_num_batched_tokens must be >= max_model_len")
-        self.depth_policy = make_policy(args.depth_policy, args.tpot_slo_ms)
+        self.depth_policy = make_policy(args.depth_policy, args.tpot_slo_ms, args.confidence_threshold)
+        if args.confidence_threshold is not None and not self.model.readout_every_level:
+            raise ConfigurationError(
+                f"the confidence depth policy needs a model with a readout at every depth level (Dreamer); "
+                f"{args.model} has none")
         self.depth_levels_run: dict[int, int] = {}  # range-knob tokens computed, by the level they ran
         self.depth_shed_tokens = 0  # range-knob tokens run below their range's maximum
         sampler = Sampler(self.eos_token_ids, self.vocab_size, seed=args.seed)
@@ -300,34 +304,40 @@ class LLMEngine:
         freed): a step of several sequences is re-run one sequence at a time (Scheduler.isolate),
         and a step of one sequence that raises fails that sequence's request. Only a fault no
         request can be blamed for (a device error, out of memory) propagates."""
+        start = time.perf_counter()
         plan = self.scheduler.schedule()
         if plan.empty:
             return []
-        scheduled = self.depth_policy.assign(plan.scheduled)
+        scheduled = replay_recorded_levels(self.depth_policy.assign(plan.scheduled))
         # A seeded sequence's draws must not depend on a failed attempt: its re-run draws again.
         seeded = [(g, g.get_state()) for item in scheduled if (g := item.seq.generator) is not None]
         try:
-            start = time.perf_counter()
             results = self.runner.execute(scheduled)
-            self.depth_policy.observe(scheduled, time.perf_counter() - start)
         except Exception as exc:
             if _is_device_fault(exc):
                 raise
             for generator, state in seeded:
                 generator.set_state(state)
             return self._on_step_fault(plan.scheduled, exc)
-        self.scheduler.step_succeeded(plan.scheduled)
-        self._count_levels(scheduled)
+        self.scheduler.step_succeeded(scheduled)
+        ran = [result.scheduled for result in results]  # with the levels tokens ran (confidence exits)
+        self._count_levels(scheduled, ran)
         for result in results:
             item = result.scheduled
             self.prompt_tokens_computed += max(0, min(item.end, item.seq.num_prompt_tokens) - item.start)
             self.tokens_generated += result.sampled is not None
-        return self._postprocess(results)
+        outputs = self._postprocess(results)
+        self.depth_policy.observe(ran, time.perf_counter() - start)  # the whole step, as a client sees it
+        return outputs
 
-    def _count_levels(self, scheduled: list[ScheduledSeq]) -> None:
-        for item in scheduled:
+    def _count_levels(self, assigned: list[ScheduledSeq], ran: list[ScheduledSeq]) -> None:
+        """Tokens per level run, and tokens shed: held below their range's maximum by the policy's
+        cap (a confident token that stopped below its cap was not shed)."""
+        for item in ran:
+            for level in token_levels(item) or ():
+                self.depth_levels_run[level] = self.depth_levels_run.get(level, 0) + 1
+        for item in assigned:
             if item.level is not None:
-                self.depth_levels_run[item.level] = self.depth_levels_run.get(item.level, 0) + item.num_tokens
                 self.depth_shed_tokens += item.num_tokens * (item.level < item.seq.plan.elastic.maximum)
 
     def _on_step_fault(self, scheduled: list[ScheduledSeq], exc: Exception) -> list[RequestOutput]:
@@ -380,11 +390,14 @@ class LLMEngine:
 
     def _postprocess_one(self, seq: Sequence, result: SeqStepOutput) -> None:
         seq.num_computed_tokens = result.scheduled.end
+        levels = token_levels(result.scheduled)
+        if levels is not None:
+            seq.levels[result.scheduled.start:result.scheduled.end] = levels
         self.block_manager.commit_computed(seq, seq.plan.cache_key)
         self._record_prompt_logprobs(seq, result)
         if result.sampled is not None:
-            if result.scheduled.level is not None:
-                seq.output_levels.append(result.scheduled.level)
+            if levels is not None:
+                seq.output_levels.append(levels[-1])  # the level of the position it was read from
             self._append_token(seq, result.sampled)
         elif result.scheduled.samples and result.fault is None and len(seq.output_token_ids) >= seq.max_tokens:
             self.scheduler.finish(seq, "length")  # max_tokens == 0: prompt scoring only

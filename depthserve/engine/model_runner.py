@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -84,6 +84,9 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, self.pool, meta)
         if meta.batch is not None:
             self._commit_routed(meta.batch)
+            # Tokens that stopped early (the confidence exit) report the level they ran.
+            batch = [replace(item, ran_levels=tuple(ran.ran_levels)) if ran.ran_levels is not None else item
+                     for item, ran in zip(batch, meta.batch.items)]
         return self._postprocess_logits(batch, hidden)
 
     def _is_static_decode(self, batch: list[ScheduledSeq]) -> bool:
@@ -153,7 +156,7 @@ class ModelRunner:
                 routed = {slot.name: self.block_manager.routed_table(item.seq, slot.name)
                           for slot in item.seq.layout.routed_slots}
                 items.append(BatchItem(item.seq, item.start, item.num_tokens, row, full_table, routed,
-                                       self.block_manager.state_table(item.seq), item.level))
+                                       self.block_manager.state_table(item.seq), item.level, item.exit_threshold))
             positions = np.arange(item.start, item.end)
             ids.extend(item.seq.token_ids(item.start, item.end))
             pos_chunks.append(positions)

@@ -40,6 +40,11 @@ class ScheduledSeq:
     # The level this step's tokens run at, for a request with a range knob (set by the depth
     # policy after scheduling, depthserve/engine/depth_policy.py); None: the request's fixed knob.
     level: int | None = None
+    # The confidence exit (depth_policy): a token of this step may stop below `level` at the first
+    # level of its range whose readout's top-1 probability reaches this; None: it runs `level`.
+    exit_threshold: float | None = None
+    # After the step: the level each token ran at, where some stopped below `level` (else None).
+    ran_levels: tuple[int, ...] | None = None
 
     @property
     def end(self) -> int:

@@ -52,6 +52,9 @@ class Sequence:
     prompt_logprobs: list | None = None  # filled as the prompt is computed, when asked for
     depth_record: Any = None  # the model's per-position decisions (DepthModel.new_record)
     output_levels: list[int] = field(default_factory=list)  # a range knob: each output token's level
+    # A range knob: the level each computed position ran at. Kept through preemption: recomputed
+    # positions run at their recorded level again (depth_policy.replay_recorded_levels).
+    levels: list[int] = field(default_factory=list)
 
     @property
     def depth(self) -> DepthParams:

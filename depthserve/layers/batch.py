@@ -29,6 +29,8 @@ class BatchItem:
     routed: dict[str, tuple[np.ndarray, int]] = field(default_factory=dict)  # name -> (pages, committed length)
     state: np.ndarray | None = None  # pages holding the sequence's per-sequence state (SEQ_STATE), if any
     level: int | None = None  # the depth policy's level for these tokens (a range knob), else None
+    exit_threshold: float | None = None  # the confidence exit's top-1 probability (ScheduledSeq)
+    ran_levels: list[int] | None = None  # set by a forward whose tokens stopped below `level` (confidence)
 
     @property
     def end(self) -> int:
@@ -151,13 +153,20 @@ class StepBatch:
         entries = [self._slot_entry(item, cols, read_heads) for item, cols in zip(items, columns)]
         return build_metadata(entries, self.block_size, self.device, self.kernels)
 
-    def level_meta(self, items: list[BatchItem], slots: list[slice | str]) -> AttentionMetadata:
+    def level_meta(self, items: list[BatchItem], slots: list[slice | str],
+                   read_heads: np.ndarray | None = None, counts: list[int] | None = None) -> AttentionMetadata:
         """Attention metadata over one depth level for `items`, every row of each running it: per
         item, its slot of that level is token-covering (`slots[i]` its columns) or, past the
         minimum of a range knob, routed (`slots[i]` its name: it holds only the tokens that ran
-        the level, depth-semantics.md section 6)."""
-        entries = [self._routed_entry(item, slot, item.num_tokens) if isinstance(slot, str)
-                   else self._slot_entry(item, slot) for item, slot in zip(items, slots)]
+        the level, depth-semantics.md section 6). `read_heads` as for `slot_meta` (an SGT head
+        subset with uneven KV groups), for either kind of slot. `counts`: how many of each item's
+        rows run the level (the first ones of a token-covering slot must be all; a routed slot
+        takes any subset, in order: tokens that stopped at a lower level are not in it)."""
+        counts = counts or [item.num_tokens for item in items]
+        if any(n != item.num_tokens for item, slot, n in zip(items, slots, counts) if not isinstance(slot, str)):
+            raise ValueError("every token of an item runs the levels of its token-covering slots")
+        entries = [self._routed_entry(item, slot, n, read_heads) if isinstance(slot, str)
+                   else self._slot_entry(item, slot, read_heads) for item, slot, n in zip(items, slots, counts)]
         return build_metadata(entries, self.block_size, self.device, self.kernels)
 
     def _slot_entry(self, item: BatchItem, cols: slice, read_heads: np.ndarray | None = None) -> MetaEntry:
@@ -168,7 +177,8 @@ class StepBatch:
         read = table if read_heads is None else table[:, read_heads]
         return MetaEntry(item.num_tokens, item.end, read, write, item.decode)
 
-    def _routed_entry(self, item: BatchItem, name: str, count: int) -> MetaEntry:
+    def _routed_entry(self, item: BatchItem, name: str, count: int,
+                      read_heads: np.ndarray | None = None) -> MetaEntry:
         """`count` of the item's tokens go to routed slot `name` (the j-th to routed index committed
         + j, attending to 0..committed + j); the count is recorded for the commit after the step."""
         bs = self.block_size
@@ -176,6 +186,8 @@ class StepBatch:
         routed_index = committed + np.arange(count)
         write = pages[routed_index // bs] * bs + (routed_index % bs)[:, None]
         read = pages[: -(-(committed + count) // bs)]
+        if read_heads is not None:
+            read = read[:, read_heads]
         self._count_routed(item, name, count)
         return MetaEntry(count, committed + count, read, write, item.decode)
 

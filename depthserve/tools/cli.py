@@ -74,11 +74,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              "shapes; default: compiled on CUDA, eager on CPU)")
     parser.add_argument("--kernel-backend", default=EngineArgs.kernel_backend, choices=["auto", "torch", "triton"],
                         help="auto: Triton kernels on CUDA, torch otherwise; torch or triton: that one everywhere")
-    parser.add_argument("--depth-policy", default=EngineArgs.depth_policy, choices=["fixed", "slo"],
+    parser.add_argument("--depth-policy", default=EngineArgs.depth_policy, choices=["fixed", "slo", "confidence"],
                         help="how deep the tokens of requests with a depth range run: fixed (the range's "
-                             "maximum) or slo (as deep as keeps each step within --tpot-slo-ms)")
+                             "maximum), slo (as deep as keeps each step within --tpot-slo-ms) or confidence "
+                             "(a sampled token stops at the first level whose readout is confident)")
     parser.add_argument("--tpot-slo-ms", type=float, default=None,
                         help="the time per output token the slo depth policy keeps each step within")
+    parser.add_argument("--confidence-threshold", type=float, default=None,
+                        help="the top-1 probability at which a sampled token of a depth range stops deepening "
+                             "(--depth-policy confidence, or slo to exit early within its cap)")
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:

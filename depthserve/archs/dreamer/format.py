@@ -235,21 +235,24 @@ def plan(cfg: DreamerConfig, spec: DreamerSpec, depth: DepthParams) -> DreamerPl
 # ---- the decisions of one sequence, FLOP counting and the report -----------------------------------
 class DreamerRecord:
     """Per-position expert choices of one sequence: EA top-k ids [pos, D, k] and attention expert
-    [pos, D] (-1: not run at that depth)."""
+    [pos, D] (-1: not run at that depth); and the readouts the confidence exit took at each
+    position (the LM head over a level's state, beside the final one)."""
 
     def __init__(self, depth: int, top_k: int):
         self.ea = np.full((64, depth, top_k), -1, dtype=np.int32)
         self.attn = np.full((64, depth), -1, dtype=np.int32)
+        self.readouts = np.zeros(64, dtype=np.int32)
 
-    def write(self, start: int, ea: np.ndarray, attn: np.ndarray) -> None:
+    def write(self, start: int, ea: np.ndarray, attn: np.ndarray, readouts: np.ndarray | None = None) -> None:
         end = start + len(ea)
         if end > len(self.ea):
-            grow = max(end, 2 * len(self.ea))
-            self.ea = np.concatenate([self.ea, np.full((grow - len(self.ea),) + self.ea.shape[1:], -1, np.int32)])
-            self.attn = np.concatenate([self.attn, np.full((grow - len(self.attn),) + self.attn.shape[1:], -1,
-                                                           np.int32)])
+            grow = max(end, 2 * len(self.ea)) - len(self.ea)
+            self.ea = np.concatenate([self.ea, np.full((grow,) + self.ea.shape[1:], -1, np.int32)])
+            self.attn = np.concatenate([self.attn, np.full((grow,) + self.attn.shape[1:], -1, np.int32)])
+            self.readouts = np.concatenate([self.readouts, np.zeros(grow, np.int32)])
         self.ea[start:end] = ea
         self.attn[start:end] = attn
+        self.readouts[start:end] = 0 if readouts is None else readouts
 
 
 def weight_flops_per_depth(cfg: DreamerConfig, spec: DreamerSpec) -> float:
@@ -289,20 +292,25 @@ def report(cfg: DreamerConfig, spec: DreamerSpec, plan: DreamerPlan, record: Dre
            generated: int) -> DepthReport:
     decisions = None if record is None else {"ea": record.ea[:tokens].copy(), "attn": record.attn[:tokens].copy()}
     settings: dict = {"depth": plan.recurrences, "trained_depth": spec.depth}
+    counters: dict = {}
     per_token = None
     flops = depth_flops(cfg, spec, tokens, plan.recurrences, generated)  # this request's FLOPs
     if plan.elastic is not None and record is not None:
         per_token = ran_depths(record, tokens)
         settings["depth"] = plan.elastic.as_json()
         settings["mean_depth"] = round(float(per_token.mean()), 4) if tokens else 0.0
-        flops = schedule_flops(cfg, spec, per_token, generated)
+        readouts = int(record.readouts[:tokens].sum())  # the confidence exit's readouts
+        flops = schedule_flops(cfg, spec, per_token, generated) + readouts * 2 * cfg.hidden_size * cfg.vocab_size
         per_token = per_token.tolist()
+        if readouts:
+            counters["exit_readouts"] = readouts  # LM head reads beside the final one (confidence exit)
     return DepthReport(
         architecture="dreamer",
         tokens=tokens,
         flops=flops,
         plain_flops=depth_flops(cfg, spec, tokens, spec.depth, generated),  # the same tokens at the trained depth D
         settings=settings,
+        counters=counters,
         decisions=decisions,  # {"ea": [n, D, k], "attn": [n, D]} expert ids per position (-1: depth not run)
         per_token=per_token,  # with a range knob: the depth each position ran
     )

@@ -74,6 +74,7 @@ def depth_rope_angles(dim: int, depth_index: int, trained_depth: int, theta: flo
 
 class DreamerForCausalLM(nn.Module, DepthModel):
     uses_step_batch = True
+    readout_every_level = True  # the LM head reads any x_d (each depth's output is normed)
 
     def __init__(self, cfg: DreamerConfig, spec: DreamerSpec, max_positions: int):
         super().__init__()
@@ -293,13 +294,16 @@ class DreamerForCausalLM(nn.Module, DepthModel):
         if meta.static is not None:
             return self.static_forward(input_ids, positions, pool, meta)
         step = meta.batch
-        spec, cfg = self.spec, self.config
-        kv = cfg.num_kv_heads
+        spec = self.spec
         x = self.embed_tokens(input_ids)
         out = torch.empty_like(x)
         n_rows = x.shape[0]
-        depths = [self._depth(item) for item in step.items]
-        max_depth = max(depths)
+        sizes = [item.num_tokens for item in step.items]
+        owner = np.repeat(np.arange(len(step.items)), sizes)  # the item of each packed row
+        # Each row's depth: its item's level, lowered where a token stops early (the confidence exit).
+        depth = np.repeat([self._depth(item) for item in step.items], sizes)
+        exits = _ConfidenceExit(step.items, owner)
+        max_depth = int(depth.max())
         # The step's per-token depth cache: its tokens x the batch's largest depth (<= D).
         shape = (n_rows, max_depth, spec.da_heads, spec.da_head_dim)
         k_cache, v_cache = x.new_zeros(shape), x.new_zeros(shape)  # zeros: unread depths stay finite
@@ -308,29 +312,31 @@ class DreamerForCausalLM(nn.Module, DepthModel):
         cos, sin = self.rope_cos[positions].to(x.dtype), self.rope_sin[positions].to(x.dtype)
         ea_record = torch.full((n_rows, spec.depth, spec.top_k), -1, dtype=torch.int32, device=x.device)
         attn_record = torch.full((n_rows, spec.depth), -1, dtype=torch.int32, device=x.device)
-        active = list(step.items)
-        rows = np.arange(n_rows)  # packed rows of the active tokens, ascending
+        rows = np.arange(n_rows)  # packed rows of the tokens still running, ascending
         rows_t = None  # the same as a tensor (None: every row)
         for j in range(max_depth):
-            still = [item for item in active if self._depth(item) > j]
-            if len(still) < len(active):
-                # Tokens whose request stops at depth j finish their forward: x_j is final, their
-                # depth cache is released (the cache is compacted to the tokens still running).
-                new_rows = np.concatenate([np.arange(i.row, i.row + i.num_tokens) for i in still])
-                keep = torch.from_numpy(np.searchsorted(rows, new_rows)).to(x.device)
-                done = torch.from_numpy(np.setdiff1d(np.arange(len(rows)), keep.cpu().numpy())).to(x.device)
-                out[torch.from_numpy(rows).to(x.device)[done]] = x.index_select(0, done)
+            running = depth[rows] > j
+            if not running.any():  # every token stopped early: x holds each one's last level
+                break
+            if not running.all():
+                # Tokens that stop at depth j finish their forward: x_j is final, their depth cache
+                # is released (the cache is compacted to the tokens still running).
+                keep = torch.from_numpy(np.flatnonzero(running)).to(x.device)
+                done = torch.from_numpy(np.flatnonzero(~running)).to(x.device)
+                out[torch.from_numpy(rows[~running]).to(x.device)] = x.index_select(0, done)
                 x, cos, sin = x.index_select(0, keep), cos.index_select(0, keep), sin.index_select(0, keep)
                 k_cache, v_cache = k_cache.index_select(0, keep), v_cache.index_select(0, keep)
-                live = 2 * k_cache.numel()
-                self.token_depth_live_values = live
-                active, rows = still, new_rows
+                self.token_depth_live_values = 2 * k_cache.numel()
+                rows = rows[running]
                 rows_t = torch.from_numpy(rows).to(x.device)
-            sa_meta = step.level_meta(active, [self._level_slot(item, j) for item in active])
+            items, counts = np.unique(owner[rows], return_counts=True)
+            active = [step.items[i] for i in items]
+            sa_meta = step.level_meta(active, [self._level_slot(item, j) for item in active], counts=counts.tolist())
             sa, choice = self._sa(x, cos, sin, pool, sa_meta, j)
             y = x + self._da(x, k_cache, v_cache, j, meta.kernels) + sa
             ea, top = self._ea(y, j)
             x = self.out_norm(y + ea)
+            exits.check(self, x, rows, j + 1, depth)
             index = slice(None) if rows_t is None else rows_t
             ea_record[index, j] = top.to(torch.int32)
             if choice is not None:
@@ -339,18 +345,14 @@ class DreamerForCausalLM(nn.Module, DepthModel):
         del k_cache, v_cache
         self.token_depth_live_values = 0
         self.token_depth_steps.append((n_rows, max_depth, peak))
-        self._record(step, ea_record.cpu().numpy(), attn_record.cpu().numpy())
+        exits.finish(depth)
+        self._record(step, ea_record.cpu().numpy(), attn_record.cpu().numpy(), exits.readouts)
         return out
 
     @staticmethod
     def _depth(item) -> int:
         """How deep the item's tokens run this step: the depth policy's level for a range knob."""
-        plan = item.plan
-        if plan.elastic is None:
-            return plan.recurrences
-        if item.level is None or not plan.elastic.minimum <= item.level <= plan.elastic.maximum:
-            raise ValueError(f"a depth range {plan.elastic.as_json()} needs a level within it, got {item.level}")
-        return item.level
+        return item.plan.step_level(item.level)
 
     def _level_slot(self, item, j: int) -> slice | str:
         """Depth j's slot of the item: its columns while every token runs j, else the routed slot."""
@@ -398,10 +400,10 @@ class DreamerForCausalLM(nn.Module, DepthModel):
         return {}
 
     @staticmethod
-    def _record(step, ea: np.ndarray, attn: np.ndarray) -> None:
+    def _record(step, ea: np.ndarray, attn: np.ndarray, readouts: np.ndarray) -> None:
         for item in step.items:
             rows = slice(item.row, item.row + item.num_tokens)
-            item.record.write(item.start, ea[rows], attn[rows])
+            item.record.write(item.start, ea[rows], attn[rows], readouts[rows])
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()  # the LM head reads x_depth (already normed)
@@ -453,6 +455,41 @@ class DreamerForCausalLM(nn.Module, DepthModel):
             name, part = key.split(".", 1)
             self.routers.setdefault(name, {})[part.split(".")[0]] = value.to(device)
         self._tables(device)
+
+
+class _ConfidenceExit:
+    """The confidence exit of one step (depth_policy `confidence`): the token of an item with an exit
+    threshold whose readout is sampled (the step's last token, when the sequence samples after it)
+    stops at the first level of its range, below its own level, whose readout gives its top-1 next
+    token at least that probability. Counts each token's readouts (their cost)."""
+
+    def __init__(self, items, owner: np.ndarray):
+        self.threshold = np.full(len(owner), np.nan)
+        for item in items:
+            if item.exit_threshold is not None and item.end == item.seq.num_tokens:
+                self.threshold[item.row + item.num_tokens - 1] = item.exit_threshold
+        self.lowest = np.array([item.plan.elastic.minimum if item.plan.elastic is not None else 0
+                                for item in items])[owner]
+        self.items, self.owner = items, owner
+        self.readouts = np.zeros(len(owner), dtype=np.int32)
+
+    def check(self, model: DreamerForCausalLM, x: torch.Tensor, rows: np.ndarray, level: int,
+              depth: np.ndarray) -> None:
+        """After level `level` (x: the states of `rows`), lower `depth` of the confident rows."""
+        asks = ~np.isnan(self.threshold[rows]) & (self.lowest[rows] <= level) & (level < depth[rows])
+        if not asks.any():
+            return
+        at = np.flatnonzero(asks)
+        top = torch.softmax(model.compute_logits(x.index_select(0, torch.from_numpy(at).to(x.device))), dim=-1)
+        confident = top.amax(dim=-1).cpu().numpy() >= self.threshold[rows[at]]
+        self.readouts[rows[at]] += 1
+        depth[rows[at[confident]]] = level
+
+    def finish(self, depth: np.ndarray) -> None:
+        """Each item with an exit threshold learns the level each of its tokens ran at."""
+        for i, item in enumerate(self.items):
+            if item.exit_threshold is not None:
+                item.ran_levels = depth[self.owner == i].tolist()
 
 
 def build(hf_config: dict, spec: DreamerSpec, options: BuildOptions) -> DreamerForCausalLM:

@@ -20,7 +20,7 @@ import numpy as np
 
 from depthserve.archs.llama.format import LlamaConfig, attention_flops, dense_slots, layer_weight_flops, plain_flops
 from depthserve.cache import CacheLayout, SlotKind, SlotSpec
-from depthserve.depth import DepthParams, DepthPlan, DepthReport, KnobSpec
+from depthserve.depth import DepthParams, DepthPlan, DepthRange, DepthReport, KnobSpec
 from depthserve.loading.checkpoint import (
     FORMAT_VERSION,
     CheckpointFormatError,
@@ -156,6 +156,7 @@ def knobs(spec: ITTSpec) -> dict[str, KnobSpec]:
         ),
         "thinking_steps": KnobSpec(
             "thinking_steps", f"number of extra steps enabled; the checkpoint has parameters for {T}, no more", 0, T, T,
+            elastic=True,
         ),
     }
 
@@ -187,12 +188,23 @@ class ITTPlan(DepthPlan):
     ratios: tuple[float, ...]  # rho_1..rho_T as run (steps after thinking_steps are 0)
     thresholds: np.ndarray  # [ITT layers, T] float32 tau_t(rho_t)
 
+    def step_thresholds(self, level: int | None) -> np.ndarray:
+        """The thresholds a step's tokens run with: a range's level turns the steps past it off (+inf)."""
+        level = self.step_level(level)
+        if level >= self.thresholds.shape[1]:
+            return self.thresholds
+        out = self.thresholds.copy()
+        out[:, level:] = np.inf
+        return out
+
 
 def ratios_of(spec: ITTSpec, depth: DepthParams) -> tuple[float, ...]:
-    """selection_ratios (default: trained), zeroed after `thinking_steps`."""
+    """selection_ratios (default: trained), zeroed after `thinking_steps` (a range: its maximum)."""
     ratios = list(depth.selection_ratios if depth.selection_ratios is not None else spec.trained_ratios)
-    if depth.thinking_steps is not None:
-        ratios = [r if t < depth.thinking_steps else 0.0 for t, r in enumerate(ratios)]
+    steps = depth.thinking_steps
+    if steps is not None:
+        steps = steps.maximum if isinstance(steps, DepthRange) else steps
+        ratios = [r if t < steps else 0.0 for t, r in enumerate(ratios)]
     return tuple(ratios)
 
 
@@ -205,9 +217,17 @@ def plan(cfg: LlamaConfig, spec: ITTSpec, depth: DepthParams, quantiles: list[np
                    for layer in spec.layers for t in range(1, spec.steps + 1) if ratios[t - 1] > 0)
     base = cfg.num_layers * layer_weight_flops(cfg)
     # Each enabled step: the router on every token plus f_t on the selected share (about rho_t).
-    extra = len(spec.layers) * sum(2 * cfg.hidden_size + r * layer_weight_flops(cfg) for r in ratios if r > 0)
-    return ITTPlan(depth=depth, layout=CacheLayout(dense_slots(cfg), routed), flops_per_token=base + extra,
-                   plain_flops_per_token=base, ratios=ratios, thresholds=thresholds)
+    step_flops = [len(spec.layers) * (2 * cfg.hidden_size + r * layer_weight_flops(cfg)) if r > 0 else 0.0
+                  for r in ratios]
+    steps = depth.thinking_steps
+    # A range of thinking steps (section 6): each step's tokens run the first `level` steps of the
+    # ratios; the routed slots are priced at the maximum, as every routed slot is.
+    elastic = steps if isinstance(steps, DepthRange) and steps.minimum < steps.maximum else None
+    level = steps.maximum if isinstance(steps, DepthRange) else spec.steps if steps is None else steps
+    work = tuple((base + sum(step_flops[:level])) / base for level in range(spec.steps + 1)) if elastic else ()
+    return ITTPlan(depth=depth, layout=CacheLayout(dense_slots(cfg), routed), flops_per_token=base + sum(step_flops),
+                   plain_flops_per_token=base, ratios=ratios, thresholds=thresholds, elastic=elastic, level=level,
+                   level_work=work)
 
 
 # ---- the decisions of one sequence, and the report -----------------------------------------------------
@@ -232,7 +252,8 @@ class ITTRecord:
 
 
 def report(cfg: LlamaConfig, spec: ITTSpec, plan: ITTPlan, record: ITTRecord, tokens: int, prompt_tokens: int,
-           generated: int) -> DepthReport:
+           generated: int, levels: list[int] | None = None) -> DepthReport:
+    """`levels`: with a range of thinking steps, the steps each computed position had on."""
     prompt = min(prompt_tokens, tokens)
     selected, prompt_frac, decode_frac, decisions = {}, {}, {}, {}
     extra = 0.0
@@ -252,12 +273,19 @@ def report(cfg: LlamaConfig, spec: ITTSpec, plan: ITTPlan, record: ITTRecord, to
             extra += n * layer_weight_flops(cfg) + attention_flops(cfg.num_heads, cfg.head_dim, n * (n + 1) / 2)
             extra += tokens * 2 * cfg.hidden_size
     base = plain_flops(cfg, tokens, generated)
+    settings: dict = {"selection_ratios": list(plan.ratios)}
+    per_token = None
+    if plan.elastic is not None and levels is not None:
+        per_token = list(levels[:tokens])
+        settings["thinking_steps"] = plan.elastic.as_json()
+        settings["mean_depth"] = round(float(np.mean(per_token)), 4) if per_token else 0.0
     return DepthReport(
         architecture="itt",
         tokens=tokens,
         flops=base + extra,
         plain_flops=base,
-        settings={"selection_ratios": list(plan.ratios)},
+        settings=settings,
+        per_token=per_token,  # with a range of thinking steps: the steps each position had on
         counters={"selected_tokens": selected},  # "layer:step" -> tokens selected (enabled steps only)
         fractions={"prompt_selected_fraction": prompt_frac, "decode_selected_fraction": decode_frac},
         decisions=decisions,  # (layer, step) -> per-position 1 / 0 / -1 over the computed tokens

@@ -40,7 +40,8 @@ class StepRouting:
     def __init__(self, step: StepBatch, num_layers: int, steps: int):
         plans = [item.plan for item in step.items]
         self.step_on = [any(plan.ratios[t] > 0 for plan in plans) for t in range(steps)]
-        per_item = np.stack([plan.thresholds for plan in plans]).transpose(1, 2, 0)  # [layers, T, items]
+        # [layers, T, items]; a range's level turns the steps past it off for the item's tokens
+        per_item = np.stack([item.plan.step_thresholds(item.level) for item in step.items]).transpose(1, 2, 0)
         rows = np.repeat(per_item, [item.num_tokens for item in step.items], axis=2)
         self.thresholds = torch.from_numpy(np.ascontiguousarray(rows)).to(step.device)  # [layers, T, rows]
         self.num_layers, self.steps = num_layers, steps
@@ -206,7 +207,7 @@ class ITTForCausalLM(LlamaForCausalLM):
 
     def report(self, seq) -> DepthReport:
         return itt_report(self.config, self.spec, seq.plan, seq.depth_record, seq.num_computed_tokens,
-                      seq.num_prompt_tokens, len(seq.output_token_ids))
+                      seq.num_prompt_tokens, len(seq.output_token_ids), seq.levels)
 
     # ---- weights -----------------------------------------------------------------------------------
     def take_weights(self, weights: dict[str, torch.Tensor], source: str) -> set[str]:

@@ -12,9 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from depthserve.archs.llama.format import LlamaConfig, attention_flops, layer_weight_flops, plain_flops
 from depthserve.cache import CacheLayout, SlotKind, SlotSpec
-from depthserve.depth import DepthParams, DepthPlan, DepthReport, KnobSpec
+from depthserve.depth import DepthParams, DepthPlan, DepthRange, DepthReport, KnobSpec
 from depthserve.loading.checkpoint import FORMAT_VERSION, CheckpointFormatError
 
 
@@ -93,7 +95,8 @@ def layer_prefixes(spec: PUTSpec) -> list[str]:
 # ---- the knob and the plan ------------------------------------------------------------------------
 def knobs(spec: PUTSpec) -> dict[str, KnobSpec]:
     T = spec.steps
-    return {"loops": KnobSpec("loops", f"passes of the shared core; P(t) is trained for t = 1..{T}", 1, T, T)}
+    return {"loops": KnobSpec("loops", f"passes of the shared core; P(t) is trained for t = 1..{T}", 1, T, T,
+                              elastic=True)}
 
 
 def prefix_slot_name(i: int) -> str:
@@ -128,20 +131,45 @@ def state_bytes(cfg: LlamaConfig, spec: PUTSpec, loops: int, itemsize: int) -> i
 
 @dataclass(frozen=True, kw_only=True)
 class PUTPlan(DepthPlan):
-    loops: int  # core passes
-    columns: dict[str, slice]  # slot name -> columns of the request's page table
+    loops: int  # core passes (a range: its maximum)
+    columns: dict[str, slice]  # slot name -> columns of the request's page table (token-covering slots)
+
+    @property
+    def min_loops(self) -> int:
+        """Passes every token runs: their slots are dense, the later ones routed (section 6)."""
+        return self.loops if self.elastic is None else self.elastic.minimum
+
+
+def level_work(spec: PUTSpec) -> tuple[float, ...]:
+    """One token's cost at loops = 0..T in layer applications (n_prefix + n_suffix + loops x
+    n_core; index 0, never run, at the level-1 value), for the slo depth policy's cost model."""
+    work = [float(spec.n_prefix + spec.n_suffix + loops * spec.n_core) for loops in range(spec.steps + 1)]
+    work[0] = work[1]
+    return tuple(work)
 
 
 def plan(cfg: LlamaConfig, spec: PUTSpec, depth: DepthParams, itemsize: int) -> PUTPlan:
-    """`itemsize`: bytes of one value in the model's dtype (the conv state is kept in it)."""
-    loops = spec.steps if depth.loops is None else int(depth.loops)
+    """`itemsize`: bytes of one value in the model's dtype (the conv state is kept in it).
+
+    With a range of loops (section 6) the plan is priced at its maximum: the core passes up to the
+    range's minimum, which every token runs, have dense slots; the later passes' slots are routed
+    (each holds only the tokens that ran that pass, grown with them). The conv state holds every
+    pass up to the maximum (a pass's state is that of the tokens that ran it)."""
+    value = spec.steps if depth.loops is None else depth.loops
+    elastic = value if isinstance(value, DepthRange) and value.minimum < value.maximum else None
+    loops = value.maximum if isinstance(value, DepthRange) else int(value)
+    lowest = loops if elastic is None else elastic.minimum
     base = base_slots(cfg, spec)
     steps = tuple(SlotSpec(core_slot_name(j, t), SlotKind.DENSE, cfg.num_kv_heads)
-                  for t in range(2, loops + 1) for j in range(spec.n_core))
-    layout = CacheLayout(base + steps, base_slots=len(base), state_bytes=state_bytes(cfg, spec, loops, itemsize))
+                  for t in range(2, lowest + 1) for j in range(spec.n_core))
+    routed = tuple(SlotSpec(core_slot_name(j, t), SlotKind.ROUTED, cfg.num_kv_heads)
+                   for t in range(max(2, lowest + 1), loops + 1) for j in range(spec.n_core))
+    layout = CacheLayout(base + steps, routed, base_slots=len(base),
+                         state_bytes=state_bytes(cfg, spec, loops, itemsize))
     plain = cfg.num_layers * layer_weight_flops(cfg)
     return PUTPlan(depth=depth, layout=layout, flops_per_token=plain + extra_weight_flops(cfg, spec, loops),
-                   plain_flops_per_token=plain, loops=loops, columns=layout.slot_columns())
+                   plain_flops_per_token=plain, loops=loops, columns=layout.slot_columns(), elastic=elastic,
+                   level=loops, level_work=level_work(spec))
 
 
 # ---- FLOP counting and the report ------------------------------------------------------------------
@@ -156,18 +184,38 @@ def extra_weight_flops(cfg: LlamaConfig, spec: PUTSpec, loops: int) -> float:
     return spec.n_core * ((loops - 1) * layer_weight_flops(cfg) + loops * conv_flops(cfg, spec))
 
 
-def report(cfg: LlamaConfig, spec: PUTSpec, plan: PUTPlan, tokens: int, generated: int) -> DepthReport:
-    ctx_sum = tokens * (tokens + 1) / 2
-    # The plain model: every layer once (the core as one pass of plain layers).
-    base = plain_flops(cfg, tokens, generated)
-    extra_pass = spec.n_core * (tokens * layer_weight_flops(cfg)
-                                + attention_flops(cfg.num_heads, cfg.head_dim, ctx_sum))
-    conv = plan.loops * spec.n_core * tokens * conv_flops(cfg, spec)
+def schedule_flops(cfg: LlamaConfig, spec: PUTSpec, loops: np.ndarray, logit_rows: int) -> float:
+    """FLOPs of positions 0..n-1 each at its own loops (section 6: at pass t a token attends to the
+    earlier tokens that ran pass t and itself), plus the LM head rows: the plain model (every layer
+    once, the core's first pass included), the core's later passes over the tokens that ran them,
+    and the conv of every pass run."""
+    loops = np.asarray(loops, dtype=np.int64)
+    tokens = len(loops)
+    flops = plain_flops(cfg, tokens, logit_rows)
+    for t in range(2, int(loops.max(initial=0)) + 1):
+        ran = int(np.count_nonzero(loops >= t))
+        flops += spec.n_core * (ran * layer_weight_flops(cfg) + attention_flops(cfg.num_heads, cfg.head_dim,
+                                                                                 ran * (ran + 1) / 2))
+    return flops + spec.n_core * float(loops.sum()) * conv_flops(cfg, spec)
+
+
+def report(cfg: LlamaConfig, spec: PUTSpec, plan: PUTPlan, tokens: int, generated: int,
+           levels: list[int] | None = None) -> DepthReport:
+    """`levels`: with a range of loops, the loops each computed position ran (Sequence.levels)."""
+    per_token = np.full(tokens, plan.loops, dtype=np.int64)
+    settings: dict[str, Any] = {"loops": plan.loops, "trained_loops": spec.steps,
+                                "state_bytes": plan.layout.state_bytes}
+    ranged = plan.elastic is not None and levels is not None
+    if ranged:
+        per_token = np.asarray(levels[:tokens], dtype=np.int64)
+        settings["loops"] = plan.elastic.as_json()
+        settings["mean_depth"] = round(float(per_token.mean()), 4) if tokens else 0.0
     return DepthReport(
         architecture="put",
         tokens=tokens,
-        flops=base + (plan.loops - 1) * extra_pass + conv,  # this request's FLOPs
-        plain_flops=base,  # every layer once, as a plain model, on the same tokens
-        settings={"loops": plan.loops, "trained_loops": spec.steps, "state_bytes": plan.layout.state_bytes},
-        counters={"core_layer_passes": tokens * plan.loops * spec.n_core},  # (token, step, core layer) computed
+        flops=schedule_flops(cfg, spec, per_token, generated),  # this request's FLOPs
+        plain_flops=plain_flops(cfg, tokens, generated),  # every layer once, as a plain model, on the same tokens
+        settings=settings,
+        counters={"core_layer_passes": int(per_token.sum()) * spec.n_core},  # (token, step, core layer) computed
+        per_token=per_token.tolist() if ranged else None,  # with a range knob: the loops each position ran
     )

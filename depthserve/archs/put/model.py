@@ -17,6 +17,12 @@ freed with all its pages (finish, abort, preemption), and the model keeps the st
 pages*. So the state lives exactly as long as the sequence holds cache, needs no bookkeeping of
 its own, and is recomputed with the prompt after a preemption (a chunk at position 0 starts from
 zeros). Prefix caching is off for PUT (the state is not part of any KV block).
+
+Per-token loops (depth-semantics.md section 6): a request whose `loops` is a range runs each
+step's tokens at the depth policy's level (`BatchItem.level`). Passes up to the range's minimum
+have dense slots; each later pass's slot is routed and holds only the tokens that ran it. The
+pass-t conv state is the last k-1 rows of Z of the tokens that ran pass t: a step whose tokens
+stop before pass t leaves it as it was. The state holds every pass up to the range's maximum.
 """
 
 from __future__ import annotations
@@ -285,30 +291,45 @@ class PUTForCausalLM(nn.Module, DepthModel):
         return self.norm(x)
 
     def core(self, x, cos, sin, pool, meta) -> torch.Tensor:
-        """The core's passes 1..loops for each request: pass t over the rows of the requests that run it."""
+        """The core's passes 1..loops for each item: pass t over the rows of the items that run it.
+
+        An item runs its plan's loops, or with a range knob the depth policy's level for this step
+        (section 6; all its tokens in the step alike). Pass t's slot of an item is a column slice of
+        its page table while every token of the request runs t (up to the range's minimum), else the
+        routed slot that holds only the tokens that ran t. An item that stops before t leaves its
+        pass-t conv state as it was: the state is that of the tokens that ran pass t."""
         step, base, spec = meta.batch, self.base_columns, self.spec
         conv = ConvContext(step, spec, self.config.intermediate_size, pool, x.dtype, x.device)
-        for t in range(1, spec.steps + 1):
-            indices = [i for i, item in enumerate(step.items) if item.plan.loops >= t]
-            if not indices:
-                break
+        loops = [self._loops(item) for item in step.items]
+        for t in range(1, max(loops) + 1):
+            indices = [i for i, n in enumerate(loops) if n >= t]
             items = [step.items[i] for i in indices]
             rows = step.rows(items)
             if rows is None:
                 xs, cs, ss = x, cos, sin
-            else:  # gather the rows of the requests that run step t -> the core -> scatter
+            else:  # gather the rows of the items that run step t -> the core -> scatter
                 xs, cs, ss = x.index_select(0, rows), cos.index_select(0, rows), sin.index_select(0, rows)
             for j, layer in enumerate(self.core_layers):
                 name = core_slot_name(j, t)
                 if t == 1:  # every request runs step 1: its slots are in the batch's base table
                     sub_meta, columns = meta, base[name]
                 else:
-                    sub_meta = step.slot_meta(items, [item.plan.columns[name] for item in items])
+                    sub_meta = step.level_meta(items, [self._pass_slot(item, name, t) for item in items])
                     columns = slice(None)
                 xs = layer(xs, t, cs, ss, pool, sub_meta, columns, conv, indices)
             x = xs if rows is None else x.index_copy(0, rows, xs)
         conv.write_back()
         return x
+
+    @staticmethod
+    def _loops(item) -> int:
+        """The core passes the item's tokens run this step: the depth policy's level for a range knob."""
+        return item.plan.step_level(item.level)
+
+    @staticmethod
+    def _pass_slot(item, name: str, t: int) -> slice | str:
+        """Pass t's slot of the item: its columns while every token runs pass t, else the routed slot."""
+        return item.plan.columns[name] if t <= item.plan.min_loops else name
 
     def static_core(self, x, cos, sin, pool, meta) -> torch.Tensor:
         """The same for a decode step at static shapes: every row runs T passes and keeps pass t (its
@@ -356,7 +377,8 @@ class PUTForCausalLM(nn.Module, DepthModel):
         return np.array([plan.loops], dtype=np.float32)
 
     def report(self, seq) -> DepthReport:
-        return put_report(self.config, self.spec, seq.plan, seq.num_computed_tokens, len(seq.output_token_ids))
+        return put_report(self.config, self.spec, seq.plan, seq.num_computed_tokens, len(seq.output_token_ids),
+                          seq.levels)
 
     # ---- weights ----------------------------------------------------------------------------------
     def after_load(self, loaded: set[str]) -> set[str]:

@@ -3,6 +3,11 @@
 config.json `depth.sgt`: `looped_layers`, one ordered query-head set per looped layer
 (`head_sets`), the trained `loop_counts`, optional fractional `head_scales`, and `max_loops`
 (the default ceiling of the `loops` knob). No extra weights: the loops reuse the layer's own.
+
+The `loops` knob also takes a range (`{"min": a, "max": b}` or "auto", section 6): each step's
+tokens run the depth policy's level, one loop count for every looped layer. Slot (l, k) holds the
+tokens with loops >= k: iterations up to the range's minimum are head-subset slots as for a fixed
+knob, the deeper ones routed slots (the same KV heads) that grow only with the tokens that ran them.
 """
 
 from __future__ import annotations
@@ -10,9 +15,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from depthserve.archs.llama.format import LlamaConfig, attention_flops, dense_slots, layer_weight_flops, plain_flops
 from depthserve.cache import CacheLayout, SlotKind, SlotSpec
-from depthserve.depth import DepthParams, DepthPlan, DepthReport, KnobSpec
+from depthserve.depth import DepthParams, DepthPlan, DepthRange, DepthReport, KnobSpec
 from depthserve.loading.checkpoint import FORMAT_VERSION, CheckpointFormatError, float_list, int_list
 
 
@@ -113,33 +120,61 @@ def loops_knob(spec: SGTSpec, max_loops: int) -> KnobSpec:
         "loops",
         f"extra head-subset attention iterations per looped layer {list(trained)} "
         f"(an integer for all, or a map layer -> count; trained: {trained}; "
-        f"above the trained count is extrapolation, up to max_loops={max_loops})",
-        0, max_loops, default, kind="int_or_map", keys=tuple(trained),
+        f"above the trained count is extrapolation, up to max_loops={max_loops}; "
+        f"or a range {{\"min\": a, \"max\": b}} or \"auto\": the server picks each token's count for "
+        "every looped layer within it)",
+        0, max_loops, default, kind="int_or_map", keys=tuple(trained), elastic=True,
     )
 
 
 @dataclass(frozen=True, kw_only=True)
 class SGTPlan(DepthPlan):
-    loops: dict[int, int]  # looped layer -> iterations
-    columns: dict[str, slice]  # loop slot name -> columns of the request's page table
+    loops: dict[int, int]  # looped layer -> iterations (a range: its maximum, on every looped layer)
+    columns: dict[str, slice]  # head-subset loop slot name -> columns of the request's page table
+
+    def step_loops(self, layer: int, level: int | None) -> int:
+        """Iterations of looped layer `layer` for a step's tokens of this request: the depth
+        policy's level with a range knob (every looped layer alike), else the fixed count."""
+        return self.loops[layer] if self.elastic is None else self.step_level(level)
+
+    def subset_loops(self, layer: int) -> int:
+        """Iterations every token runs: their slots are head-subset columns; the deeper ones (a
+        range past its minimum) routed slots holding only the tokens that ran them (section 6)."""
+        return self.loops[layer] if self.elastic is None else self.elastic.minimum
 
 
 def plan(cfg: LlamaConfig, spec: SGTSpec, depth: DepthParams) -> SGTPlan:
     loops = spec.trained_loops
-    if isinstance(depth.loops, int):
-        loops = {layer: depth.loops for layer in loops}
-    elif isinstance(depth.loops, dict):
-        loops.update(depth.loops)  # layers not in the map keep their trained count
+    value = depth.loops
+    elastic = None
+    if isinstance(value, DepthRange):
+        # One count for every looped layer, priced at the range's maximum.
+        loops = {layer: value.maximum for layer in loops}
+        elastic = value if value.minimum < value.maximum else None
+    elif isinstance(value, int):
+        loops = {layer: value for layer in loops}
+    elif isinstance(value, dict):
+        loops.update(value)  # layers not in the map keep their trained count
     slots = list(dense_slots(cfg))
+    routed = []
     for s in spec.layers:
         heads = len(kv_heads_of(cfg, s))
-        slots += [SlotSpec(loop_slot_name(s.layer, k), SlotKind.HEAD_SUBSET, heads) for k in range(1, loops[s.layer] + 1)]
-    layout = CacheLayout(tuple(slots))
+        lowest = loops[s.layer] if elastic is None else elastic.minimum
+        slots += [SlotSpec(loop_slot_name(s.layer, k), SlotKind.HEAD_SUBSET, heads) for k in range(1, lowest + 1)]
+        routed += [SlotSpec(loop_slot_name(s.layer, k), SlotKind.ROUTED, heads)
+                   for k in range(lowest + 1, loops[s.layer] + 1)]
+    layout = CacheLayout(tuple(slots), tuple(routed))
     columns = {name: cols for name, cols in layout.slot_columns().items() if ".loop" in name}
     base = cfg.num_layers * layer_weight_flops(cfg)
-    extra = sum(loops[s.layer] * loop_weight_flops(cfg, s) for s in spec.layers)
-    return SGTPlan(depth=depth, layout=layout, flops_per_token=base + extra,
-                   plain_flops_per_token=base, loops=loops, columns=columns)
+    per_loop = {s.layer: loop_weight_flops(cfg, s) for s in spec.layers}
+    extra = sum(loops[layer] * flops for layer, flops in per_loop.items())
+    # Level i: every looped layer capped at i iterations (a range runs exactly i). For a fixed knob
+    # `level` is its deepest layer's count, whose cost is the plan's own.
+    level = max(loops.values(), default=0)
+    work = tuple((base + sum(min(loops[layer], i) * flops for layer, flops in per_loop.items())) / base
+                 for i in range(level + 1))
+    return SGTPlan(depth=depth, layout=layout, flops_per_token=base + extra, plain_flops_per_token=base,
+                   loops=loops, columns=columns, elastic=elastic, level=level, level_work=work)
 
 
 # ---- FLOP counting and the report ------------------------------------------------------------------
@@ -149,9 +184,40 @@ def loop_weight_flops(cfg: LlamaConfig, layer: SGTLayer) -> float:
     return 2 * d * (q + 2 * kv) * hd + 2 * q * hd * d
 
 
-def report(cfg: LlamaConfig, spec: SGTSpec, plan: SGTPlan, tokens: int, generated: int) -> DepthReport:
+def schedule_loop_flops(cfg: LlamaConfig, layer: SGTLayer, loops: np.ndarray) -> float:
+    """FLOPs of one looped layer's iterations over positions 0..n-1, position p running loops[p]
+    (section 6: iteration k of a token attends to the earlier tokens with loops >= k and itself)."""
+    loops = np.asarray(loops, dtype=np.int64)
+    flops = 0.0
+    for k in range(1, int(loops.max(initial=0)) + 1):
+        ran = float(np.count_nonzero(loops >= k))
+        flops += ran * loop_weight_flops(cfg, layer) + attention_flops(len(layer.heads), cfg.head_dim,
+                                                                       ran * (ran + 1) / 2)
+    return flops
+
+
+def report(cfg: LlamaConfig, spec: SGTSpec, plan: SGTPlan, tokens: int, generated: int,
+           levels: list[int] | None = None) -> DepthReport:
+    """`levels`: with a range knob, the loops each computed position ran (Sequence.levels)."""
     trained = spec.trained_loops
     base = plain_flops(cfg, tokens, generated)
+    if plan.elastic is not None:
+        ran = np.asarray(list(levels or ())[:tokens], dtype=np.int64)
+        if len(ran) < tokens:  # not expected: every computed position of a range request has a level
+            ran = np.concatenate([ran, np.full(tokens - len(ran), plan.level, dtype=np.int64)])
+        extra = sum(schedule_loop_flops(cfg, s, ran) for s in spec.layers)
+        deepest = int(ran.max(initial=0))
+        return DepthReport(
+            architecture="sgt",
+            tokens=tokens,
+            flops=base + extra,  # this request's FLOPs on the schedule it ran
+            plain_flops=base,
+            settings={"loops": plan.elastic.as_json(), "trained_loops": trained,
+                      "mean_depth": round(float(ran.mean()), 4) if tokens else 0.0},
+            counters={"loop_iterations": {layer: int(ran.sum()) for layer in plan.loops}},
+            extrapolated=tuple(sorted(layer for layer in plan.loops if deepest > trained[layer])),
+            per_token=ran.tolist(),  # the loops each position ran (every looped layer alike)
+        )
     ctx_sum = tokens * (tokens + 1) / 2
     extra = sum(plan.loops[s.layer] * (tokens * loop_weight_flops(cfg, s)
                                        + attention_flops(len(s.heads), cfg.head_dim, ctx_sum))

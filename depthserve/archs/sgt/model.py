@@ -104,14 +104,16 @@ class SGTDecoderLayer(LlamaDecoderLayer):
         return h + self.mlp(self.post_attention_layernorm(h))
 
     def loops(self, h, cos, sin, pool, step) -> torch.Tensor:
-        """Eq. 6, iteration k for the rows of the requests that run at least k iterations."""
-        k = 1
-        while True:
-            items = [item for item in step.items if item.plan.loops[self.index] >= k]
-            if not items:
-                return h
+        """Eq. 6, iteration k for the rows of the requests whose tokens run at least k iterations
+        this step (a range knob: the depth policy's level). Iteration k's slot is the request's
+        head-subset columns while every one of its tokens runs k, else its routed slot, which holds
+        only the tokens that ran k (section 6)."""
+        counts = [item.plan.step_loops(self.index, item.level) for item in step.items]
+        for k in range(1, max(counts, default=0) + 1):
+            items = [item for item, n in zip(step.items, counts) if n >= k]
             name = loop_slot_name(self.index, k)
-            meta = step.slot_meta(items, [item.plan.columns[name] for item in items], self.loop_attn.read_heads)
+            slots = [item.plan.columns[name] if k <= item.plan.subset_loops(self.index) else name for item in items]
+            meta = step.level_meta(items, slots, self.loop_attn.read_heads)
             rows = step.rows(items)
             if rows is None:  # every row of the batch
                 h = h + self.loop_attn(self.input_layernorm(h), cos, sin, pool, meta)
@@ -120,7 +122,7 @@ class SGTDecoderLayer(LlamaDecoderLayer):
                 hs = hs + self.loop_attn(self.input_layernorm(hs), cos.index_select(0, rows),
                                          sin.index_select(0, rows), pool, meta)
                 h = h.index_copy(0, rows, hs)
-            k += 1
+        return h
 
     def static_loops(self, h, cos, sin, pool, meta) -> torch.Tensor:
         """The same for a decode step at static shapes: every row runs the deepest request's
@@ -165,7 +167,8 @@ class SGTForCausalLM(LlamaForCausalLM):
         return np.array([plan.loops[layer.layer] for layer in self.spec.layers], dtype=np.float32)
 
     def report(self, seq) -> DepthReport:
-        return sgt_report(self.config, self.spec, seq.plan, seq.num_computed_tokens, len(seq.output_token_ids))
+        return sgt_report(self.config, self.spec, seq.plan, seq.num_computed_tokens, len(seq.output_token_ids),
+                          seq.levels)
 
     def after_load(self, loaded: set[str]) -> set[str]:
         """Each loop iteration runs the layer's own heads: the subset's rows of its W_Q/W_K/W_V."""

@@ -1,0 +1,104 @@
+"""The confidence depth policy (early exit) on the Dreamer demo model: held-out accuracy against the
+compute it spent, one row per threshold, beside the model at full depth.
+
+    python bench/depth_confidence.py                       # demo-dreamer, 1000 problems
+    python bench/depth_confidence.py --problems 200 --thresholds 0.9,0.99
+
+Method: `--problems` held-out variable-chasing problems (depthserve/demo/task.py, hops uniform in
+1..6, seed `--seed`) answered greedily through `LLM.generate` (one token). The baseline runs the
+fixed knob at the trained depth; each threshold runs an engine with `--depth-policy confidence
+--confidence-threshold p` on requests asking for the whole range (`"depth": "auto"`): every token
+stops at the first depth whose readout's top-1 probability reaches p. Relative compute is the
+engine's report (usage.depth.relative_compute: the FLOPs of the schedule each request ran,
+prompt tokens included, plus the LM-head readouts the exit took, against the same tokens at the
+trained depth). The depth of the answer is the level of the question token, the position whose
+readout is the answer. Not a timing benchmark.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="demo-dreamer", help="a Dreamer demo model (built-in name or directory)")
+    p.add_argument("--thresholds", default="0.5,0.7,0.8,0.9,0.95,0.99,0.999")
+    p.add_argument("--problems", type=int, default=1000)
+    p.add_argument("--seed", type=int, default=1234, help="seeds the held-out problems")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", default="depth-confidence-demo", help="result name under bench/results")
+    p.add_argument("--quick", action="store_true", help="100 problems, thresholds 0.9 and 0.99")
+    ns = p.parse_args(argv)
+    if ns.quick:
+        ns.problems, ns.thresholds, ns.out = 100, "0.9,0.99", f"{ns.out}-quick"
+    return ns
+
+
+def evaluate(llm, problems, depth) -> dict:
+    from depthserve import SamplingParams
+
+    outputs = llm.generate([p.prompt for p in problems], SamplingParams(temperature=0.0, max_tokens=1), depth)
+    correct = [o.text.strip() == p.answer for o, p in zip(outputs, problems)]
+    answer_depth = [o.outputs[0].token_depths[0] if o.outputs[0].token_depths else None for o in outputs]
+    row = {"accuracy": sum(correct) / len(correct),
+           "relative_compute": sum(o.depth.relative_compute for o in outputs) / len(outputs)}
+    if answer_depth[0] is not None:
+        row["mean_answer_depth"] = sum(answer_depth) / len(answer_depth)
+        row["mean_token_depth"] = (sum(sum(o.depth.per_token) for o in outputs)
+                                   / sum(len(o.depth.per_token) for o in outputs))
+        by_hops: dict[int, list[int]] = {}
+        for d, p in zip(answer_depth, problems):
+            by_hops.setdefault(p.hops, []).append(d)
+        row["answer_depth_by_hops"] = {h: sum(v) / len(v) for h, v in sorted(by_hops.items())}
+    by_hops_ok: dict[int, list[bool]] = {}
+    for ok, p in zip(correct, problems):
+        by_hops_ok.setdefault(p.hops, []).append(ok)
+    row["accuracy_by_hops"] = {h: sum(v) / len(v) for h, v in sorted(by_hops_ok.items())}
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = parse_args(argv)
+    torch.set_num_threads(ns.threads)
+    from depthserve import LLM, DepthParams
+    from depthserve.demo.task import problems as make_problems
+
+    held_out = make_problems(ns.seed, ns.problems, "held_out", 6)
+    engine = dict(device="cpu", dtype="float32", load_progress=False, num_threads=ns.threads, max_model_len=128,
+                  max_num_seqs=256)
+    full = evaluate(LLM(ns.model, **engine), held_out, DepthParams())
+    print(f"full depth: accuracy {full['accuracy']:.3f} at relative compute {full['relative_compute']:.3f}", flush=True)
+    rows = []
+    for threshold in common.parse_number_list(ns.thresholds):
+        llm = LLM(ns.model, depth_policy="confidence", confidence_threshold=threshold, **engine)
+        row = {"threshold": threshold, **evaluate(llm, held_out, DepthParams(depth="auto"))}
+        rows.append(row)
+        print(f"threshold {threshold:g}: accuracy {row['accuracy']:.3f} at relative compute "
+              f"{row['relative_compute']:.3f}, answer depth {row['mean_answer_depth']:.2f}, "
+              f"token depth {row['mean_token_depth']:.2f}", flush=True)
+        del llm
+    payload = {
+        "benchmark": "depth-confidence",
+        "description": "held-out accuracy of the Dreamer demo model under the confidence depth policy (every "
+                       "token stops at the first depth whose readout is confident), per threshold, with the "
+                       "relative compute the engine reported, against the model at full depth",
+        "settings": {"model": ns.model, "problems": ns.problems, "seed": ns.seed, "split": "held_out",
+                     "max_hops": 6, "depth": "auto", "dtype": "float32"},
+        "full_depth": full,
+        "rows": rows,
+        "environment": common.environment("cpu", ns.threads),
+    }
+    print(f"wrote {common.write_result(ns.out, payload)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

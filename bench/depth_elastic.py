@@ -1,0 +1,180 @@
+"""Depth-elastic serving: the `slo` depth policy against `fixed` under rising load, in one run.
+
+    python bench/depth_elastic.py --model DIR --tpot-slo-ms 60            # a Dreamer checkpoint
+    python bench/depth_elastic.py --quick
+
+Two servers of the same checkpoint are launched (`depthserve serve --depth-policy fixed`, and
+`--depth-policy slo --tpot-slo-ms T`); at each request rate the same streamed workload
+(bench/serving.py: C4 prompts of `--input-len` tokens, `--output-len` greedy tokens, Poisson
+arrivals) goes to one server and then the other, so machine drift hits both alike. Every request
+asks for a depth range (`--depth`, default `{"depth": "auto"}`: the model's whole range), which
+`fixed` runs at its maximum and `slo` lowers when the predicted step time would pass T. Per rate
+and policy: the serving summary (TTFT, TPOT, goodput with the SLO TPOT <= T), the mean depth of
+every token the requests computed (usage.depth.mean_depth, prompts included) and of the output
+tokens (the streamed token_depths). The result names the largest rate at which `fixed` keeps
+p99 TPOT within T and compares both policies at twice that rate when it was run.
+Result: bench/results/depth-elastic-<label>.json; chart by bench/plot.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+import serving  # noqa: E402
+
+POLICIES = ("fixed", "slo")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=False, default=None, help="a checkpoint with an elastic depth knob (Dreamer)")
+    p.add_argument("--tpot-slo-ms", type=float, default=60.0, help="the TPOT target (slo policy and goodput)")
+    p.add_argument("--request-rate", default="2,4,6,8,10,12", help="requests/s, comma-separated")
+    p.add_argument("--num-prompts", type=int, default=192, help="requests per rate and policy")
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--depth", default='{"depth": "auto"}', help="the depth range every request asks for (JSON)")
+    p.add_argument("--dataset", type=Path, default=common.C4_SAMPLE)
+    p.add_argument("--threads", type=int, default=2, help="the servers' torch threads")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--label", default="cpu-2core")
+    p.add_argument("--demo-task", action="store_true",
+                   help="prompts are held-out problems of the demo task (depthserve/demo/task.py, for a demo "
+                        "model such as demo-dreamer): each answer is checked, giving the accuracy of what each "
+                        "policy served")
+    p.add_argument("--quick", action="store_true", help="a tiny Dreamer, 8 prompts, rates 4 and 8")
+    ns = p.parse_args(argv)
+    if ns.quick:
+        ns.num_prompts, ns.input_len, ns.output_len, ns.request_rate = 8, 32, 8, "4,8"
+    if ns.model is None and not ns.quick:
+        p.error("--model is required (or --quick)")
+    return ns
+
+
+def serving_namespace(ns: argparse.Namespace) -> argparse.Namespace:
+    """The settings bench/serving.py's run functions read."""
+    import json
+
+    return argparse.Namespace(arrival="poisson", seed=ns.seed, max_concurrency=None, no_progress=True,
+                              percentiles="50,90,99", slos_ms={"tpot": ns.tpot_slo_ms}, depth_knobs=json.loads(ns.depth))
+
+
+async def run(urls: dict[str, str], ns: argparse.Namespace) -> dict[str, Any]:
+    sns = serving_namespace(ns)
+    rates = common.parse_number_list(ns.request_rate)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    clients = {policy: httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(None), limits=limits)
+               for policy, url in urls.items()}
+    async with contextlib.AsyncExitStack() as stack:
+        for client in clients.values():
+            await stack.enter_async_context(client)
+        first = clients[POLICIES[0]]
+        model_id = (await first.get("/v1/models")).raise_for_status().json()["data"][0]["id"]
+        answers = None
+        if ns.demo_task:
+            prompts, answers = await demo_task_prompts(first, ns)
+        else:
+            prompts = await serving.dataset_prompts(first, ns.dataset, ns.num_prompts, ns.input_len)
+        bodies = [serving.completion_body(model_id, p, ns.output_len, sns.depth_knobs) for p in prompts]
+        for client in clients.values():  # one warm-up request each
+            warm = await serving.send_streaming_request(client, bodies[0], time.perf_counter())
+            if not warm.ok:
+                raise SystemExit(f"the warm-up request failed: {warm.error}")
+        runs = []
+        for rate in rates:
+            row: dict[str, Any] = {"request_rate": rate}
+            for policy, client in clients.items():
+                await serving.reset_prefix_cache(client)
+                results, duration = await serving.run_at_rate(client, bodies, rate, sns)
+                summary = serving.summarize_run(results, duration, sns)
+                outputs = [d for r in results if r.ok for d in r.token_depths]
+                summary["mean_output_depth"] = sum(outputs) / len(outputs) if outputs else None
+                line = f"{policy:>5} {serving.format_summary(rate, summary)} | output depth {summary['mean_output_depth'] or 0:.2f}"
+                if answers is not None:
+                    right = [r.ok and r.text.split()[:1] == [a] for r, a in zip(results, answers)]
+                    summary["accuracy"] = sum(right) / len(right)
+                    line += f" | accuracy {summary['accuracy']:.3f}"
+                row[policy] = {"summary": summary, "requests": [r.as_dict() for r in results]}
+                print(line, flush=True)
+            runs.append(row)
+    return {"model_id": model_id, "runs": runs}
+
+
+async def demo_task_prompts(client: httpx.AsyncClient, ns: argparse.Namespace) -> tuple[list[list[int]], list[str]]:
+    """Held-out demo problems (hops up to 6, seed --seed) as token ids, and their answers."""
+    from depthserve.demo.task import problems
+
+    held_out = problems(ns.seed, ns.num_prompts, "held_out", 6)
+    prompts = []
+    for problem in held_out:
+        reply = await client.post("/tokenize", json={"prompt": problem.prompt, "add_special_tokens": False})
+        prompts.append(reply.raise_for_status().json()["tokens"])
+    return prompts, [problem.answer for problem in held_out]
+
+
+def comparison(runs: list[dict[str, Any]], target_ms: float) -> dict[str, Any]:
+    """The largest rate at which `fixed` keeps p99 TPOT within the target, and both policies at twice it."""
+    def p99(row: dict, policy: str) -> float:
+        return row[policy]["summary"]["tpot_ms"]["p99"]
+
+    sustained = [row["request_rate"] for row in runs if p99(row, "fixed") <= target_ms]
+    out: dict[str, Any] = {"tpot_slo_ms": target_ms, "fixed_sustained_rate": max(sustained) if sustained else None}
+    double = next((row for row in runs if sustained and row["request_rate"] == 2 * max(sustained)), None)
+    if double is not None:
+        out["at_twice_the_rate"] = {
+            "request_rate": double["request_rate"],
+            **{policy: {"p99_tpot_ms": p99(double, policy), "goodput": double[policy]["summary"]["goodput"],
+                        "mean_depth": double[policy]["summary"].get("mean_depth"),
+                        "mean_output_depth": double[policy]["summary"].get("mean_output_depth"),
+                        "accuracy": double[policy]["summary"].get("accuracy")}
+               for policy in POLICIES},
+        }
+        fixed_goodput = double["fixed"]["summary"]["goodput"]
+        out["at_twice_the_rate"]["goodput_ratio"] = (double["slo"]["summary"]["goodput"] / fixed_goodput
+                                                     if fixed_goodput else None)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = parse_args(argv)
+    if not ns.demo_task and not ns.dataset.exists():
+        print(f"skipping the depth-elastic benchmark: the prompt data set {ns.dataset} is absent")
+        return 0
+    if ns.quick and ns.model is None:
+        from depthserve.tiny import make_tiny
+
+        ns.model = str(make_tiny("dreamer", Path(common.RESULTS_DIR.parent / ".quick-dreamer"), seed=0))
+    server_args = {"fixed": f"--num-threads {ns.threads} --depth-policy fixed",
+                   "slo": f"--num-threads {ns.threads} --depth-policy slo --tpot-slo-ms {ns.tpot_slo_ms:g}"}
+    with contextlib.ExitStack() as stack:
+        urls = {policy: stack.enter_context(serving.launched_server(ns.model, args, 600.0))
+                for policy, args in server_args.items()}
+        outcome = asyncio.run(run(urls, ns))
+    payload = {
+        "benchmark": "depth-elastic",
+        "description": "streamed completions asking for a depth range, the fixed and the slo depth policy taking "
+                       "turns at each request rate",
+        "settings": {**{k: v for k, v in vars(ns).items() if k != "dataset"}, "dataset": str(ns.dataset),
+                     "server_args": server_args},
+        "model_id": outcome["model_id"],
+        "comparison": comparison(outcome["runs"], ns.tpot_slo_ms),
+        "runs": outcome["runs"],
+        "environment": common.environment("cpu", ns.threads),
+    }
+    label = f"{ns.label}-quick" if ns.quick else ns.label
+    print(f"wrote {common.write_result(f'depth-elastic-{label}', payload)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""The confidence depth policy (early exit; depth-semantics.md section 6): a token of a request with
+a depth range whose readout is sampled (each generated token and the prompt's last) stops at the
+first level of its range whose readout's top-1 probability reaches the threshold; the other
+prompt tokens run the range's maximum. On the trained Dreamer demo: the engine's exits follow that rule on the
+reference's readouts (where no readout is within a hair of the threshold), the engine equals the
+reference on the schedule it reports, in a mixed batch with chunked prefill and preemption, and
+the readouts are paid for in the report."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from depthserve import LLM, DepthParams, SamplingParams
+from depthserve.archs.dreamer import reference as dreamer_reference
+from depthserve.config import EngineArgs
+from depthserve.demo.task import problems
+from depthserve.errors import ConfigurationError
+from depthserve.loading.registry import resolve_model
+from depthserve.loading.tokenizer import load_tokenizer
+from depthserve.tiny import make_tiny
+from depthserve.engine.model_runner import ModelRunner
+from tests.depth_helpers import BLOCK_SIZE, cache_layout, tiny_llm
+from tests.test_dreamer import check_against_reference
+
+THRESHOLD = 0.9999
+# A readout this close to the threshold may fall on either side (the engine's fp32 against the
+# reference's float64: probabilities agree to ~1e-6). The demo model is very sure of most answers:
+# the threshold sits where its readouts still differ.
+MARGIN = 1e-5
+DEPTHS = [{"depth": {"min": 2, "max": 6}}, {"depth": "auto"}, {"depth": 6}, {"depth": {"min": 1, "max": 4}}]
+
+
+def _exit_rule(readouts: list[torch.Tensor], position: int, lowest: int, highest: int) -> tuple[int, bool]:
+    """The level the rule stops the token at from the reference's readouts (level l: readouts[l - 1]),
+    and whether every readout it looked at is clear of the threshold by MARGIN."""
+    clear = True
+    for level in range(lowest, highest):
+        top = float(torch.softmax(readouts[level - 1][0, position], dim=-1).max())
+        clear &= abs(top - THRESHOLD) > MARGIN
+        if top >= THRESHOLD:
+            return level, clear
+    return highest, clear
+
+
+@pytest.mark.slow
+def test_confident_tokens_stop_early_and_the_engine_equals_the_reference():
+    source = resolve_model("demo-dreamer")
+    tokenizer = load_tokenizer(source)
+    held_out = problems(5, 8, "held_out", 6)
+    prompts = [tokenizer.encode(p.prompt, add_special_tokens=False) for p in held_out]
+    depths = [DepthParams.from_dict(DEPTHS[i % len(DEPTHS)]) for i in range(len(prompts))]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
+    longest = max(map(len, prompts)) + params.max_tokens
+    probe = tiny_llm(source.path, max_model_len=longest)
+    costliest = max(probe.engine.block_manager.pages_for(cache_layout(probe.engine.model, d), longest) for d in depths)
+    page_bytes = ModelRunner.page_bytes(BLOCK_SIZE, probe.engine.model.head_dim, torch.float32)
+    depth_cache = -(-probe.engine.model.step_cache_bytes_bound(16) // page_bytes)
+    llm = tiny_llm(source.path, pages=costliest + depth_cache, max_model_len=longest, max_num_batched_tokens=16,
+                   depth_policy="confidence", confidence_threshold=THRESHOLD)
+    outputs = llm.generate(prompts, params, depths)
+    assert llm.engine.scheduler.num_preemptions > 0
+    stats = check_against_reference(source.path, prompts, depths, outputs)
+    assert stats["tokens"] > 0
+    cfg, spec, weights = dreamer_reference.load(source.path)
+    early = full = sampled = 0
+    for prompt, depth, out in zip(prompts, depths, outputs):
+        per_token = out.depth.per_token
+        if per_token is None:
+            continue
+        span = depth.normalized(llm.engine.model.depth_knobs()).depth
+        tokens = prompt + out.token_ids[:-1]
+        ids = torch.tensor([tokens])
+        readouts, _ = dreamer_reference.run(cfg, spec, weights, ids, span.maximum, every_depth=True,
+                                            token_depths=torch.tensor([per_token]))
+        assert per_token[: len(prompt) - 1] == [span.maximum] * (len(prompt) - 1)  # nobody samples there
+        for position in range(len(prompt) - 1, len(tokens)):  # the positions whose readout was sampled
+            ran = per_token[position]
+            expected, clear = _exit_rule(readouts, position, span.minimum, span.maximum)
+            sampled += 1
+            if clear:
+                assert ran == expected, f"position {position}: ran {ran}, the rule says {expected}"
+                early += ran < span.maximum
+                full += ran == span.maximum
+        assert out.outputs[0].token_depths == per_token[len(prompt) - 1 : len(tokens)]
+        assert out.depth.to_dict()["exit_readouts"] > 0
+        assert out.depth.relative_compute < 1.0 or span.maximum < spec.depth
+    assert early and full, "the threshold was meant to stop some tokens early and not others"
+    assert early + full >= 0.8 * sampled, "most decisions were meant to be clear of the threshold"
+    assert llm.engine.block_manager.num_used_pages == 0
+
+
+def test_a_fixed_request_ignores_the_threshold_and_exits_are_reproducible():
+    source = resolve_model("demo-dreamer")
+    prompt = load_tokenizer(source).encode(problems(3, 1, "held_out", 2)[0].prompt, add_special_tokens=False)
+    params = SamplingParams(temperature=0.0, max_tokens=3, logprobs=1)
+    confident = LLM("demo-dreamer", device="cpu", dtype="float32", load_progress=False, max_model_len=64,
+                    depth_policy="confidence", confidence_threshold=THRESHOLD)
+    plain = LLM("demo-dreamer", device="cpu", dtype="float32", load_progress=False, max_model_len=64)
+    fixed = [llm.generate([prompt], params, DepthParams(depth=6))[0] for llm in (confident, plain)]
+    assert fixed[0].token_ids == fixed[1].token_ids and fixed[0].depth.per_token is None
+    ranged = [confident.generate([prompt], params, DepthParams(depth="auto"))[0] for _ in range(2)]
+    assert ranged[0].depth.per_token == ranged[1].depth.per_token
+    assert min(ranged[0].depth.per_token) < 6
+
+
+def test_the_threshold_is_checked(tmp_path, smollm_tokenizer):
+    for kwargs, message in ((dict(depth_policy="confidence"), "needs confidence_threshold"),
+                            (dict(depth_policy="fixed", confidence_threshold=0.5), "not fixed"),
+                            (dict(depth_policy="confidence", confidence_threshold=1.5), "must lie in")):
+        with pytest.raises(ConfigurationError, match=message):
+            EngineArgs(model="demo-dreamer", **kwargs).validate()
+    put = make_tiny("put", tmp_path / "put", seed=1, num_kv_heads=2, tokenizer=smollm_tokenizer)
+    with pytest.raises(ConfigurationError, match="readout at every depth level"):
+        LLM(str(put), device="cpu", dtype="float32", load_progress=False, max_model_len=32,
+            depth_policy="confidence", confidence_threshold=0.5)
+
+
+def test_exit_counts_are_in_the_metrics():
+    """Tokens that stopped early count at the level they ran, and are not counted as shed."""
+    llm = LLM("demo-dreamer", device="cpu", dtype="float32", load_progress=False, max_model_len=64,
+              depth_policy="confidence", confidence_threshold=THRESHOLD)
+    source = resolve_model("demo-dreamer")
+    prompt = load_tokenizer(source).encode(problems(4, 1, "held_out", 1)[0].prompt, add_special_tokens=False)
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=2), DepthParams(depth="auto"))[0]
+    levels = np.bincount(out.depth.per_token, minlength=7)
+    assert llm.engine.depth_levels_run == {level: int(n) for level, n in enumerate(levels) if n}
+    assert llm.engine.depth_shed_tokens == 0
