@@ -121,6 +121,9 @@ class LLMEngine:
                 f"{args.model} has none")
         self.depth_levels_run: dict[int, int] = {}  # range-knob tokens computed, by the level they ran
         self.depth_shed_tokens = 0  # range-knob tokens run below their range's maximum
+        # When the last step ended, if requests were left unfinished then (else None): the time from
+        # there to the next step's end is what a decoding client waited for its token.
+        self._busy_step_end: float | None = None
         sampler = Sampler(self.eos_token_ids, self.vocab_size, seed=args.seed)
         self.runner = ModelRunner(self.model, self.block_manager, sampler, self.dtype, self.device, kernels)
         static_spec = self.model.static_decode_spec()
@@ -307,6 +310,7 @@ class LLMEngine:
         start = time.perf_counter()
         plan = self.scheduler.schedule()
         if plan.empty:
+            self._busy_step_end = None
             return []
         scheduled = replay_recorded_levels(self.depth_policy.assign(plan.scheduled))
         # A seeded sequence's draws must not depend on a failed attempt: its re-run draws again.
@@ -327,7 +331,11 @@ class LLMEngine:
             self.prompt_tokens_computed += max(0, min(item.end, item.seq.num_prompt_tokens) - item.start)
             self.tokens_generated += result.sampled is not None
         outputs = self._postprocess(results)
-        self.depth_policy.observe(ran, time.perf_counter() - start)  # the whole step, as a client sees it
+        end = time.perf_counter()
+        # The policy learns what a decoding client waits per token: this step, and the time since the
+        # last step ended when the engine had work all along (output handling, the server's turn).
+        self.depth_policy.observe(ran, end - (start if self._busy_step_end is None else self._busy_step_end))
+        self._busy_step_end = end if self.has_unfinished_requests() else None
         return outputs
 
     def _count_levels(self, assigned: list[ScheduledSeq], ran: list[ScheduledSeq]) -> None:
