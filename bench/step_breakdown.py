@@ -98,13 +98,13 @@ def part_targets(arch: str, kernels: list[Any]) -> dict[str, list[tuple[Any, str
 
         targets["ITT routing"] = ops("itt_route", "itt_update") + [(StepBatch, "routed_meta"), (StepRouting, "record")]
     elif arch == "sgt":
-        targets["SGT loop metadata"] = [(StepBatch, "slot_meta")]
+        targets["SGT loop metadata"] = [(StepBatch, "level_meta")]
     elif arch == "dreamer":
         from depthserve.archs.dreamer.model import DreamerForCausalLM as Dreamer
 
         targets["Dreamer experts"] = [(Dreamer, "_router"), (Dreamer, "_grouped"), (Dreamer, "_ea")]
         targets["Dreamer depth attention"] = [(Dreamer, "_da")]
-        targets["Dreamer bookkeeping"] = [(StepBatch, "slot_meta"), (Dreamer, "_record")]
+        targets["Dreamer bookkeeping"] = [(StepBatch, "level_meta"), (Dreamer, "_record")]
     elif arch == "put":
         from depthserve.archs.put.model import ConvContext
 
