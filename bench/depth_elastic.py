@@ -11,8 +11,10 @@ asks for a depth range (`--depth`, default `{"depth": "auto"}`: the model's whol
 `fixed` runs at its maximum and `slo` lowers when the predicted step time would pass T. Per rate
 and policy: the serving summary (TTFT, TPOT, goodput with the SLO TPOT <= T), the mean depth of
 every token the requests computed (usage.depth.mean_depth, prompts included) and of the output
-tokens (the streamed token_depths). The result names the largest rate at which `fixed` keeps
-p99 TPOT within T and compares both policies at twice that rate when it was run.
+tokens (the streamed token_depths). The result names the rate `fixed` sustains within T (at
+least 90% of its requests within T at that rate and every lower one: SLO attainment, DistServe's
+measure of capacity; the rate up to which its p99 TPOT stays within T is given too) and compares
+both policies at twice that rate when it was run.
 Result: bench/results/depth-elastic-<label>.json; chart by bench/plot.py.
 """
 
@@ -104,10 +106,21 @@ async def run(urls: dict[str, str], ns: argparse.Namespace) -> dict[str, Any]:
                     right = [r.ok and r.text.split()[:1] == [a] for r, a in zip(results, answers)]
                     summary["accuracy"] = sum(right) / len(right)
                     line += f" | accuracy {summary['accuracy']:.3f}"
-                row[policy] = {"summary": summary, "requests": [r.as_dict() for r in results]}
+                row[policy] = {"summary": summary, "requests": [compact(r.as_dict(), keep_text=ns.demo_task)
+                                                                for r in results]}
                 print(line, flush=True)
             runs.append(row)
     return {"model_id": model_id, "runs": runs}
+
+
+def compact(request: dict[str, Any], keep_text: bool) -> dict[str, Any]:
+    """A request's record as the result keeps it: times to 10 us, no inter-token gaps (TPOT and the
+    depth of every token stay), the text only where answers are graded."""
+    out = {key: round(value, 5) if isinstance(value, float) else value
+           for key, value in request.items() if key not in ("itl_s", "text")}
+    if keep_text:
+        out["text"] = request["text"]
+    return out
 
 
 async def demo_task_prompts(client: httpx.AsyncClient, ns: argparse.Namespace) -> tuple[list[list[int]], list[str]]:
@@ -122,27 +135,55 @@ async def demo_task_prompts(client: httpx.AsyncClient, ns: argparse.Namespace) -
     return prompts, [problem.answer for problem in held_out]
 
 
-def comparison(runs: list[dict[str, Any]], target_ms: float) -> dict[str, Any]:
-    """The largest rate at which `fixed` keeps p99 TPOT within the target, and both policies at twice it."""
-    def p99(row: dict, policy: str) -> float:
-        return row[policy]["summary"]["tpot_ms"]["p99"]
+ATTAINMENT = 0.9  # the share of requests within the TPOT target at which a server sustains a rate (DistServe's)
 
-    sustained = [row["request_rate"] for row in runs if p99(row, "fixed") <= target_ms]
-    out: dict[str, Any] = {"tpot_slo_ms": target_ms, "fixed_sustained_rate": max(sustained) if sustained else None}
-    double = next((row for row in runs if sustained and row["request_rate"] == 2 * max(sustained)), None)
-    if double is not None:
-        out["at_twice_the_rate"] = {
-            "request_rate": double["request_rate"],
-            **{policy: {"p99_tpot_ms": p99(double, policy), "goodput": double[policy]["summary"]["goodput"],
-                        "mean_depth": double[policy]["summary"].get("mean_depth"),
-                        "mean_output_depth": double[policy]["summary"].get("mean_output_depth"),
-                        "accuracy": double[policy]["summary"].get("accuracy")}
-               for policy in POLICIES},
-        }
-        fixed_goodput = double["fixed"]["summary"]["goodput"]
-        out["at_twice_the_rate"]["goodput_ratio"] = (double["slo"]["summary"]["goodput"] / fixed_goodput
-                                                     if fixed_goodput else None)
+
+def attainment(row: dict, policy: str) -> float:
+    summary = row[policy]["summary"]
+    return summary["good_requests"] / max(1, summary["completed"] + summary["failed"])
+
+
+def sustained_rate(runs: list[dict[str, Any]], meets) -> float | None:
+    """The largest request rate up to which every rate run meets `meets(row)` (None: not the lowest)."""
+    best = None
+    for row in sorted(runs, key=lambda row: row["request_rate"]):
+        if not meets(row):
+            break
+        best = row["request_rate"]
+    return best
+
+
+def at_rate(runs: list[dict[str, Any]], rate: float | None) -> dict[str, Any] | None:
+    """Both policies' figures at `rate`, if it was run."""
+    row = next((row for row in runs if rate is not None and row["request_rate"] == rate), None)
+    if row is None:
+        return None
+    out: dict[str, Any] = {"request_rate": rate}
+    for policy in POLICIES:
+        summary = row[policy]["summary"]
+        out[policy] = {"p99_tpot_ms": summary["tpot_ms"]["p99"], "goodput": summary["goodput"],
+                       "slo_attainment": attainment(row, policy), "mean_depth": summary.get("mean_depth"),
+                       "mean_output_depth": summary.get("mean_output_depth"), "accuracy": summary.get("accuracy")}
+    fixed_goodput = out["fixed"]["goodput"]
+    out["goodput_ratio"] = out["slo"]["goodput"] / fixed_goodput if fixed_goodput else None
     return out
+
+
+def comparison(runs: list[dict[str, Any]], target_ms: float) -> dict[str, Any]:
+    """The rate `fixed` sustains within the TPOT target, and both policies at twice that rate.
+    Sustained: up to that rate, at least ATTAINMENT of fixed's requests met the target at every rate
+    run (SLO attainment, as DistServe defines a system's capacity); also given by p99 TPOT within the
+    target at every rate (the stricter reading, noisier at a few hundred requests)."""
+    by_attainment = sustained_rate(runs, lambda row: attainment(row, "fixed") >= ATTAINMENT)
+    by_p99 = sustained_rate(runs, lambda row: row["fixed"]["summary"]["tpot_ms"]["p99"] <= target_ms)
+    return {
+        "tpot_slo_ms": target_ms,
+        "attainment": ATTAINMENT,
+        "fixed_sustained_rate": by_attainment,
+        "fixed_sustained_rate_by_p99": by_p99,
+        "at_twice_the_rate": at_rate(runs, None if by_attainment is None else 2 * by_attainment),
+        "at_twice_the_rate_by_p99": at_rate(runs, None if by_p99 is None else 2 * by_p99),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
