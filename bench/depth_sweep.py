@@ -82,6 +82,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None, help="torch threads (CPU)")
     p.add_argument("--kv-cache-memory-gib", type=float, default=1.0, help="per engine (one engine per setting)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="the checkpoints' tokenizer (default: the built-in SmolLM2's; a GPU host without its "
+                        "package passes a saved copy, docs/gpu.md)")
     p.add_argument("--quick", action="store_true", help="input 16, 8 timed steps after 2 warm-up steps, ratios 0, 0.5, 1")
     p.add_argument("--out", default=None, help="result name under bench/results (default: depth-sweep-<device>)")
     p.add_argument("--compiled", action="store_true",
@@ -106,10 +109,11 @@ def checkpoint_options(arch: str, ns: argparse.Namespace, num_layers: int) -> di
 
 def ensure_checkpoint(arch: str, ns: argparse.Namespace) -> Path:
     """The checkpoint directory, built with make_tiny unless one with the same options is there."""
-    from depthserve.tiny import make_tiny, num_layers_of
+    from depthserve.tiny import make_tiny, num_layers_of, tokenizer_from
 
     options = checkpoint_options(arch, ns, num_layers_of(LIKE))
-    identity = {"arch": arch, "like": LIKE, "seed": ns.seed, **options}
+    identity = {"arch": arch, "like": LIKE, "seed": ns.seed, **options,
+                **({"tokenizer": str(ns.tokenizer)} if ns.tokenizer else {})}
     digest = hashlib.sha1(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:10]
     path = ns.checkpoint_dir / f"{arch}-like-{LIKE}-{digest}"
     marker = path / "bench-options.json"  # written last: a half-built checkpoint has none
@@ -117,7 +121,8 @@ def ensure_checkpoint(arch: str, ns: argparse.Namespace) -> Path:
         return path
     print(f"building the {arch} checkpoint {identity} in {path} ...", flush=True)
     start = time.perf_counter()
-    make_tiny(arch, path, seed=ns.seed, like=LIKE, **options)
+    make_tiny(arch, path, seed=ns.seed, like=LIKE, tokenizer=tokenizer_from(ns.tokenizer) if ns.tokenizer else None,
+              **options)
     marker.write_text(json.dumps(identity) + "\n")
     print(f"  built in {time.perf_counter() - start:.0f}s", flush=True)
     return path

@@ -66,9 +66,13 @@ def plot_throughput(payload: dict[str, Any], out: Path) -> list[Path]:
     x = [row["concurrency"] for row in rows]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
     for ax, phase in zip(axes, ("decode", "prefill")):
-        ax.plot(x, figures(rows, f"engine_{phase}_tok_s"), "o-", label="depthserve engine")
-        if all(f"hf_{phase}_tok_s" in row for row in rows):
-            ax.plot(x, figures(rows, f"hf_{phase}_tok_s"), "s--", label="transformers")
+        ax.plot(x, figures(rows, f"engine_{phase}_tok_s"), "o-", label="depthserve engine (eager)")
+        others = (("compiled", "o-", "depthserve engine (compiled decode)"), ("hf", "s--", "transformers"),
+                  ("hf_compiled", "s:", "transformers, static cache compiled"),
+                  ("anchor", "^--", "plain static-cache decoder, compiled (anchor)"))
+        for key, style, label in others:
+            if all(f"{key}_{phase}_tok_s" in row for row in rows):
+                ax.plot(x, figures(rows, f"{key}_{phase}_tok_s"), style, label=label)
         if phase == "decode" and all("engine_decode_matmul_ms_per_step" in row for row in rows):
             ceiling = [1000 * row["concurrency"] / row["engine_decode_matmul_ms_per_step"] for row in rows]
             ax.plot(x, ceiling, ":", color="gray", label="engine's weight matmuls alone")
@@ -264,6 +268,11 @@ def plot_depth_elastic(payload: dict[str, Any], out: Path) -> list[Path]:
             axes[3].plot(rates, [100 * s["accuracy"] for s in summaries], style, label=policy)
     axes[0].axhline(target, color="grey", linestyle=":", linewidth=1)
     axes[1].plot(rates, rates, ":", color="grey", linewidth=1, label="offered")
+    sustained = (payload.get("comparison") or {}).get("fixed_sustained_rate")
+    if sustained:  # the rate fixed sustains (90% of requests within the target) and twice it
+        for rate, label in ((sustained, "fixed sustains"), (2 * sustained, "twice that")):
+            axes[1].axvline(rate, color="tab:blue", linestyle=":", linewidth=1, alpha=0.6)
+            axes[1].annotate(label, (rate, 0), textcoords="offset points", xytext=(3, 3), fontsize=7, rotation=90)
     panels = [(axes[0], f"p99 TPOT (dotted: the {target:g} ms target)", "ms"),
               (axes[1], f"goodput (requests/s with TPOT <= {target:g} ms)", "requests/s"),
               (axes[2], "mean depth run", "depth")]

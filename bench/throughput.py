@@ -3,6 +3,8 @@
     python bench/throughput.py                      # SmolLM2, concurrency 1, 8, 32, input 128, output 64
     python bench/throughput.py --quick              # a fast smoke version (make bench)
     python bench/throughput.py --model DIR --batch-sizes 1,64,256 --device cuda
+    python bench/throughput.py --device cuda --dtype bfloat16 --compiled --hf-compiled --anchor \
+        --batch-sizes 1,8,32,64,256                # the GPU comparison (docs/gpu.md)
 
 Method (the same for both systems): a batch of `concurrency` prompts of `input_len` random
 tokens is generated greedily with EOS ignored, once with 1 new token and once with
@@ -14,6 +16,13 @@ After the two systems in each repeat, the engine's weight matmuls of one decode 
 layer's projections and the LM head on `concurrency` rows) are timed alone, 3 times: transformers'
 decode step time over their median gives the decode ratio that the engine could reach if
 everything else in its step were free.
+
+Optional systems, each taking its turn in the same repeats: `--compiled` (the engine's decode
+steps compiled at static shapes, on CUDA replayed as CUDA graphs), `--hf-compiled` (transformers'
+static cache, which its generate compiles on CUDA), `--anchor` (bench/anchor.py: a plain Llama
+with a static KV cache, its decode step compiled with CUDA graphs, gpt-fast style: the speed
+paging, continuous batching and depth support should not cost). On CUDA the result also gives the
+batch-1 bandwidth floor: the weights' bytes over the device's measured copy rate.
 """
 
 from __future__ import annotations
@@ -47,6 +56,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compiled", action="store_true",
                    help="also time the engine with decode steps compiled at static shapes (enforce_eager=False), "
                         "taking turns with the eager engine and transformers")
+    p.add_argument("--hf-compiled", action="store_true",
+                   help="also time transformers with its static cache (compiled by its generate on CUDA)")
+    p.add_argument("--anchor", action="store_true",
+                   help="also time bench/anchor.py, a plain static-cache decoder of the same weights, compiled")
     p.add_argument("--quick", action="store_true", help="concurrency 1 and 8, output 16, 2 repeats")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="result name under bench/results (default: throughput-<device>)")
@@ -83,18 +96,58 @@ class EngineRunner:
 
 
 class HFRunner:
-    name = "hf"
+    """transformers' generate; with `static_cache`, its static KV cache (which generate compiles on CUDA)."""
 
-    def __init__(self, ns: argparse.Namespace, device: torch.device, dtype: torch.dtype):
-        self.model = common.load_hf_model(ns.model, dtype, str(device))
-        self.device = device
+    def __init__(self, model, device: torch.device, static_cache: bool = False):
+        self.name = "hf_compiled" if static_cache else "hf"
+        self.model, self.device = model, device
+        self.options = {"cache_implementation": "static"} if static_cache else {}
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], new_tokens: int) -> None:
         ids = torch.tensor(prompts, device=self.device)  # equal lengths: no padding needed
         out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                                  min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, eos_token_id=None)
+                                  min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, eos_token_id=None,
+                                  **self.options)
         assert out.shape[1] == ids.shape[1] + new_tokens
+
+
+class AnchorRunner:
+    """bench/anchor.py on the same weights: one generator (static cache, compiled step) per batch size."""
+
+    name = "anchor"
+
+    def __init__(self, hf_model, max_len: int):
+        self.hf_model, self.max_len = hf_model, max_len
+        self.generators: dict[int, object] = {}
+
+    def generate(self, prompts: list[list[int]], new_tokens: int) -> None:
+        from anchor import AnchorGenerator
+
+        batch = len(prompts)
+        if batch not in self.generators:
+            self.generators.clear()  # one batch size's caches at a time
+            self.generators[batch] = AnchorGenerator(self.hf_model, batch, self.max_len, compile_decode=True)
+        out = self.generators[batch].generate(prompts, new_tokens)
+        assert out.shape == (batch, new_tokens)
+
+
+def copy_rate(device: torch.device, sync, gib: float = 1.0, repeats: int = 10) -> float:
+    """Bytes per second of a device-to-device copy, counting bytes read and written (median of `repeats`)."""
+    source = torch.empty(int(gib * (1 << 30)) // 2, dtype=torch.bfloat16, device=device).normal_()
+    target = torch.empty_like(source)
+    target.copy_(source)
+    seconds = statistics.median(common.timed(lambda: target.copy_(source), sync) for _ in range(repeats))
+    return 2 * source.numel() * source.element_size() / seconds
+
+
+def bandwidth_floor(model: torch.nn.Module, device: torch.device, sync) -> dict:
+    """The fastest a batch-1 decode step can be: every weight read once at the measured copy rate."""
+    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters()}
+    weight_bytes = sum(storages.values())
+    rate = copy_rate(device, sync)
+    return {"weight_bytes": weight_bytes, "copy_rate_bytes_per_s": rate,
+            "batch1_floor_ms_per_step": 1000 * weight_bytes / rate, "batch1_floor_tok_s": rate / weight_bytes}
 
 
 def measure(runners: list, prompts: list[list[int]], output_len: int, repeats: int, sync,
@@ -162,8 +215,12 @@ def main(argv: list[str] | None = None) -> int:
     engine = EngineRunner(ns, max(batch_sizes))
     sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
     compiled = EngineRunner(ns, max(batch_sizes), compiled=True) if ns.compiled else None
-    hf = None if ns.no_hf else HFRunner(ns, engine.device, engine.dtype)
-    runners = [engine] + ([compiled] if compiled is not None else []) + ([hf] if hf is not None else [])
+    hf_model = (common.load_hf_model(ns.model, engine.dtype, str(engine.device))
+                if not ns.no_hf or ns.hf_compiled or ns.anchor else None)
+    hf = None if ns.no_hf else HFRunner(hf_model, engine.device)
+    extra = ([HFRunner(hf_model, engine.device, static_cache=True)] if ns.hf_compiled else []) + (
+        [AnchorRunner(hf_model, ns.input_len + ns.output_len + 1)] if ns.anchor else [])
+    runners = [r for r in (engine, compiled, hf) if r is not None] + extra
 
     rows = []
     for concurrency in batch_sizes:
@@ -185,6 +242,12 @@ def main(argv: list[str] | None = None) -> int:
             row.update({"compiled_decode_tok_s": c["decode_tok_s"], "compiled_prefill_tok_s": c["prefill_tok_s"]})
             if hf is not None and c["decode_tok_s"] and h["decode_tok_s"]:
                 row["compiled_decode_ratio"] = c["decode_tok_s"] / h["decode_tok_s"]
+        for runner in extra:  # hf_compiled, anchor: their figures, and the engine's best decode against them
+            f = figures[runner.name]
+            row.update({f"{runner.name}_decode_tok_s": f["decode_tok_s"], f"{runner.name}_prefill_tok_s": f["prefill_tok_s"]})
+            best = max((x for x in (e["decode_tok_s"], row.get("compiled_decode_tok_s")) if x), default=None)
+            if best and f["decode_tok_s"]:
+                row[f"engine_best_decode_over_{runner.name}"] = best / f["decode_tok_s"]
         row.update(matmul_floor(matmul_ms, h if hf is not None else None))
         row["raw"] = figures
         rows.append(row)
@@ -197,6 +260,10 @@ def main(argv: list[str] | None = None) -> int:
         "environment": common.environment(str(engine.device), ns.threads),
         "rows": rows,
     }
+    if engine.device.type == "cuda":
+        payload["bandwidth_floor"] = bandwidth_floor(engine.llm.engine.model, engine.device, sync)
+        print(f"batch-1 bandwidth floor: {payload['bandwidth_floor']['batch1_floor_tok_s']:.0f} tok/s "
+              f"({payload['bandwidth_floor']['batch1_floor_ms_per_step'] * 1000:.0f} us per step)")
     name = ns.out or f"throughput-{common.device_slug(str(engine.device))}" + ("-quick" if ns.quick else "")
     print(f"wrote {common.write_result(name, payload)}")
     return 0
@@ -214,6 +281,11 @@ def _format_row(row: dict) -> str:
         text += (f"\n                 compiled: prefill {row['compiled_prefill_tok_s']:8.1f} tok/s, decode "
                  f"{_figure(row['compiled_decode_tok_s'], 7, 1)} tok/s, decode ratio "
                  f"{_figure(row.get('compiled_decode_ratio'), 0, 2)}")
+    for name in ("hf_compiled", "anchor"):
+        if f"{name}_decode_tok_s" in row:
+            text += (f"\n                 {name}: prefill {row[f'{name}_prefill_tok_s']:8.1f} tok/s, decode "
+                     f"{_figure(row[f'{name}_decode_tok_s'], 7, 1)} tok/s; engine's best decode / {name}: "
+                     f"{_figure(row.get(f'engine_best_decode_over_{name}'), 0, 2)}")
     return text
 
 

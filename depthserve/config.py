@@ -16,7 +16,9 @@ class EngineArgs:
     max_model_len: int | None = None  # default: the model's context length
     kv_cache_memory_gib: float | None = None  # default: 1 GiB on CPU, 60% of free GPU memory on CUDA
     block_size: int = 16
-    max_num_batched_tokens: int = 512  # per-step token budget (prefill chunks + decodes)
+    # Per-step token budget (prefill chunks + decodes); None: 512 on CPU (a step's time tracks its tokens),
+    # 8192 on CUDA (a step's launches cost the same for 16 tokens or 8192: prefill in few, large steps).
+    max_num_batched_tokens: int | None = None
     max_num_seqs: int = 64
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
@@ -30,6 +32,9 @@ class EngineArgs:
     # Decode-only steps padded to batch buckets and run through torch.compile (models with
     # static_decode). None: compiled on CUDA, eager on CPU; True: always eager; False: compiled.
     enforce_eager: bool | None = None
+    # On CUDA, each batch bucket's compiled decode step captured as a CUDA graph at start-up and
+    # replayed (one launch a step); False: the compiled step launches its kernels one by one.
+    cuda_graphs: bool = True
     # How deep the tokens of requests with a range knob run (depthserve/engine/depth_policy.py):
     # "fixed" (each range at its maximum), "slo" (as deep as keeps each step within tpot_slo_ms) or
     # "confidence" (each token until its readout is confident, confidence_threshold).
@@ -40,10 +45,16 @@ class EngineArgs:
     # readout per level).
     confidence_threshold: float | None = None
 
+    def step_token_budget(self, device_type: str) -> int:
+        """max_num_batched_tokens, or its default on this kind of device."""
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        return 8192 if device_type == "cuda" else 512
+
     def validate(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ConfigurationError(f"block_size must be a power of two, got {self.block_size}")
-        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
+        if (self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1) or self.max_num_seqs < 1:
             raise ConfigurationError("max_num_batched_tokens and max_num_seqs must be positive")
         if self.kv_cache_memory_gib is not None and self.kv_cache_memory_gib <= 0:
             raise ConfigurationError("kv_cache_memory_gib must be positive")

@@ -50,6 +50,17 @@ def load_default_tokenizer():
         return _byte_tokenizer()
 
 
+def tokenizer_from(path: str | Path):
+    """The tokenizer saved in a directory (a checkpoint's, or one written by save_pretrained)."""
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    if not (Path(path) / "tokenizer.json").is_file() and not (Path(path) / "tokenizer_config.json").is_file():
+        raise ConfigurationError(f"no tokenizer in {path} (tokenizer.json or tokenizer_config.json)")
+    return AutoTokenizer.from_pretrained(str(path))
+
+
 def _byte_tokenizer():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -85,6 +96,9 @@ def add_subcommands(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--like", default=None, choices=sorted(LIKE), help="the real model's shapes, random weights")
     p.add_argument("--num-kv-heads", type=int, default=None, help="KV heads (default 2 of 4: GQA; 4 for MHA)")
+    p.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="the tokenizer (and so the vocabulary) of this checkpoint or tokenizer directory "
+                        "(default: the built-in SmolLM2's, or a byte-level one where its package is absent)")
     p.add_argument("--sgt-layers", type=_int_list, default=None, help="SGT looped layers, e.g. 10,15,20")
     p.add_argument("--sgt-heads", type=_head_sets, default=None,
                    help="SGT heads per looped layer: a count N (heads 0..N-1) or one set per layer, e.g. '0,1;0,4;1,8'")
@@ -153,7 +167,8 @@ def cli_options(ns: argparse.Namespace) -> dict[str, Any]:
 
 def _cmd_make_tiny(ns: argparse.Namespace) -> int:
     try:
-        path = make_tiny(ns.arch, ns.out, ns.seed, ns.like, ns.num_kv_heads, **cli_options(ns))
+        tokenizer = tokenizer_from(ns.tokenizer) if ns.tokenizer else None
+        path = make_tiny(ns.arch, ns.out, ns.seed, ns.like, ns.num_kv_heads, tokenizer, **cli_options(ns))
     except (ValueError, TypeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

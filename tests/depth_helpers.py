@@ -14,11 +14,12 @@ BLOCK_SIZE = 8
 TINY_HEAD_DIM = 16  # depthserve.tiny.TINY
 
 
-def tiny_llm(path, pages: int | None = None, max_model_len: int = 256, **kwargs) -> LLM:
-    """An fp32 CPU engine with block size 8 and, if `pages` is given, a KV budget of that many pages."""
+def tiny_llm(path, pages: int | None = None, max_model_len: int = 256, device: str = "cpu", **kwargs) -> LLM:
+    """An fp32 engine (CPU unless asked) with block size 8 and, if `pages` is given, a KV budget of
+    that many pages."""
     page_bytes = ModelRunner.page_bytes(BLOCK_SIZE, TINY_HEAD_DIM, torch.float32)
     gib = None if pages is None else pages * page_bytes / (1 << 30)
-    return LLM(str(path), device="cpu", dtype="float32", load_progress=False, max_model_len=max_model_len,
+    return LLM(str(path), device=device, dtype="float32", load_progress=False, max_model_len=max_model_len,
                block_size=BLOCK_SIZE, kv_cache_memory_gib=gib, **kwargs)
 
 

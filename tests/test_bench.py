@@ -281,3 +281,59 @@ def test_step_breakdown_times_every_part_of_real_decode_steps(tmp_path, arch):
         assert rows[0]["parts_ms"]["ITT routing"] == 0
         assert set(step_breakdown.itt_parts(rows)["parts"]) == set(rows[0]["parts_ms"]) | {"step"}
     assert set(step_breakdown.extra_by_part(rows)) == {r["setting"] for r in rows[1:]}
+
+
+def test_the_decode_anchor_generates_what_the_engine_generates(tmp_path):
+    """bench/anchor.py (the plain static-cache decoder bench/throughput.py --anchor times) is the same
+    model as the engine's: greedy tokens equal on a tiny GQA Llama, in fp32 on CPU."""
+    import torch
+    from anchor import AnchorGenerator
+
+    from depthserve import SamplingParams
+    from tests.depth_helpers import tiny_llm
+
+    path = tiny.make_tiny("llama", tmp_path / "llama", seed=3, num_kv_heads=2)
+    prompts = common.random_prompts(3, 11, 256, seed=4)
+    params = SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True)
+    expected = [out.token_ids for out in tiny_llm(path).generate(prompts, params)]
+    hf = common.load_hf_model(str(path), torch.float32, "cpu")
+    anchor = AnchorGenerator(hf, max_batch=3, max_len=24, compile_decode=False)
+    assert anchor.generate(prompts, 9).tolist() == expected
+
+
+def test_kernel_bench_checks_and_times_every_variant_against_the_fallback_and_sdpa():
+    """bench/kernels.py on a tiny shape (interpreted Triton on CPU): every kernel variant, the
+    torch fallback and contiguous SDPA compute the same attention, each row timed."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_kernels", BENCH / "kernels.py")  # not the kernels/ package
+    kernel_bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(kernel_bench)
+    ns = kernel_bench.parse_args(["--quick"])
+    assert kernel_bench.parse_variants("tile=32,64;warps=4") == [{"tile": 32, "num_warps": 4}, {"tile": 64, "num_warps": 4}]
+    result = kernel_bench.bench_shape("4/2/16", ns, __import__("torch").device("cpu"), copy_rate=None)
+    names = [row["name"] for row in result["rows"]]
+    assert names[0] == "triton (default)" and names[-2:] == ["torch fallback (gather)", "sdpa, contiguous K/V"]
+    assert len(names) == 2 + 2 + 1  # default, two variants, fallback, sdpa
+    assert all(row["relative_error"] < 1e-5 and row["ms"] > 0 for row in result["rows"])
+    assert result["bytes_moved"] == 2 * 2 * 2 * 64 * 16 * 4
+
+
+def test_depth_elastic_compares_the_policies_at_twice_the_rate_fixed_sustains():
+    """fixed sustains a rate while at least 90% of its requests meet the TPOT target at it and every
+    lower rate (a dip above does not count); the p99 reading is kept beside it."""
+    import depth_elastic
+
+    def summary(good, p99, goodput):
+        return {"summary": {"good_requests": good, "completed": 100, "failed": 0, "tpot_ms": {"p99": p99},
+                            "goodput": goodput, "mean_depth": 3.0}}
+
+    runs = [{"request_rate": rate, "fixed": summary(good, p99, rate * good / 100), "slo": summary(100, 50, rate)}
+            for rate, good, p99 in ((2, 100, 55), (3, 95, 62), (4, 92, 70), (5, 80, 90), (6, 91, 95), (8, 30, 150))]
+    result = depth_elastic.comparison(runs, 60.0)
+    assert result["fixed_sustained_rate"] == 4 and result["fixed_sustained_rate_by_p99"] == 2
+    twice = result["at_twice_the_rate"]
+    assert twice["request_rate"] == 8 and twice["goodput_ratio"] == pytest.approx(8 / 2.4)
+    assert twice["fixed"]["slo_attainment"] == 0.3 and twice["slo"]["p99_tpot_ms"] == 50
+    assert result["at_twice_the_rate_by_p99"]["request_rate"] == 4
+    assert depth_elastic.comparison(runs[3:], 60.0)["at_twice_the_rate"] is None  # fixed sustains no rate run

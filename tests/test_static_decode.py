@@ -44,8 +44,8 @@ def compiled(path):
     return tiny_llm(path, max_model_len=128, max_num_seqs=8, enforce_eager=False)
 
 
-def _prompts() -> list[list[int]]:
-    stream = synthetic_streams(49152, 1, 400, seed=1)[0].tolist()
+def _prompts(vocab_size: int = 49152) -> list[list[int]]:
+    stream = synthetic_streams(vocab_size, 1, 400, seed=1)[0].tolist()
     return [stream[i * 9 : i * 9 + n] for i, n in enumerate(LENGTHS)]
 
 
@@ -65,23 +65,24 @@ def assert_same_report(expected, got) -> None:
         np.testing.assert_array_equal(got.decisions[name], value, err_msg=name)
 
 
-def _compiled_equals_eager(path, pages: int, depths=None) -> None:
+def compiled_equals_eager(path, pages: int, depths=None, device: str = "cpu", prompts=None):
     """Seven requests over a budget of pages that forces preemption, prompts prefilled in chunks:
     the compiled engine's tokens, logprobs and depth reports are the eager engine's, its decode
-    steps ran at static shapes, and nothing compiled after start-up."""
+    steps ran at static shapes, and nothing compiled after start-up. Returns the compiled engine."""
     from torch._dynamo.utils import counters
 
     params = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2) for _ in LENGTHS]
     depth = None if depths is None else [depth_params(d) for d in depths]
     engines = {}
     for enforce_eager in (True, False):
-        engines[enforce_eager] = tiny_llm(path, pages=pages, max_model_len=64, max_num_seqs=8,
+        engines[enforce_eager] = tiny_llm(path, pages=pages, max_model_len=64, max_num_seqs=8, device=device,
                                           max_num_batched_tokens=16, enforce_eager=enforce_eager)
     eager, llm = engines[True], engines[False]
     assert eager.engine.runner.static is None
-    expected = eager.generate(_prompts(), params, depth)
+    prompts = prompts or _prompts()
+    expected = eager.generate(prompts, params, depth)
     graphs, warm_up_steps = counters["stats"]["unique_graphs"], llm.engine.runner.static.steps
-    got = llm.generate(_prompts(), params, depth)
+    got = llm.generate(prompts, params, depth)
     assert llm.engine.runner.static.steps > warm_up_steps + 10, "decode steps were meant to run at static shapes"
     assert llm.engine.scheduler.num_preemptions > 0, "the page budget was meant to force preemption"
     assert counters["stats"]["unique_graphs"] == graphs, "a decode step compiled after start-up"
@@ -89,11 +90,12 @@ def _compiled_equals_eager(path, pages: int, depths=None) -> None:
     for e, g in zip(expected, got):
         assert_same_report(e.depth, g.depth)
     assert llm.engine.block_manager.num_used_pages == 0
+    return llm
 
 
 @pytest.mark.slow
 def test_compiled_decode_equals_eager_on_a_mixed_batch_with_preemption(path):
-    _compiled_equals_eager(path, pages=96)
+    compiled_equals_eager(path, pages=96)
 
 
 @pytest.mark.slow
@@ -102,7 +104,7 @@ def test_compiled_depth_decode_equals_eager_on_a_mixed_depth_batch(arch, tmp_pat
     """The same for the depth architectures, every request of the batch at its own depth."""
     options, depths, pages = DEPTH_CASES[arch]
     path = make_tiny(arch, tmp_path / arch, seed=11, tokenizer=smollm_tokenizer, **options)
-    _compiled_equals_eager(path, pages=pages, depths=depths)
+    compiled_equals_eager(path, pages=pages, depths=depths)
 
 
 def test_padding_rows_write_nothing_and_leave_real_rows_alone(compiled):

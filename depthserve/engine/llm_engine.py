@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -74,6 +74,7 @@ class LLMEngine:
             torch.set_num_threads(args.num_threads)  # asked for explicitly: torch's threads are per process
         self.device = _resolve_device(args.device)
         self.dtype = _resolve_dtype(args.dtype, self.device)
+        args = self.args = replace(args, max_num_batched_tokens=args.step_token_budget(self.device.type))
         kernels = Kernels(args.kernel_backend)
         source = resolve_model(args.model)
         self.model_name = source.name
@@ -129,7 +130,7 @@ class LLMEngine:
         static_spec = self.model.static_decode_spec()
         if static_spec is not None and self._compiles_decode(args):
             self.runner.enable_static_decode(static_spec, -(-self.max_model_len // args.block_size),
-                                             args.max_num_seqs)
+                                             args.max_num_seqs, args.cuda_graphs)
         self._requests: dict[str, _Request] = {}
         self.prompt_tokens_computed = 0  # since start (recomputation after preemption included)
         self.tokens_generated = 0
@@ -141,8 +142,14 @@ class LLMEngine:
             "decode steps %s",
             self.model_name, (self.hf_config.get("depth") or {}).get("architecture", "llama"), self.device,
             str(self.dtype).removeprefix("torch."), num_pages, num_pages * page_bytes / _GIB, self.max_model_len, capped,
-            knobs or "none", "compiled" if self.runner.static is not None else "eager",
+            knobs or "none", self._decode_mode(),
         )
+
+    def _decode_mode(self) -> str:
+        static = self.runner.static
+        if static is None:
+            return "eager"
+        return "compiled, CUDA graphs" if static.cuda_graphs else "compiled"
 
     def _compiles_decode(self, args: EngineArgs) -> bool:
         """Decode steps compiled at static shapes: asked for (enforce_eager=False) or by default on

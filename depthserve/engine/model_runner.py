@@ -55,13 +55,14 @@ class ModelRunner:
             v_pages=torch.zeros(shape, dtype=dtype, device=device),
         )
 
-    def enable_static_decode(self, spec: StaticDecodeSpec, max_blocks: int, max_num_seqs: int) -> None:
-        """Run decode-only steps padded to batch buckets through the compiled forward, compiling
-        every bucket now."""
+    def enable_static_decode(self, spec: StaticDecodeSpec, max_blocks: int, max_num_seqs: int,
+                             cuda_graphs: bool = True) -> None:
+        """Run decode-only steps padded to batch buckets through the compiled forward, compiling it
+        now (and on CUDA capturing every bucket's graph)."""
         self.static = StaticDecode(
             self.model.forward, self.pool, Kernels(self.kernels.backend, traceable=True), spec,
             block_size=self.block_size, max_blocks=max_blocks, max_num_seqs=max_num_seqs, device=self.device,
-            scratch_page=self.scratch_page)
+            scratch_page=self.scratch_page, cuda_graphs=cuda_graphs)
         self.static.warm_up()
 
     @staticmethod

@@ -22,10 +22,13 @@ for them lands there); they attend to one key and their outputs are dropped. Att
 the MLP work per row, so padding never changes a real row's result.
 
 The forward is compiled (`torch.compile`, fullgraph) with the kernels as torch.library custom ops
-(kernels/library.py). On CPU the batch, page-table and page-pool lengths are left dynamic, so one
-graph serves every bucket and context (and the engines of one process share it); on CUDA each
-bucket is its own static graph with page tables as wide as max_model_len (the Triton kernels read
-only up to each row's context).
+(kernels/library.py), once, with the batch left dynamic, so one compiled graph serves every bucket
+(a dimension of size 1 would be compiled as a constant, so a lone sequence runs padded to two
+rows). On CPU the page-table and page-pool lengths are dynamic too (tables as long as the longest
+context). On CUDA page tables are as wide as max_model_len (the Triton kernels read only up to
+each row's context), so a bucket's inputs never change shape or address, and each bucket's step is
+captured once as a CUDA graph at start-up (vLLM's design): a step is one host-to-device copy and
+one graph replay, whatever the batch's depth settings, instead of a launch per kernel.
 """
 
 from __future__ import annotations
@@ -86,13 +89,15 @@ class StaticDecode:
     """The persistent buffers and the compiled forward of decode-only steps (module docstring)."""
 
     def __init__(self, forward: Callable, pool: KVPool, kernels: Kernels, spec: StaticDecodeSpec, *,
-                 block_size: int, max_blocks: int, max_num_seqs: int, device: torch.device, scratch_page: int):
+                 block_size: int, max_blocks: int, max_num_seqs: int, device: torch.device, scratch_page: int,
+                 cuda_graphs: bool = True):
         self.pool, self.kernels, self.device, self.spec = pool, kernels, device, spec
         self.scratch_page = scratch_page  # where padding rows and missing slots point (no sequence holds it)
         self.block_size, self.width, self.max_blocks = block_size, spec.width, max_blocks
-        self.dynamic = device.type == "cpu"
+        self.dynamic = device.type == "cpu"  # page tables and pool of dynamic length (CUDA: fixed)
+        self.cuda_graphs = cuda_graphs and device.type == "cuda"
         self.buckets = decode_buckets(max_num_seqs)
-        if self.dynamic and len(self.buckets) > 1:
+        if len(self.buckets) > 1:
             # One graph dynamic in the batch serves every size from 2 (a size of 1 would be compiled
             # as a constant, as any dimension of size 1 is): a lone sequence runs padded to 2 rows.
             self.buckets = self.buckets[1:]
@@ -112,28 +117,43 @@ class StaticDecode:
         self._host = torch.zeros(sum(self._sizes), dtype=torch.int64, pin_memory=device.type == "cuda")
         self._device = self._host if device.type == "cpu" else torch.zeros_like(self._host, device=device)
         self.decisions = torch.zeros(rows, spec.decisions, dtype=torch.int32, device=device)
-        # CPU: batch and table length marked dynamic per call; CUDA: one static graph per bucket.
-        dynamic = None if self.dynamic else False
-        if not self.dynamic:
-            # Every bucket is a recompilation of the same forward (and each engine's model adds its
-            # own): raise dynamo's per-function limit (8), past which it would run the rest eagerly.
-            config = torch._dynamo.config
-            config.recompile_limit = max(config.recompile_limit, 4 * len(self.buckets))
-        self.forward = torch.compile(forward, fullgraph=True, dynamic=dynamic)
+        # The batch (and on CPU the table and pool lengths) marked dynamic on every call.
+        self.forward = torch.compile(forward, fullgraph=True, dynamic=None)
+        # CUDA: bucket size -> (captured graph, its output), filled by warm_up; one memory pool for all.
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._graph_pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
 
     def bucket(self, num_rows: int) -> int:
         return next(size for size in self.buckets if size >= num_rows)
 
     def warm_up(self) -> None:
-        """Compile every bucket's graph now (a progress line per bucket), not on the first requests."""
-        buckets = self.buckets[:1] if self.dynamic else self.buckets  # CPU: the one dynamic graph
+        """Compile the decode step now, not on the first requests (a progress line), and on CUDA
+        capture every bucket's graph, the largest first (a line for all)."""
         idle = DecodeRow(0, 0, np.full((1, self.width), self.scratch_page, np.int64), np.full(self.width, -1, np.int64),
                          np.zeros(self.spec.settings, np.float32), np.zeros(0, np.int64),
                          np.zeros(self.num_routed, np.int64))
-        for size in buckets:
+        start = time.perf_counter()
+        self.run([idle] * self.buckets[0])
+        logger.info("compiled the decode step (batch %d..%d) in %.1f s", self.buckets[0], self.buckets[-1],
+                    time.perf_counter() - start)
+        if self.cuda_graphs:
             start = time.perf_counter()
-            self.run([idle] * size)
-            logger.info("compiled the decode step for batch %d in %.1f s", size, time.perf_counter() - start)
+            for size in reversed(self.buckets):
+                self.run([idle] * size)  # the eager run first: Triton's kernels compile outside capture
+                self._capture(size)
+            logger.info("captured %d CUDA graphs of the decode step in %.1f s", len(self._graphs),
+                        time.perf_counter() - start)
+
+    @torch.inference_mode()
+    def _capture(self, size: int) -> None:
+        """Record the bucket's step on its buffers' current contents: a replay reruns it on whatever
+        the buffers then hold."""
+        args = self._arguments(size, self.max_blocks)
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._graph_pool):
+            out = self.forward(*args)
+        self._graphs[size] = (graph, out)
 
     @torch.inference_mode()
     def run(self, rows: list[DecodeRow]) -> torch.Tensor:
@@ -160,21 +180,28 @@ class StaticDecode:
         if self._device is not self._host:
             used = sum(self._sizes[:-1]) + size * blocks * self.width
             self._device[:used].copy_(self._host[:used], non_blocking=True)
+        self.steps += 1
+        if size in self._graphs:
+            graph, out = self._graphs[size]
+            graph.replay()
+            return out[: len(rows)]
+        return self.forward(*self._arguments(size, blocks))[: len(rows)]
+
+    def _arguments(self, size: int, blocks: int) -> tuple:
+        """The forward's arguments for a step of `size` rows: views of the device buffer."""
         ids, positions, lens, index, settings, states, routed, tables = self._views(self._device, size, blocks)
+        decisions = self.decisions[:size]
+        for tensor in (ids, positions, lens, index, settings, states, routed, tables, decisions):
+            torch._dynamo.maybe_mark_dynamic(tensor, 0)
         if self.dynamic:
-            for tensor in (ids, positions, lens, index, settings, states, routed, tables, self.pool.k_pages,
-                           self.pool.v_pages):
+            for tensor in (self.pool.k_pages, self.pool.v_pages):
                 torch._dynamo.maybe_mark_dynamic(tensor, 0)
             torch._dynamo.maybe_mark_dynamic(tables, 1)
-        decisions = self.decisions[:size]
-        if self.dynamic:
-            torch._dynamo.maybe_mark_dynamic(decisions, 0)
         meta = AttentionMetadata(num_tokens=size, block_size=self.block_size, slot_index=index, prefills=[],
                                  num_prefill_tokens=0, decode_page_table=tables, decode_context_lens=lens,
                                  kernels=self.kernels,
                                  static=StaticRows(settings, states, positions, decisions, routed))
-        self.steps += 1
-        return self.forward(ids, positions, self.pool, meta)[: len(rows)]
+        return ids, positions, self.pool, meta
 
     def _views(self, flat, size: int, blocks: int) -> tuple:
         """The step's arrays (numpy, host) or tensors (device), each contiguous at the start of its

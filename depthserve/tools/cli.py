@@ -60,7 +60,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="memory for the KV cache pages (default: 1 GiB on CPU, 60%% of free memory on CUDA)")
     parser.add_argument("--block-size", type=int, default=EngineArgs.block_size, help="tokens per cache page")
     parser.add_argument("--max-num-batched-tokens", type=int, default=EngineArgs.max_num_batched_tokens,
-                        help="token budget of one engine step")
+                        help="token budget of one engine step (default: 512 on CPU, 8192 on CUDA)")
     parser.add_argument("--max-num-seqs", type=int, default=EngineArgs.max_num_seqs,
                         help="sequences running at once")
     parser.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
@@ -72,6 +72,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
                         help="run every step eagerly (--no-enforce-eager: compile decode steps at static "
                              "shapes; default: compiled on CUDA, eager on CPU)")
+    parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=EngineArgs.cuda_graphs,
+                        help="on CUDA, replay each batch size's compiled decode step as a captured CUDA graph")
     parser.add_argument("--kernel-backend", default=EngineArgs.kernel_backend, choices=["auto", "torch", "triton"],
                         help="auto: Triton kernels on CUDA, torch otherwise; torch or triton: that one everywhere")
     parser.add_argument("--depth-policy", default=EngineArgs.depth_policy, choices=["fixed", "slo", "confidence"],

@@ -3,11 +3,14 @@ varlen causal prefill attention over the paged cache (torch versions: `kernels/p
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
-from depthserve.kernels.triton.common import DECODE_TILE, group_scores, online_softmax, paged_kv_offsets, pow2
+from depthserve.kernels.triton.common import (DECODE_TILE, MIN_DOT, group_rows, group_scores, online_softmax,
+                                              paged_kv_offsets, pow2)
 
 # ---- KV store ---------------------------------------------------------------------------------
 
@@ -40,12 +43,14 @@ def store_kv(k, v, k_pages, v_pages, slot_index) -> None:
 
 @triton.jit
 def _decode_partial_kernel(
-    q_ptr, k_pages_ptr, v_pages_ptr, table_ptr, lens_ptr, part_acc_ptr, part_ml_ptr,
+    q_ptr, k_pages_ptr, v_pages_ptr, table_ptr, lens_ptr, part_acc_ptr, part_ml_ptr, out_ptr,
     scale, table_stride_b, table_stride_h, table_stride_blk, max_blocks,
     NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, TILES_PER_SPLIT: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_N: tl.constexpr, TILES_PER_SPLIT: tl.constexpr, NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr,
 ):
+    """One (sequence, KV head, split): every query head of the group against the split's keys.
+    With one split it writes the output; else its partial sum, max and normaliser."""
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -56,7 +61,7 @@ def _decode_partial_kernel(
     d_mask = d < HEAD_DIM
     q_heads = kv_head * GROUP + g
     q_offs = (b * NUM_Q_HEADS + q_heads)[:, None] * HEAD_DIM + d[None, :]
-    q = tl.load(q_ptr + q_offs, mask=g_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
+    q = tl.load(q_ptr + q_offs, mask=g_mask[:, None] & d_mask[None, :], other=0.0)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -70,15 +75,19 @@ def _decode_partial_kernel(
         n_mask = pos < end
         kv_offs = paged_kv_offsets(table_row, table_stride_blk, max_blocks, pos, n_mask, d, BLOCK_SIZE, HEAD_DIM)
         kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_pages_ptr + kv_offs, mask=kv_mask, other=0.0).to(tl.float32)
-        v = tl.load(v_pages_ptr + kv_offs, mask=kv_mask, other=0.0).to(tl.float32)
-        s = group_scores(q, k, n_mask, scale)  # [G, N]
-        m_i, l_i, acc = online_softmax(m_i, l_i, acc, s, v)
+        k = tl.load(k_pages_ptr + kv_offs, mask=kv_mask, other=0.0)
+        v = tl.load(v_pages_ptr + kv_offs, mask=kv_mask, other=0.0)
+        s = group_scores(q, k, n_mask, scale, IEEE)  # [G, N]
+        m_i, l_i, acc = online_softmax(m_i, l_i, acc, s, v, IEEE)
 
-    part = (b * NUM_Q_HEADS + q_heads) * NUM_SPLITS + split  # [G]
-    tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=g_mask[:, None] & d_mask[None, :])
-    tl.store(part_ml_ptr + part * 2, m_i, mask=g_mask)
-    tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=g_mask)
+    out_mask = g_mask[:, None] & d_mask[None, :]
+    if NUM_SPLITS == 1:  # no reduction pass
+        tl.store(out_ptr + q_offs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        part = (b * NUM_Q_HEADS + q_heads) * NUM_SPLITS + split  # [G]
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=out_mask)
+        tl.store(part_ml_ptr + part * 2, m_i, mask=g_mask)
+        tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=g_mask)
 
 
 @triton.jit
@@ -100,17 +109,27 @@ def _decode_reduce_kernel(part_acc_ptr, part_ml_ptr, out_ptr,
     tl.store(out_ptr + row * HEAD_DIM + d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
-_TARGET_PROGRAMS = 512  # enough (sequence, KV head, split) programs to fill a large GPU
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
-def decode_splits(batch: int, kv_heads: int, max_len: int, tile: int = DECODE_TILE) -> int:
-    """Tiles per split: split long contexts when there are too few (sequence, KV head) pairs."""
+PROGRAMS_PER_SM = 4  # (sequence, KV head, split) programs per multiprocessor that split-K aims for
+
+
+def decode_splits(batch: int, kv_heads: int, max_len: int, tile: int = DECODE_TILE, multiprocessors: int = 132) -> int:
+    """Tiles per split: a context is split only when (sequence, KV head) pairs alone would leave the
+    multiprocessors short of work, into as many splits as fill them (PROGRAMS_PER_SM each)."""
     tiles = max(1, triton.cdiv(max_len, tile))
-    wanted = max(1, min(tiles, triton.cdiv(_TARGET_PROGRAMS, max(1, batch * kv_heads))))
+    wanted = max(1, min(tiles, triton.cdiv(PROGRAMS_PER_SM * multiprocessors, max(1, batch * kv_heads))))
     return triton.cdiv(tiles, wanted)
 
 
-def paged_decode_attention(q, k_pages, v_pages, page_table, context_lens, scale, tiles_per_split: int | None = None):
+def paged_decode_attention(q, k_pages, v_pages, page_table, context_lens, scale, tiles_per_split: int | None = None,
+                           tile: int = DECODE_TILE, num_warps: int = 4, num_stages: int = 2):
+    """Single-query paged attention (kernels/paged.py has the meaning). `tiles_per_split` (None:
+    `decode_splits` for this device), `tile` (keys per step of a program), `num_warps` and
+    `num_stages` are the kernel's tuning knobs (bench/kernels.py sweeps them)."""
     batch, num_q_heads, head_dim = q.shape
     if batch == 0:
         return torch.empty_like(q)
@@ -118,23 +137,28 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, context_lens, scale,
     block_size = k_pages.shape[1]
     group = num_q_heads // kv_heads
     max_len = max_blocks * block_size
-    tiles_per_split = tiles_per_split or decode_splits(batch, kv_heads, max_len)
-    num_splits = triton.cdiv(triton.cdiv(max_len, DECODE_TILE), tiles_per_split)
+    tiles_per_split = tiles_per_split or decode_splits(batch, kv_heads, max_len, tile, _multiprocessors(q.device))
+    num_splits = triton.cdiv(triton.cdiv(max_len, tile), tiles_per_split)
     q = q.contiguous()
-    part_acc = torch.empty(batch, num_q_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
-    part_ml = torch.empty(batch, num_q_heads, num_splits, 2, dtype=torch.float32, device=q.device)
-    _decode_partial_kernel[(batch, kv_heads, num_splits)](
-        q, k_pages, v_pages, page_table, context_lens.to(torch.int32), part_acc, part_ml,
-        float(scale), page_table.stride(0), page_table.stride(1), page_table.stride(2), max_blocks,
-        NUM_Q_HEADS=num_q_heads, GROUP=group, BLOCK_G=pow2(group), HEAD_DIM=head_dim,
-        BLOCK_D=pow2(head_dim), BLOCK_SIZE=block_size, BLOCK_N=DECODE_TILE,
-        TILES_PER_SPLIT=tiles_per_split, NUM_SPLITS=num_splits,
-    )
     out = torch.empty(batch, num_q_heads, head_dim, dtype=q.dtype, device=q.device)
-    _decode_reduce_kernel[(batch * num_q_heads,)](
-        part_acc, part_ml, out, HEAD_DIM=head_dim, BLOCK_D=pow2(head_dim),
-        NUM_SPLITS=num_splits, BLOCK_S=pow2(num_splits),
+    if num_splits > 1:
+        part_acc = torch.empty(batch, num_q_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(batch, num_q_heads, num_splits, 2, dtype=torch.float32, device=q.device)
+    else:  # one split writes `out` itself
+        part_acc = part_ml = torch.empty(1, dtype=torch.float32, device=q.device)
+    _decode_partial_kernel[(batch, kv_heads, num_splits)](
+        q, k_pages, v_pages, page_table, context_lens.to(torch.int32), part_acc, part_ml, out,
+        float(scale), page_table.stride(0), page_table.stride(1), page_table.stride(2), max_blocks,
+        NUM_Q_HEADS=num_q_heads, GROUP=group, BLOCK_G=group_rows(group), HEAD_DIM=head_dim,
+        BLOCK_D=pow2(head_dim, MIN_DOT), BLOCK_SIZE=block_size, BLOCK_N=tile,
+        TILES_PER_SPLIT=tiles_per_split, NUM_SPLITS=num_splits, IEEE=q.dtype == torch.float32,
+        num_warps=num_warps, num_stages=num_stages,
     )
+    if num_splits > 1:
+        _decode_reduce_kernel[(batch * num_q_heads,)](
+            part_acc, part_ml, out, HEAD_DIM=head_dim, BLOCK_D=pow2(head_dim),
+            NUM_SPLITS=num_splits, BLOCK_S=pow2(num_splits),
+        )
     return out
 
 

@@ -7,7 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
-from depthserve.kernels.triton.common import DECODE_TILE, group_scores, online_softmax, paged_kv_offsets, pow2, running_logsumexp
+from depthserve.kernels.triton.common import (DECODE_TILE, MIN_DOT, group_rows, group_scores, online_softmax,
+                                              paged_kv_offsets, pow2, running_logsumexp)
 
 # ---- SAOBP: decode attention with a per-key bias, and the bias update (depth-semantics 5) ------------
 # bias_pages [num_rows, block_size] fp32; bias_table [batch, num_q_heads, blocks] row ids (any strides).
@@ -27,7 +28,7 @@ def _saobp_decode_kernel(
     scale, coef, t_sb, t_sh, t_sblk, bt_sb, bt_sh, bt_sblk, max_blocks,
     NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    SELF_MESSAGE: tl.constexpr,
+    SELF_MESSAGE: tl.constexpr, IEEE: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -39,7 +40,7 @@ def _saobp_decode_kernel(
     d_mask = d < HEAD_DIM
     q_heads = kv_head * GROUP + g
     q_offs = (b * NUM_Q_HEADS + q_heads)[:, None] * HEAD_DIM + d[None, :]
-    q = tl.load(q_ptr + q_offs, mask=g_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
+    q = tl.load(q_ptr + q_offs, mask=g_mask[:, None] & d_mask[None, :], other=0.0)
     table_row = table_ptr + b * t_sb + kv_head * t_sh
     bias_rows = bias_table_ptr + b * bt_sb + q_heads[:, None] * bt_sh  # [G, 1]
 
@@ -51,8 +52,8 @@ def _saobp_decode_kernel(
             pos = tile + n
             n_mask = pos < context
             kv_offs = paged_kv_offsets(table_row, t_sblk, max_blocks, pos, n_mask, d, BLOCK_SIZE, HEAD_DIM)
-            k = tl.load(k_pages_ptr + kv_offs, mask=n_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
-            s = group_scores(q, k, n_mask, scale)
+            k = tl.load(k_pages_ptr + kv_offs, mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+            s = group_scores(q, k, n_mask, scale, IEEE)
             m_raw, l_raw = running_logsumexp(m_raw, l_raw, s)
         lse_known = m_raw + tl.log(l_raw)
 
@@ -65,9 +66,9 @@ def _saobp_decode_kernel(
         block = pos // BLOCK_SIZE
         kv_offs = paged_kv_offsets(table_row, t_sblk, max_blocks, pos, n_mask, d, BLOCK_SIZE, HEAD_DIM)
         kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_pages_ptr + kv_offs, mask=kv_mask, other=0.0).to(tl.float32)
-        v = tl.load(v_pages_ptr + kv_offs, mask=kv_mask, other=0.0).to(tl.float32)
-        s = group_scores(q, k, n_mask, scale)  # [G, N]
+        k = tl.load(k_pages_ptr + kv_offs, mask=kv_mask, other=0.0)
+        v = tl.load(v_pages_ptr + kv_offs, mask=kv_mask, other=0.0)
+        s = group_scores(q, k, n_mask, scale, IEEE)  # [G, N]
         # The cached bias of keys before the newest one (the newest has none yet).
         cached = g_mask[:, None] & (pos < context - 1)[None, :]
         row = tl.load(bias_rows + block[None, :] * bt_sblk, mask=cached, other=0)
@@ -76,7 +77,7 @@ def _saobp_decode_kernel(
             bias += _log1p(tl.exp(s - lse_known[:, None]) * coef)
         else:
             m_raw, l_raw = running_logsumexp(m_raw, l_raw, s)
-        m_i, l_i, acc = online_softmax(m_i, l_i, acc, s + bias, v)
+        m_i, l_i, acc = online_softmax(m_i, l_i, acc, s + bias, v, IEEE)
     out = acc / l_i[:, None]
     tl.store(out_ptr + q_offs, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
     tl.store(lse_ptr + b * NUM_Q_HEADS + q_heads, m_raw + tl.log(l_raw), mask=g_mask)
@@ -95,8 +96,9 @@ def saobp_decode_attention(q, k_pages, v_pages, page_table, bias_pages, bias_tab
         q.contiguous(), k_pages, v_pages, page_table, bias_pages, bias_table, context_lens.to(torch.int32), out, lse,
         float(scale), float(coef), page_table.stride(0), page_table.stride(1), page_table.stride(2),
         bias_table.stride(0), bias_table.stride(1), bias_table.stride(2), max_blocks,
-        NUM_Q_HEADS=num_q_heads, GROUP=group, BLOCK_G=pow2(group), HEAD_DIM=head_dim, BLOCK_D=pow2(head_dim),
-        BLOCK_SIZE=k_pages.shape[1], BLOCK_N=DECODE_TILE, SELF_MESSAGE=bool(self_message),
+        NUM_Q_HEADS=num_q_heads, GROUP=group, BLOCK_G=group_rows(group), HEAD_DIM=head_dim,
+        BLOCK_D=pow2(head_dim, MIN_DOT), BLOCK_SIZE=k_pages.shape[1], BLOCK_N=DECODE_TILE,
+        SELF_MESSAGE=bool(self_message), IEEE=q.dtype == torch.float32,
     )
     return out, lse
 
@@ -107,6 +109,7 @@ def _saobp_bias_update_kernel(
     scale, coef, t_sb, t_sh, t_sblk, bt_sb, bt_sh, bt_sblk, max_blocks,
     NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -121,13 +124,13 @@ def _saobp_bias_update_kernel(
         n_mask = pos < context
         q_heads = kv_head * GROUP + g
         q = tl.load(q_ptr + (b * NUM_Q_HEADS + q_heads)[:, None] * HEAD_DIM + d[None, :],
-                    mask=g_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
+                    mask=g_mask[:, None] & d_mask[None, :], other=0.0)
         lse = tl.load(lse_ptr + b * NUM_Q_HEADS + q_heads, mask=g_mask, other=0.0)
         block = pos // BLOCK_SIZE
         kv_offs = paged_kv_offsets(table_ptr + b * t_sb + kv_head * t_sh, t_sblk, max_blocks, pos, n_mask, d,
                                     BLOCK_SIZE, HEAD_DIM)
-        k = tl.load(k_pages_ptr + kv_offs, mask=n_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
-        s = group_scores(q, k, n_mask, scale)  # [G, N]
+        k = tl.load(k_pages_ptr + kv_offs, mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+        s = group_scores(q, k, n_mask, scale, IEEE)  # [G, N]
         term = _log1p(tl.exp(s - lse[:, None]) * coef)
         write = g_mask[:, None] & n_mask[None, :]
         row = tl.load(bias_table_ptr + b * bt_sb + q_heads[:, None] * bt_sh + block[None, :] * bt_sblk,
@@ -150,6 +153,6 @@ def saobp_bias_update(q, k_pages, page_table, bias_pages, bias_table, context_le
         lse.to(torch.float32).contiguous(), float(scale), float(coef),
         page_table.stride(0), page_table.stride(1), page_table.stride(2),
         bias_table.stride(0), bias_table.stride(1), bias_table.stride(2), max_blocks,
-        NUM_Q_HEADS=num_q_heads, GROUP=group, BLOCK_G=pow2(group), HEAD_DIM=head_dim, BLOCK_D=pow2(head_dim),
-        BLOCK_SIZE=k_pages.shape[1], BLOCK_N=block_n,
+        NUM_Q_HEADS=num_q_heads, GROUP=group, BLOCK_G=group_rows(group), HEAD_DIM=head_dim,
+        BLOCK_D=pow2(head_dim, MIN_DOT), BLOCK_SIZE=k_pages.shape[1], BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
     )

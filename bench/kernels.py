@@ -1,0 +1,181 @@
+"""Paged decode attention against the memory-bandwidth limit, one run.
+
+    python bench/kernels.py                        # on a GPU: bf16, batch 64, context 4096
+    python bench/kernels.py --quick                # tiny shapes (CPU: the Triton interpreter; a smoke run)
+
+For each shape (query heads / KV heads / head dim) a page pool of random keys and values is laid
+out as the engine lays it (pages of `--block-size` tokens, one KV head each, scrambled over the
+pool) and the decode attention of `--batch` sequences of `--context` keys is timed:
+
+- the Triton kernel (kernels/triton/paged.py) at its default settings, and every variant of its
+  tuning knobs in `--variants` (keys per tile, warps, pipeline stages, tiles per split);
+- the torch fallback (kernels/paged.py: gather the pages, then matmuls);
+- SDPA on contiguous K/V of the same shape (no paging: the kernel a paged kernel is held against).
+
+Each time is the median of `triton.testing.do_bench` on CUDA (a wall-clock median elsewhere). The
+bytes a decode attention must move are its keys and values, read once (queries and outputs are
+negligible); over the time they give the achieved bandwidth, reported against the device's
+device-to-device copy rate measured in the same run. Every variant's output is checked against
+the torch fallback in fp32 first (relative error). Result: bench/results/kernels-<device>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton runs only interpreted on CPU (set before it loads)
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--context", type=int, default=4096)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--shapes", default="9/3/64,32/8/64,32/8/128", help="query heads/KV heads/head dim, comma-separated")
+    p.add_argument("--variants", default="tile=32,64,128;warps=4,8;stages=1,2,3",
+                   help="the kernel's knobs to sweep: tile (keys per step), warps, stages; each list crossed")
+    p.add_argument("--quick", action="store_true", help="batch 2, context 64, one small shape, two variants")
+    p.add_argument("--out", default=None, help="result name under bench/results (default: kernels-<device>)")
+    ns = p.parse_args(argv)
+    if ns.quick:
+        ns.batch, ns.context, ns.shapes, ns.variants, ns.dtype = 2, 64, "4/2/16", "tile=32;warps=4;stages=1,2", "float32"
+    return ns
+
+
+def parse_variants(text: str) -> list[dict[str, int]]:
+    """'tile=32,64;warps=4' -> [{'tile': 32, 'num_warps': 4}, {'tile': 64, 'num_warps': 4}]."""
+    names = {"tile": "tile", "warps": "num_warps", "stages": "num_stages"}
+    axes = []
+    for part in text.split(";"):
+        key, values = part.split("=")
+        axes.append([(names[key.strip()], int(v)) for v in values.split(",")])
+    return [dict(combo) for combo in itertools.product(*axes)]
+
+
+def paged_inputs(batch: int, q_heads: int, kv_heads: int, head_dim: int, context: int, block_size: int,
+                 dtype: torch.dtype, device: torch.device, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Queries, a scrambled page pool holding every sequence's keys and values, the page tables
+    ([batch, KV heads, blocks], a transposed view as the engine's are) and the same keys and values
+    contiguous ([batch, KV heads, context, head dim]) for SDPA."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    blocks = -(-context // block_size)
+    num_pages = batch * kv_heads * blocks
+    k_pages = torch.randn(num_pages, block_size, head_dim, generator=gen).to(device, dtype)
+    v_pages = torch.randn(num_pages, block_size, head_dim, generator=gen).to(device, dtype)
+    table = torch.randperm(num_pages, generator=gen).view(batch, blocks, kv_heads).to(device).transpose(1, 2)
+    q = torch.randn(batch, q_heads, head_dim, generator=gen).to(device, dtype)
+
+    def contiguous(pages: torch.Tensor) -> torch.Tensor:
+        return pages[table.reshape(-1)].view(batch, kv_heads, blocks * block_size, head_dim)[:, :, :context]
+
+    return {"q": q, "k_pages": k_pages, "v_pages": v_pages, "table": table,
+            "lens": torch.full((batch,), context, device=device), "k": contiguous(k_pages), "v": contiguous(v_pages)}
+
+
+def time_ms(fn, device: torch.device) -> float:
+    if device.type == "cuda":
+        import triton
+
+        return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+    fn()
+    samples = []
+    for _ in range(3):
+        start = time.perf_counter()
+        fn()
+        samples.append(1000 * (time.perf_counter() - start))
+    return statistics.median(samples)
+
+
+def relative_error(got: torch.Tensor, reference: torch.Tensor) -> float:
+    return float((got.float() - reference).norm() / reference.norm())
+
+
+def bench_shape(shape: str, ns: argparse.Namespace, device: torch.device, copy_rate: float | None) -> dict[str, Any]:
+    from depthserve.kernels import paged as torch_paged
+    from depthserve.kernels.triton import paged as triton_paged
+
+    q_heads, kv_heads, head_dim = (int(x) for x in shape.split("/"))
+    dtype = DTYPES[ns.dtype]
+    x = paged_inputs(ns.batch, q_heads, kv_heads, head_dim, ns.context, ns.block_size, dtype, device)
+    scale = head_dim ** -0.5
+    args = (x["q"], x["k_pages"], x["v_pages"], x["table"], x["lens"], scale)
+    reference = torch_paged.paged_decode_attention(x["q"].float(), x["k_pages"].float(), x["v_pages"].float(),
+                                                   x["table"], x["lens"], scale)
+    bytes_moved = 2 * ns.batch * kv_heads * ns.context * head_dim * x["k_pages"].element_size()
+
+    def record(name: str, fn, settings: dict | None = None) -> dict[str, Any]:
+        error = relative_error(fn(), reference)
+        ms = time_ms(fn, device)
+        row = {"name": name, "settings": settings or {}, "ms": ms, "relative_error": error,
+               "bandwidth_bytes_per_s": bytes_moved / (ms / 1000)}
+        if copy_rate:
+            row["share_of_copy_rate"] = row["bandwidth_bytes_per_s"] / copy_rate
+        share = f"{100 * row['share_of_copy_rate']:5.1f}% of copy rate" if copy_rate else ""
+        print(f"  {name:<28} {ms * 1000:9.1f} us  {row['bandwidth_bytes_per_s'] / 1e9:8.1f} GB/s  {share}"
+              f"  rel. error {error:.1e}", flush=True)
+        return row
+
+    print(f"shape {shape} (query heads / KV heads / head dim), batch {ns.batch}, context {ns.context}, {ns.dtype}:")
+    rows = [record("triton (default)", lambda: triton_paged.paged_decode_attention(*args))]
+    for variant in parse_variants(ns.variants):
+        label = "triton " + " ".join(f"{k.removeprefix('num_')}={v}" for k, v in variant.items())
+        rows.append(record(label, lambda v=variant: triton_paged.paged_decode_attention(*args, **v), variant))
+    rows.append(record("torch fallback (gather)", lambda: torch_paged.paged_decode_attention(*args)))
+    query = x["q"][:, :, None, :]  # [batch, heads, 1, d]
+    rows.append(record("sdpa, contiguous K/V", lambda: F.scaled_dot_product_attention(
+        query, x["k"], x["v"], scale=scale, enable_gqa=q_heads != kv_heads)[:, :, 0]))
+    return {"shape": shape, "q_heads": q_heads, "kv_heads": kv_heads, "head_dim": head_dim,
+            "bytes_moved": bytes_moved, "rows": rows}
+
+
+def device_copy_rate(device: torch.device) -> float | None:
+    """Bytes per second of a 1 GiB device-to-device copy (read + written); None off CUDA."""
+    if device.type != "cuda":
+        return None
+    import triton
+
+    source = torch.empty(1 << 29, dtype=torch.bfloat16, device=device).normal_()
+    target = torch.empty_like(source)
+    ms = triton.testing.do_bench(lambda: target.copy_(source), warmup=25, rep=200, return_mode="median")
+    return 2 * source.numel() * source.element_size() / (ms / 1000)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = parse_args(argv)
+    device = torch.device(common.resolve_device(ns.device))
+    copy_rate = device_copy_rate(device)
+    if copy_rate:
+        print(f"device-to-device copy rate: {copy_rate / 1e12:.2f} TB/s (read + written)")
+    shapes = [bench_shape(shape, ns, device, copy_rate) for shape in ns.shapes.split(",")]
+    payload = {
+        "benchmark": "kernels",
+        "settings": vars(ns),
+        "copy_rate_bytes_per_s": copy_rate,
+        "shapes": shapes,
+        "environment": common.environment(str(device), None),
+    }
+    name = ns.out or f"kernels-{common.device_slug(str(device))}" + ("-quick" if ns.quick else "")
+    print(f"wrote {common.write_result(name, payload)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

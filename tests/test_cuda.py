@@ -1,0 +1,116 @@
+"""The GPU part of the suite (marker `cuda`; skipped, saying why, without a CUDA device): the Triton
+kernels in bf16 against their torch fallbacks in fp32 (the fp32 comparisons are test_kernels.py
+and test_saobp_kernels.py, which run natively wherever CUDA is), the engine on CUDA against the
+CPU engine in fp32 for all six architectures, and decode steps compiled and replayed as CUDA
+graphs against the eager engine on CUDA, on mixed-depth batches with preemption.
+
+    pytest -m cuda            # on a GPU host (docs/gpu.md)
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from depthserve import SamplingParams
+from depthserve.kernels.dispatch import Kernels
+from depthserve.tiny import load_default_tokenizer, make_tiny
+from tests.depth_helpers import assert_same_generations, depth_params, tiny_llm
+from tests.test_static_decode import DEPTH_CASES, LENGTHS, _prompts, assert_same_report, compiled_equals_eager
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (the GPU tests run on a GPU host)")]
+
+ARCHS = ["llama", *sorted(DEPTH_CASES)]
+torch_ops, triton_ops = Kernels("torch"), Kernels("triton")
+
+
+def relative_error(got: torch.Tensor, reference: torch.Tensor) -> float:
+    return float((got.float() - reference.float()).norm() / reference.float().norm())
+
+
+def _paged(batch, q_heads, kv_heads, head_dim, lens, block_size, dtype, seed):
+    """Queries, a scrambled page pool and page tables (transposed views, as the engine's)."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks = -(-max(lens) // block_size) + 1
+    pages = batch * kv_heads * blocks + 3
+    k = torch.randn(pages, block_size, head_dim, generator=gen).to("cuda", dtype)
+    v = torch.randn(pages, block_size, head_dim, generator=gen).to("cuda", dtype)
+    table = torch.randperm(pages, generator=gen)[: batch * kv_heads * blocks].view(batch, blocks, kv_heads)
+    q = torch.randn(batch, q_heads, head_dim, generator=gen).to("cuda", dtype)
+    return q, k, v, table.to("cuda").transpose(1, 2), torch.tensor(lens, device="cuda")
+
+
+@pytest.mark.parametrize("q_heads, kv_heads, head_dim, lens", [
+    (9, 3, 64, [1, 100, 4096, 777]),  # SmolLM2's heads, ragged contexts
+    (32, 8, 128, [2048, 33]),
+    (4, 4, 64, [300, 5]),  # MHA, as SGT's head subsets reach the kernel (one table row per query head)
+])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_paged_decode_kernel_in_half_precision_matches_fp32(q_heads, kv_heads, head_dim, lens, dtype):
+    q, k, v, table, context = _paged(len(lens), q_heads, kv_heads, head_dim, lens, 16, dtype, seed=len(lens))
+    reference = torch_ops.paged_decode_attention(q.float(), k.float(), v.float(), table, context, 0.125)
+    for tiles_per_split in (None, 1, 4):
+        got = triton_ops.paged_decode_attention(q, k, v, table, context, 0.125, tiles_per_split)
+        assert got.dtype == dtype and relative_error(got, reference) < 1e-2, tiles_per_split
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_varlen_prefill_and_saobp_kernels_in_half_precision_match_fp32(dtype):
+    q, k, v, table, context = _paged(3, 6, 2, 64, [40, 130, 7], 16, dtype, seed=5)
+    counts = [40, 30, 7]  # the second sequence's last 30 positions: a later chunk over cached keys
+    starts = torch.tensor([0, 40, 70, 77], device="cuda")
+    queries = torch.randn(77, 6, 64, device="cuda").to(dtype)
+    reference = torch_ops.paged_prefill_attention_varlen(queries.float(), k.float(), v.float(), table, starts, context, 0.125)
+    got = triton_ops.paged_prefill_attention_varlen(queries, k, v, table, starts, context, 0.125)
+    assert relative_error(got, reference) < 1e-2 and sum(counts) == 77
+
+    bias = torch.randn(k.shape[0] * 3, 16, device="cuda") * 0.1
+    bias_table = torch.randperm(bias.shape[0], device="cuda")[: 3 * 6 * table.shape[2]].view(3, 6, -1)
+    for self_message in (False, True):
+        expected, lse = torch_ops.saobp_decode_attention(q.float(), k.float(), v.float(), table, bias, bias_table,
+                                                         context, 0.125, 0.5, self_message)
+        out, got_lse = triton_ops.saobp_decode_attention(q, k, v, table, bias, bias_table, context, 0.125, 0.5,
+                                                         self_message)
+        assert relative_error(out, expected) < 1e-2 and relative_error(got_lse, lse) < 1e-2
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    """SmolLM2's tokenizer where its package is installed, else a byte-level one (GPU hosts lack it)."""
+    return load_default_tokenizer()
+
+
+def _mixed_batch(arch: str, tmp_path, tokenizer):
+    options, depths, pages = DEPTH_CASES.get(arch, ({}, None, 96))
+    path = make_tiny(arch, tmp_path / arch, seed=11, tokenizer=tokenizer, **options)
+    return path, depths, pages, _prompts(len(tokenizer))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_engine_on_cuda_generates_the_cpu_engines_tokens_in_fp32(arch, tmp_path, tokenizer):
+    """Seven requests at mixed depths, prompts in chunks: the CUDA engine (Triton kernels; eager,
+    then compiled with CUDA graphs) gives the CPU engine's greedy tokens and its logprobs within 1e-3."""
+    path, depths, _, prompts = _mixed_batch(arch, tmp_path, tokenizer)
+    params = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2) for _ in LENGTHS]
+    depth = None if depths is None else [depth_params(d) for d in depths]
+    expected = tiny_llm(path, max_model_len=64, max_num_seqs=8, max_num_batched_tokens=16).generate(
+        prompts, params, depth)
+    for enforce_eager in (True, False):
+        llm = tiny_llm(path, max_model_len=64, max_num_seqs=8, max_num_batched_tokens=16, device="cuda",
+                       enforce_eager=enforce_eager)
+        got = llm.generate(prompts, params, depth)
+        assert_same_generations(expected, got, tol=1e-3)
+        for e, g in zip(expected, got):
+            assert_same_report(e.depth, g.depth)
+        assert llm.engine.block_manager.num_used_pages == 0
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_cuda_graphs_equal_the_eager_engine_on_a_mixed_depth_batch_with_preemption(arch, tmp_path, tokenizer):
+    """On CUDA the compiled decode step of every bucket is captured once and replayed: tokens,
+    logprobs (1e-4) and depth reports equal the eager engine's, with preemption forcing recomputation."""
+    path, depths, pages, prompts = _mixed_batch(arch, tmp_path, tokenizer)
+    llm = compiled_equals_eager(path, pages=pages, depths=depths, device="cuda", prompts=prompts)
+    static = llm.engine.runner.static
+    assert static.cuda_graphs and sorted(static._graphs) == sorted(static.buckets)
