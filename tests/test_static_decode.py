@@ -107,6 +107,27 @@ def test_compiled_depth_decode_equals_eager_on_a_mixed_depth_batch(arch, tmp_pat
     compiled_equals_eager(path, pages=pages, depths=depths)
 
 
+# Batches shallower than the model's deepest setting (the DEPTH_CASES checkpoints).
+SHALLOW = {
+    "sgt": [{"loops": 0}, {"loops": 1}, {"loops": {1: 0, 2: 1}}, {"loops": 0}, {"loops": 1}, {"loops": 0}, {"loops": 1}],
+    "itt": [{"thinking_steps": 0}, {"selection_ratios": [0.6, 0.0]}, {"thinking_steps": 1}, {"thinking_steps": 0},
+            {"selection_ratios": [1.0, 0.0]}, {"thinking_steps": 0}, {"thinking_steps": 1}],
+    "put": [{"loops": 1}, {"loops": 2}, {"loops": 1}, {"loops": 2}, {"loops": 1}, {"loops": 1}, {"loops": 2}],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", sorted(SHALLOW))
+def test_a_shallow_batch_runs_capped_below_the_deepest_level_and_equals_eager(arch, tmp_path, smollm_tokenizer):
+    """Every request below the model's deepest setting: the compiled steps run capped at the batch's
+    deepest level (iterations past it are not computed), with the eager engine's results."""
+    options, _, pages = DEPTH_CASES[arch]
+    path = make_tiny(arch, tmp_path / arch, seed=11, tokenizer=smollm_tokenizer, **options)
+    static = compiled_equals_eager(path, pages=pages, depths=SHALLOW[arch]).engine.runner.static
+    assert static.level_steps and max(static.level_steps) < static.spec.levels[-1], (static.level_steps,
+                                                                                     static.spec.levels)
+
+
 def test_padding_rows_write_nothing_and_leave_real_rows_alone(compiled):
     """Three rows padded to a bucket of four: the step writes exactly the three rows' cache slots,
     and each real row's hidden state is the one it gets alone (bucket 1)."""

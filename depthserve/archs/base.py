@@ -75,6 +75,12 @@ class DepthModel(Protocol):
         """A request's per-row values for a static decode step (float32, StaticDecodeSpec.settings long)."""
         return np.zeros(0, np.float32)
 
+    def static_level(self, plan: DepthPlan) -> int:
+        """The level (one of StaticDecodeSpec.levels) a request's static decode step needs: the
+        forward, capped at the batch's deepest level (`meta.static.level_cap`), must give its rows
+        the same results as uncapped."""
+        return plan.level
+
     def after_static_step(self, record: Any, position: int, decisions: np.ndarray) -> dict[str, int]:
         """After a static decode step: one row's decisions (StaticDecodeSpec.decisions values) into
         its sequence's record (new_record) for the token at `position`; returns the tokens each
@@ -126,6 +132,10 @@ class StaticDecodeSpec:
     settings: int = 0  # float32 values per row (DepthModel.static_settings: loop counts, depths)
     state_bytes: int = 0  # per-sequence state (SlotKind.SEQ_STATE) of a row, at most
     decisions: int = 0  # int32 values per row the forward writes to meta.static.decisions (routing)
+    # The depth levels a step may be capped at (DepthModel.static_level): the engine compiles (and on
+    # CUDA captures) the step once per level, and runs a batch at its deepest row's level, so a
+    # batch of shallow requests does not pay for the model's deepest setting. Empty: no levels.
+    levels: tuple[int, ...] = ()
 
     @property
     def width(self) -> int:

@@ -108,7 +108,7 @@ class ModelRunner:
         state = self.block_manager.state_table(seq)
         return DecodeRow(seq.token_ids(item.start, item.end)[0], item.start, table, write,
                          self.model.static_settings(seq.plan), np.zeros(0, np.int64) if state is None else state,
-                         routed_lens)
+                         routed_lens, self.model.static_level(seq.plan))
 
     def _routed_columns(self, seq, table: np.ndarray, write: np.ndarray, routed_lens: np.ndarray) -> None:
         """A routed slot's pages at its spec columns (row i: routed tokens i*bs..), where its next

@@ -71,6 +71,7 @@ class DecodeRow:
     settings: np.ndarray  # [spec.settings] float32 knobs of the request
     state_pages: np.ndarray  # pages of the per-sequence state (spec.state_bytes at most)
     routed_lens: np.ndarray  # [spec routed slots] tokens each routed slot holds (0 where it has none)
+    level: int = 0  # the depth level its request's step needs (DepthModel.static_level)
 
 
 def spec_columns(spec: StaticDecodeSpec, layout: CacheLayout) -> np.ndarray:
@@ -102,6 +103,7 @@ class StaticDecode:
             # as a constant, as any dimension of size 1 is): a lone sequence runs padded to 2 rows.
             self.buckets = self.buckets[1:]
         self.steps = 0  # steps run (warm-up included)
+        self.level_steps: dict[int | None, int] = {}  # steps served at each level cap (after warm-up)
         rows, width = self.buckets[-1], self.width
         page_bytes = 2 * pool.k_pages[0].numel() * pool.k_pages.element_size()
         self.state_pages = -(-spec.state_bytes // page_bytes)
@@ -117,43 +119,59 @@ class StaticDecode:
         self._host = torch.zeros(sum(self._sizes), dtype=torch.int64, pin_memory=device.type == "cuda")
         self._device = self._host if device.type == "cpu" else torch.zeros_like(self._host, device=device)
         self.decisions = torch.zeros(rows, spec.decisions, dtype=torch.int32, device=device)
-        # The batch (and on CPU the table and pool lengths) marked dynamic on every call.
+        self.levels: tuple[int | None, ...] = spec.levels or (None,)  # one compiled graph per level cap
+        # The batch (and on CPU the table and pool lengths) marked dynamic on every call; the level cap
+        # is a constant of each graph. Dynamo keeps a graph per level and per model instance (each
+        # engine of a process), past its default limit of 8 per function.
+        config = torch._dynamo.config
+        config.recompile_limit = max(config.recompile_limit, 16 * len(self.levels))
         self.forward = torch.compile(forward, fullgraph=True, dynamic=None)
-        # CUDA: bucket size -> (captured graph, its output), filled by warm_up; one memory pool for all.
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # CUDA: (bucket size, level cap) -> (captured graph, its output), filled by warm_up; one memory pool.
+        self._graphs: dict[tuple[int, int | None], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._graph_pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
 
     def bucket(self, num_rows: int) -> int:
         return next(size for size in self.buckets if size >= num_rows)
 
     def warm_up(self) -> None:
-        """Compile the decode step now, not on the first requests (a progress line), and on CUDA
-        capture every bucket's graph, the largest first (a line for all)."""
-        idle = DecodeRow(0, 0, np.full((1, self.width), self.scratch_page, np.int64), np.full(self.width, -1, np.int64),
-                         np.zeros(self.spec.settings, np.float32), np.zeros(0, np.int64),
-                         np.zeros(self.num_routed, np.int64))
+        """Compile the decode step of every level cap now, not on the first requests (a progress
+        line), and on CUDA capture every bucket's graph at every cap, the largest first (a line)."""
+        idle = [DecodeRow(0, 0, np.full((1, self.width), self.scratch_page, np.int64), np.full(self.width, -1, np.int64),
+                          np.zeros(self.spec.settings, np.float32), np.zeros(0, np.int64),
+                          np.zeros(self.num_routed, np.int64), level or 0) for level in self.levels]
         start = time.perf_counter()
-        self.run([idle] * self.buckets[0])
-        logger.info("compiled the decode step (batch %d..%d) in %.1f s", self.buckets[0], self.buckets[-1],
+        for row in idle:
+            self.run([row] * self.buckets[0])
+        levels = f", depth levels {self.levels[0]}..{self.levels[-1]}" if self.spec.levels else ""
+        logger.info("compiled the decode step (batch %d..%d%s) in %.1f s", self.buckets[0], self.buckets[-1], levels,
                     time.perf_counter() - start)
         if self.cuda_graphs:
             start = time.perf_counter()
             for size in reversed(self.buckets):
-                self.run([idle] * size)  # the eager run first: Triton's kernels compile outside capture
-                self._capture(size)
+                for row in idle:
+                    self.run([row] * size)  # the eager run first: Triton's kernels compile outside capture
+                    self._capture(size, self._cap([row]))
             logger.info("captured %d CUDA graphs of the decode step in %.1f s", len(self._graphs),
                         time.perf_counter() - start)
+        self.level_steps.clear()
+
+    def _cap(self, rows: list[DecodeRow]) -> int | None:
+        """The step's level cap: the smallest level that covers every row's."""
+        if not self.spec.levels:
+            return None
+        deepest = max(row.level for row in rows)
+        return next(level for level in self.spec.levels if level >= deepest)
 
     @torch.inference_mode()
-    def _capture(self, size: int) -> None:
+    def _capture(self, size: int, cap: int | None) -> None:
         """Record the bucket's step on its buffers' current contents: a replay reruns it on whatever
         the buffers then hold."""
-        args = self._arguments(size, self.max_blocks)
+        args = self._arguments(size, self.max_blocks, cap)
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._graph_pool):
             out = self.forward(*args)
-        self._graphs[size] = (graph, out)
+        self._graphs[size, cap] = (graph, out)
 
     @torch.inference_mode()
     def run(self, rows: list[DecodeRow]) -> torch.Tensor:
@@ -181,13 +199,15 @@ class StaticDecode:
             used = sum(self._sizes[:-1]) + size * blocks * self.width
             self._device[:used].copy_(self._host[:used], non_blocking=True)
         self.steps += 1
-        if size in self._graphs:
-            graph, out = self._graphs[size]
+        cap = self._cap(rows)
+        self.level_steps[cap] = self.level_steps.get(cap, 0) + 1
+        if (size, cap) in self._graphs:
+            graph, out = self._graphs[size, cap]
             graph.replay()
             return out[: len(rows)]
-        return self.forward(*self._arguments(size, blocks))[: len(rows)]
+        return self.forward(*self._arguments(size, blocks, cap))[: len(rows)]
 
-    def _arguments(self, size: int, blocks: int) -> tuple:
+    def _arguments(self, size: int, blocks: int, cap: int | None) -> tuple:
         """The forward's arguments for a step of `size` rows: views of the device buffer."""
         ids, positions, lens, index, settings, states, routed, tables = self._views(self._device, size, blocks)
         decisions = self.decisions[:size]
@@ -200,7 +220,7 @@ class StaticDecode:
         meta = AttentionMetadata(num_tokens=size, block_size=self.block_size, slot_index=index, prefills=[],
                                  num_prefill_tokens=0, decode_page_table=tables, decode_context_lens=lens,
                                  kernels=self.kernels,
-                                 static=StaticRows(settings, states, positions, decisions, routed))
+                                 static=StaticRows(settings, states, positions, decisions, routed, cap))
         return ids, positions, self.pool, meta
 
     def _views(self, flat, size: int, blocks: int) -> tuple:

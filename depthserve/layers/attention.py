@@ -37,6 +37,9 @@ class StaticRows:
     positions: torch.Tensor  # [rows]
     decisions: torch.Tensor  # [rows, spec.decisions] int32, written by the forward (routing choices)
     routed_lens: torch.Tensor  # [rows, routed slots] tokens each routed slot holds before this step
+    # The deepest level any row of the step runs (StaticDecodeSpec.levels): the forward runs no
+    # iteration past it. None: the model has no levels (every iteration runs).
+    level_cap: int | None = None
 
 
 @dataclass

@@ -372,7 +372,8 @@ class DreamerForCausalLM(nn.Module, DepthModel):
         k_cache, v_cache = x.new_zeros(shape), x.new_zeros(shape)
         cos, sin = self.rope_cos[positions].to(x.dtype), self.rope_sin[positions].to(x.dtype)
         ea_record, attn_record = [], []
-        for j in range(spec.depth):
+        cap = meta.static.level_cap or spec.depth  # no row recurs past the cap
+        for j in range(cap):
             runs = depths > j
             sa, choice = self._sa(x, cos, sin, pool, decode_slot_meta(meta, self.static_columns[j]), j)
             y = x + self._da(x, k_cache, v_cache, j, meta.kernels) + sa
@@ -380,6 +381,9 @@ class DreamerForCausalLM(nn.Module, DepthModel):
             x = torch.where(runs[:, None], self.out_norm(y + ea), x)
             ea_record.append(torch.where(runs[:, None], top, -1))
             attn_record.append(torch.where(runs, choice, -1) if choice is not None else torch.full_like(depths, -1))
+        for _ in range(cap, spec.depth):  # depths past the cap: not run by any row
+            ea_record.append(torch.full_like(ea_record[-1], -1))
+            attn_record.append(torch.full_like(attn_record[-1], -1))
         decisions = torch.cat([torch.stack(ea_record, 1).reshape(n, -1), torch.stack(attn_record, 1)], dim=1)
         meta.static.decisions.copy_(decisions.to(torch.int32))
         return x
@@ -389,7 +393,8 @@ class DreamerForCausalLM(nn.Module, DepthModel):
         [D, k] and the attention expert [D] of every depth."""
         deepest = self.plan(DepthParams(depth=self.spec.depth)).layout
         self.static_columns = [deepest.columns(j) for j in range(self.spec.depth)]
-        return StaticDecodeSpec(deepest, settings=1, decisions=self.spec.depth * (self.spec.top_k + 1))
+        return StaticDecodeSpec(deepest, settings=1, decisions=self.spec.depth * (self.spec.top_k + 1),
+                                levels=tuple(range(1, self.spec.depth + 1)))
 
     def static_settings(self, plan: DreamerPlan) -> np.ndarray:
         return np.array([plan.recurrences], dtype=np.float32)

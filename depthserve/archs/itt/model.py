@@ -111,7 +111,12 @@ class ITTDecoderLayer(LlamaDecoderLayer):
         y = f(x, cos, sin, pool, meta, columns) * self.step_encoding[0].to(x.dtype)
         settings, T = meta.static.settings, self.spec.steps
         selections, all_scores = [], []
+        cap = T if meta.static.level_cap is None else meta.static.level_cap
         for t in range(1, T + 1):
+            if t > cap:  # the step is off for every row
+                selections.append(torch.full_like(y[:, 0], -1, dtype=torch.int32))
+                all_scores.append(torch.zeros_like(y[:, 0], dtype=torch.float32))
+                continue
             thresholds = settings[:, self.position * T + t - 1]  # +inf: the step is off for the row
             routed = meta.static.routed_lens[:, self.static_routed[t - 1]]
             scores, selected, on = itt_select(y, self.router_weight[t - 1], self.router_bias[t - 1], thresholds)
@@ -171,7 +176,8 @@ class ITTForCausalLM(LlamaForCausalLM):
         routed = tuple(SlotSpec(routed_slot_name(layer, t), SlotKind.ROUTED, cfg.num_kv_heads)
                        for layer in spec.layers for t in range(1, spec.steps + 1))
         static = StaticDecodeSpec(CacheLayout(self._base_plan.layout.slots, routed),
-                                  settings=len(spec.layers) * spec.steps, decisions=2 * len(spec.layers) * spec.steps)
+                                  settings=len(spec.layers) * spec.steps, decisions=2 * len(spec.layers) * spec.steps,
+                                  levels=tuple(range(spec.steps + 1)))
         columns = static.columns()
         order = {slot.name: i for i, slot in enumerate(routed)}
         for layer in self.itt_layers():
@@ -183,6 +189,10 @@ class ITTForCausalLM(LlamaForCausalLM):
     def static_settings(self, plan: ITTPlan) -> np.ndarray:
         ratios = np.array(plan.ratios, dtype=np.float32)
         return np.where(ratios > 0, plan.thresholds, np.float32(np.inf)).astype(np.float32).reshape(-1)
+
+    def static_level(self, plan: ITTPlan) -> int:
+        """The last thinking step the request has on (ratio > 0); later steps are off for it."""
+        return max((t + 1 for t, ratio in enumerate(plan.ratios) if ratio > 0), default=0)
 
     def after_static_step(self, record: ITTRecord, position: int, decisions: np.ndarray) -> dict[str, int]:
         L, T = len(self.spec.layers), self.spec.steps

@@ -343,7 +343,11 @@ class PUTForCausalLM(nn.Module, DepthModel):
         else:
             states = x.new_zeros(shape)
         new_states = []
+        cap = meta.static.level_cap or spec.steps
         for t in range(1, spec.steps + 1):
+            if t > cap:  # no row runs pass t: its conv states stay as stored
+                new_states += [states[:, t - 1, j] for j in range(spec.n_core)]
+                continue
             runs = (loops >= t)[:, None]
             xs = x
             for j, layer in enumerate(self.core_layers):
@@ -371,7 +375,8 @@ class PUTForCausalLM(nn.Module, DepthModel):
         """Rows hold every core pass's slots and state (T passes); a row's setting is its loop count."""
         deepest = self.plan(DepthParams(loops=self.spec.steps)).layout
         self.static_columns = deepest.slot_columns()
-        return StaticDecodeSpec(deepest, settings=1, state_bytes=deepest.state_bytes)
+        return StaticDecodeSpec(deepest, settings=1, state_bytes=deepest.state_bytes,
+                                levels=tuple(range(1, self.spec.steps + 1)))
 
     def static_settings(self, plan: PUTPlan) -> np.ndarray:
         return np.array([plan.loops], dtype=np.float32)

@@ -129,7 +129,8 @@ class SGTDecoderLayer(LlamaDecoderLayer):
         iterations and keeps iteration k where its own loop count is at least k."""
         loops = meta.static.settings[:, self.setting]
         read_heads = self.static_read_heads
-        for k, columns in enumerate(self.static_columns, start=1):
+        cap = meta.static.level_cap
+        for k, columns in enumerate(self.static_columns[:cap], start=1):  # no row loops past the cap
             sub = decode_slot_meta(meta, columns, read_heads)
             step = h + self.loop_attn(self.input_layernorm(h), cos, sin, pool, sub)
             h = torch.where((loops >= k)[:, None], step, h)
@@ -161,7 +162,8 @@ class SGTForCausalLM(LlamaForCausalLM):
         return sgt_plan(self.config, self.spec, depth)
 
     def static_decode_spec(self) -> StaticDecodeSpec:
-        return StaticDecodeSpec(self._deepest.layout, settings=len(self.spec.layers))
+        return StaticDecodeSpec(self._deepest.layout, settings=len(self.spec.layers),
+                                levels=tuple(range(self.max_loops + 1)))
 
     def static_settings(self, plan: SGTPlan) -> np.ndarray:
         return np.array([plan.loops[layer.layer] for layer in self.spec.layers], dtype=np.float32)
