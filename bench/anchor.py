@@ -9,9 +9,8 @@ buffer with a causal mask, greedy argmax on the device. On CUDA the one-token st
 `torch.compile(mode="reduce-overhead", fullgraph=True)` (inductor plus CUDA graphs); prefill runs
 eagerly (the anchor is for decode). Weights come from transformers' model of the checkpoint.
 
-The anchor is for GPUs. On CPU, inductor compiles its matmuls into its own loops rather than MKL
-calls, far slower (SmolLM2-135M, fp32, 2 cores, 2026-11-25: 17.9 and 17.2 tok/s at 1 and 32
-sequences, against the eager engine's 29.4 and 228.2 in the same run).
+The anchor is for GPUs: on CPU its compiled step is slower than its own eager one (SmolLM2-135M,
+fp32, 2 cores, 32 sequences, 2026-11-25: 375 against 167 ms a step), so it anchors nothing there.
 """
 
 from __future__ import annotations
