@@ -94,11 +94,10 @@ def test_engine_on_cuda_generates_the_cpu_engines_tokens_in_fp32(arch, tmp_path,
     path, depths, _, prompts = _mixed_batch(arch, tmp_path, tokenizer)
     params = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2) for _ in LENGTHS]
     depth = None if depths is None else [depth_params(d) for d in depths]
-    expected = tiny_llm(path, max_model_len=64, max_num_seqs=8, max_num_batched_tokens=16).generate(
-        prompts, params, depth)
+    engine_args = dict(pages=400, max_model_len=64, max_num_seqs=8, max_num_batched_tokens=16)
+    expected = tiny_llm(path, **engine_args).generate(prompts, params, depth)
     for enforce_eager in (True, False):
-        llm = tiny_llm(path, max_model_len=64, max_num_seqs=8, max_num_batched_tokens=16, device="cuda",
-                       enforce_eager=enforce_eager)
+        llm = tiny_llm(path, device="cuda", enforce_eager=enforce_eager, **engine_args)
         got = llm.generate(prompts, params, depth)
         assert_same_generations(expected, got, tol=1e-3)
         for e, g in zip(expected, got):
