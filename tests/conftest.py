@@ -52,6 +52,13 @@ def _read_each_gguf_once():
 
 @pytest.fixture(scope="session")
 def smollm_tokenizer():
+    """SmolLM2's tokenizer: from its model package, or from a saved copy named by
+    DEPTHSERVE_TEST_TOKENIZER (GPU hosts, where the package is too large to carry: bench/gpu/run.sh)."""
+    saved = os.environ.get("DEPTHSERVE_TEST_TOKENIZER")
+    if saved:
+        from depthserve.tiny import tokenizer_from
+
+        return tokenizer_from(saved)
     from depthserve.loading.registry import resolve_model
     from depthserve.loading.tokenizer import load_tokenizer
 

@@ -14,7 +14,7 @@ import torch
 
 from depthserve import SamplingParams
 from depthserve.kernels.dispatch import Kernels
-from depthserve.tiny import load_default_tokenizer, make_tiny
+from depthserve.tiny import make_tiny
 from tests.depth_helpers import assert_same_generations, depth_params, tiny_llm
 from tests.test_static_decode import DEPTH_CASES, LENGTHS, _prompts, assert_same_report, compiled_equals_eager
 
@@ -75,23 +75,17 @@ def test_varlen_prefill_and_saobp_kernels_in_half_precision_match_fp32(dtype):
         assert relative_error(out, expected) < 1e-2 and relative_error(got_lse, lse) < 1e-2
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    """SmolLM2's tokenizer where its package is installed, else a byte-level one (GPU hosts lack it)."""
-    return load_default_tokenizer()
-
-
 def _mixed_batch(arch: str, tmp_path, tokenizer):
     options, depths, pages = DEPTH_CASES.get(arch, ({}, None, 96))
     path = make_tiny(arch, tmp_path / arch, seed=11, tokenizer=tokenizer, **options)
-    return path, depths, pages, _prompts(len(tokenizer))
+    return path, depths, pages, _prompts()
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_engine_on_cuda_generates_the_cpu_engines_tokens_in_fp32(arch, tmp_path, tokenizer):
+def test_engine_on_cuda_generates_the_cpu_engines_tokens_in_fp32(arch, tmp_path, smollm_tokenizer):
     """Seven requests at mixed depths, prompts in chunks: the CUDA engine (Triton kernels; eager,
     then compiled with CUDA graphs) gives the CPU engine's greedy tokens and its logprobs within 1e-3."""
-    path, depths, _, prompts = _mixed_batch(arch, tmp_path, tokenizer)
+    path, depths, _, prompts = _mixed_batch(arch, tmp_path, smollm_tokenizer)
     params = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2) for _ in LENGTHS]
     depth = None if depths is None else [depth_params(d) for d in depths]
     engine_args = dict(pages=400, max_model_len=64, max_num_seqs=8, max_num_batched_tokens=16)
@@ -106,10 +100,10 @@ def test_engine_on_cuda_generates_the_cpu_engines_tokens_in_fp32(arch, tmp_path,
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_cuda_graphs_equal_the_eager_engine_on_a_mixed_depth_batch_with_preemption(arch, tmp_path, tokenizer):
+def test_cuda_graphs_equal_the_eager_engine_on_a_mixed_depth_batch_with_preemption(arch, tmp_path, smollm_tokenizer):
     """On CUDA the compiled decode step of every bucket is captured once and replayed: tokens,
     logprobs (1e-4) and depth reports equal the eager engine's, with preemption forcing recomputation."""
-    path, depths, pages, prompts = _mixed_batch(arch, tmp_path, tokenizer)
+    path, depths, pages, prompts = _mixed_batch(arch, tmp_path, smollm_tokenizer)
     llm = compiled_equals_eager(path, pages=pages, depths=depths, device="cuda", prompts=prompts)
     static = llm.engine.runner.static
     assert static.cuda_graphs and sorted(static._graphs) == sorted(static.buckets)

@@ -1,7 +1,7 @@
 """The engine on the Triton kernel backend against the torch backend: the same greedy tokens and
-logprobs for a mixed batch with chunked prefill and prefix hits. On CUDA it runs the default
-SmolLM2 model natively; on CPU (the Triton interpreter, ~100x slower) a tiny Llama of the same
-family."""
+logprobs for a mixed batch with chunked prefill and prefix hits. On CUDA it runs a Llama of
+SmolLM2's shapes (random weights) natively; on CPU (the Triton interpreter, ~100x slower) a tiny
+Llama of the same family."""
 
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ def test_triton_path_matches_torch_path(tmp_path, smollm_tokenizer):
     prompts = [shared + " Colosseum", "Hi", shared + " Tiber river"]
     params = SamplingParams(temperature=0.0, max_tokens=3, logprobs=0, ignore_eos=True)
     device = kernel_test_device()
-    model = "smollm2-135m-instruct" if device == "cuda" else str(
-        make_tiny("llama", tmp_path / "llama", seed=6, tokenizer=smollm_tokenizer))
+    like = "smollm2-135m-instruct" if device == "cuda" else None
+    model = str(make_tiny("llama", tmp_path / "llama", seed=6, like=like, tokenizer=smollm_tokenizer))
     runs = {}
     for backend in ("torch", "triton"):
         # A small token budget: prompts are prefilled in chunks over earlier chunks' cache.

@@ -25,6 +25,7 @@ setup() {
     for entry in depthserve/*; do ln -s "$PWD/$entry" "$root/depthserve/"; done
     for package in kernels server clients; do ln -s "$PWD/$package" "$root/depthserve/$package"; done
     export PYTHONPATH="$root:/tmp/site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+    export DEPTHSERVE_TEST_TOKENIZER="$PWD/.gpu/tokenizer"  # the tests' SmolLM2 tokenizer (tests/conftest.py)
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
     "$PY" -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/device.txt"
 }
@@ -35,6 +36,7 @@ keep_results() {  # the JSON a stage wrote under bench/results, into $OUT
 
 stage_tests() {
     "$PY" -m pytest -q -p no:cacheprovider --timeout 420 tests/test_cuda.py tests/test_kernels.py tests/test_saobp_kernels.py \
+        tests/test_triton_engine.py tests/test_depth_triton.py \
         --junitxml="$OUT/tests-cuda.xml" 2>&1 | tee "$OUT/tests-cuda.log" | tail -25
 }
 
