@@ -129,6 +129,9 @@ class StaticDecode:
         # CUDA: (bucket size, level cap) -> (captured graph, its output), filled by warm_up; one memory pool.
         self._graphs: dict[tuple[int, int | None], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._graph_pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
+        # Warm-up runs and captures on one side stream (as torch.cuda.graph's documentation does), so the
+        # libraries' per-stream workspaces exist before capture.
+        self._capture_stream = torch.cuda.Stream(device) if self.cuda_graphs else None
 
     def bucket(self, num_rows: int) -> int:
         return next(size for size in self.buckets if size >= num_rows)
@@ -147,10 +150,13 @@ class StaticDecode:
                     time.perf_counter() - start)
         if self.cuda_graphs:
             start = time.perf_counter()
-            for size in reversed(self.buckets):
-                for row in idle:
-                    self.run([row] * size)  # the eager run first: Triton's kernels compile outside capture
-                    self._capture(size, self._cap([row]))
+            self._capture_stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self._capture_stream):
+                for size in reversed(self.buckets):
+                    for row in idle:
+                        self.run([row] * size)  # the eager run first: Triton's kernels compile outside capture
+                        self._capture(size, self._cap([row]))
+            torch.cuda.current_stream(self.device).wait_stream(self._capture_stream)
             logger.info("captured %d CUDA graphs of the decode step in %.1f s", len(self._graphs),
                         time.perf_counter() - start)
         self.level_steps.clear()
@@ -169,7 +175,7 @@ class StaticDecode:
         args = self._arguments(size, self.max_blocks, cap)
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._graph_pool):
+        with torch.cuda.graph(graph, pool=self._graph_pool, stream=self._capture_stream):
             out = self.forward(*args)
         self._graphs[size, cap] = (graph, out)
 
