@@ -113,7 +113,10 @@ class AnchorGenerator:
         for i in range(new_tokens - 1):
             if self.cuda:
                 torch.compiler.cudagraph_mark_step_begin()  # the last step's logits are consumed
-            logits = self.step(token[:, None], self.model.positions[length + i : length + i + 1])
+            # A fresh position tensor each step, as gpt-fast passes it: a view into a buffer at a moving
+            # offset would look like a static input whose address changes to the CUDA-graph trees.
+            position = self.model.positions[length + i : length + i + 1].clone()
+            logits = self.step(token[:, None], position)
             token = logits[:, -1].argmax(-1)
             out.append(token)
         return torch.stack(out, dim=1)
