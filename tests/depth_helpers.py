@@ -9,6 +9,7 @@ import torch
 
 from depthserve import LLM, DepthParams
 from depthserve.engine.model_runner import ModelRunner
+from depthserve.tiny import synthetic_streams
 
 BLOCK_SIZE = 8
 TINY_HEAD_DIM = 16  # depthserve.tiny.TINY
@@ -21,6 +22,24 @@ def tiny_llm(path, pages: int | None = None, max_model_len: int = 256, device: s
     gib = None if pages is None else pages * page_bytes / (1 << 30)
     return LLM(str(path), device=device, dtype="float32", load_progress=False, max_model_len=max_model_len,
                block_size=BLOCK_SIZE, kv_cache_memory_gib=gib, **kwargs)
+
+
+def stream_prompts(lengths: list[int], seed: int, stride: int = 7, vocab_size: int = 49152) -> list[list[int]]:
+    """Prompts of the given lengths cut from one synthetic token stream, each starting `stride`
+    tokens after the one before (so neighbours overlap but share no prefix)."""
+    stream = synthetic_streams(vocab_size, 1, 400, seed=seed)[0].tolist()
+    return [stream[i * stride : i * stride + n] for i, n in enumerate(lengths)]
+
+
+def costliest_pages(path, depths: list[DepthParams], max_model_len: int, step_tokens: int = 16) -> int:
+    """The pages the costliest of `depths` needs for a sequence of max_model_len tokens, plus those a
+    step of `step_tokens` sets aside for its depth cache (Dreamer's; none for the others), measured
+    on a probe engine of the checkpoint."""
+    probe = tiny_llm(path, max_model_len=max_model_len)
+    bm, model = probe.engine.block_manager, probe.engine.model
+    costliest = max(bm.pages_for(cache_layout(model, d), max_model_len) for d in depths)
+    page_bytes = ModelRunner.page_bytes(BLOCK_SIZE, model.head_dim, torch.float32)
+    return costliest + -(-model.step_cache_bytes_bound(step_tokens) // page_bytes)
 
 
 def cache_layout(model, depth: DepthParams):

@@ -20,8 +20,7 @@ from depthserve.errors import ConfigurationError
 from depthserve.loading.registry import resolve_model
 from depthserve.loading.tokenizer import load_tokenizer
 from depthserve.tiny import make_tiny
-from depthserve.engine.model_runner import ModelRunner
-from tests.depth_helpers import BLOCK_SIZE, cache_layout, tiny_llm
+from tests.depth_helpers import costliest_pages, tiny_llm
 from tests.test_dreamer import check_against_reference
 
 THRESHOLD = 0.9999
@@ -53,12 +52,8 @@ def test_confident_tokens_stop_early_and_the_engine_equals_the_reference():
     depths = [DepthParams.from_dict(DEPTHS[i % len(DEPTHS)]) for i in range(len(prompts))]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
     longest = max(map(len, prompts)) + params.max_tokens
-    probe = tiny_llm(source.path, max_model_len=longest)
-    costliest = max(probe.engine.block_manager.pages_for(cache_layout(probe.engine.model, d), longest) for d in depths)
-    page_bytes = ModelRunner.page_bytes(BLOCK_SIZE, probe.engine.model.head_dim, torch.float32)
-    depth_cache = -(-probe.engine.model.step_cache_bytes_bound(16) // page_bytes)
-    llm = tiny_llm(source.path, pages=costliest + depth_cache, max_model_len=longest, max_num_batched_tokens=16,
-                   depth_policy="confidence", confidence_threshold=THRESHOLD)
+    llm = tiny_llm(source.path, pages=costliest_pages(source.path, depths, longest), max_model_len=longest,
+                   max_num_batched_tokens=16, depth_policy="confidence", confidence_threshold=THRESHOLD)
     outputs = llm.generate(prompts, params, depths)
     assert llm.engine.scheduler.num_preemptions > 0
     stats = check_against_reference(source.path, prompts, depths, outputs)

@@ -11,14 +11,12 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-import torch
 
 from depthserve import DepthParams, SamplingParams
 from depthserve.archs.dreamer.format import ran_depths, slot_name
-from depthserve.engine.model_runner import ModelRunner
 from depthserve.errors import InvalidDepthError
-from depthserve.tiny import make_tiny, synthetic_streams
-from tests.depth_helpers import BLOCK_SIZE, assert_runs_like_the_fixed_knob, cache_layout, tiny_llm
+from depthserve.tiny import make_tiny
+from tests.depth_helpers import assert_runs_like_the_fixed_knob, costliest_pages, stream_prompts, tiny_llm
 from tests.test_dreamer import check_against_reference
 
 MAX_LEN = 48
@@ -52,8 +50,7 @@ def path(request, tmp_path_factory, smollm_tokenizer):
 
 
 def _prompts() -> list[list[int]]:
-    stream = synthetic_streams(49152, 1, 400, seed=31)[0].tolist()
-    prompts = [stream[i * 7 : i * 7 + n] for i, n in enumerate(LENGTHS)]
+    prompts = stream_prompts(LENGTHS, seed=31)
     prompts[6] = prompts[4][:33]  # fixed depth-4 requests sharing a prefix: prefix-cache hits
     return prompts
 
@@ -69,12 +66,8 @@ def test_random_levels_in_a_mixed_batch_equal_the_reference(path):
     prompts = _prompts()
     depths = [DepthParams.from_dict(d) for d in DEPTHS]
     params = [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2) for _ in prompts]
-    probe = tiny_llm(path, max_model_len=MAX_LEN)
-    bm, model = probe.engine.block_manager, probe.engine.model
-    costliest = max(bm.pages_for(cache_layout(model, d), MAX_LEN) for d in depths)
-    page_bytes = ModelRunner.page_bytes(BLOCK_SIZE, model.head_dim, torch.float32)
-    depth_cache = -(-model.step_cache_bytes_bound(16) // page_bytes)  # set aside before the pages
-    llm = tiny_llm(path, pages=costliest + 6 + depth_cache, max_model_len=MAX_LEN, max_num_batched_tokens=16)
+    llm = tiny_llm(path, pages=costliest_pages(path, depths, MAX_LEN) + 6, max_model_len=MAX_LEN,
+                   max_num_batched_tokens=16)
     llm.engine.depth_policy = RandomLevels(0)
     outputs = llm.generate(prompts, params, depths)
     stats = check_against_reference(path, prompts, depths, outputs)

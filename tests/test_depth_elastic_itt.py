@@ -14,8 +14,9 @@ from depthserve import DepthParams, SamplingParams, reference
 from depthserve.archs.itt.format import routed_slot_name
 from depthserve.archs.itt.reference import itt_ratios, load_itt
 from depthserve.errors import InvalidDepthError
-from depthserve.tiny import make_tiny, synthetic_streams
-from tests.depth_helpers import assert_runs_like_the_fixed_knob, cache_layout, check_logprobs, tiny_llm
+from depthserve.tiny import make_tiny
+from tests.depth_helpers import (assert_runs_like_the_fixed_knob, check_logprobs, costliest_pages, stream_prompts,
+                                  tiny_llm)
 from tests.test_depth_elastic import RandomLevels
 from tests.test_sgt_itt_engine import DELTA, NEAR_TIE, TOL
 
@@ -34,8 +35,7 @@ def path(tmp_path_factory, smollm_tokenizer):
 
 
 def _prompts() -> list[list[int]]:
-    stream = synthetic_streams(49152, 1, 400, seed=41)[0].tolist()
-    return [stream[i * 7 : i * 7 + n] for i, n in enumerate(LENGTHS)]
+    return stream_prompts(LENGTHS, seed=41)
 
 
 def _schedule(depth: DepthParams, per_token: list[int]) -> list[dict]:
@@ -83,10 +83,8 @@ def test_random_levels_in_a_mixed_batch_equal_the_reference(path):
     prompts = _prompts()
     depths = [DepthParams.from_dict(d) for d in DEPTHS]
     params = [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2) for _ in prompts]
-    probe = tiny_llm(path, max_model_len=MAX_LEN)
-    bm, model = probe.engine.block_manager, probe.engine.model
-    costliest = max(bm.pages_for(cache_layout(model, d), MAX_LEN) for d in depths)
-    llm = tiny_llm(path, pages=costliest + 4, max_model_len=MAX_LEN, max_num_batched_tokens=16)
+    llm = tiny_llm(path, pages=costliest_pages(path, depths, MAX_LEN) + 4, max_model_len=MAX_LEN,
+                   max_num_batched_tokens=16)
     llm.engine.depth_policy = RandomLevels(1)
     outputs = llm.generate(prompts, params, depths)
     stats = check_against_reference(path, prompts, depths, outputs)

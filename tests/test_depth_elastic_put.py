@@ -15,8 +15,9 @@ import torch
 from depthserve import DepthParams, SamplingParams, reference
 from depthserve.archs.put.format import core_slot_name
 from depthserve.errors import InvalidDepthError
-from depthserve.tiny import make_tiny, synthetic_streams
-from tests.depth_helpers import assert_runs_like_the_fixed_knob, cache_layout, check_logprobs, tiny_llm
+from depthserve.tiny import make_tiny
+from tests.depth_helpers import (assert_runs_like_the_fixed_knob, check_logprobs, costliest_pages, stream_prompts,
+                                  tiny_llm)
 from tests.test_depth_elastic import RandomLevels
 
 TOL = 1e-4  # tests/test_put.py
@@ -52,8 +53,7 @@ def path(request, tmp_path_factory, smollm_tokenizer):
 
 
 def _prompts() -> list[list[int]]:
-    stream = synthetic_streams(49152, 1, 400, seed=31)[0].tolist()
-    return [stream[i * 7 : i * 7 + n] for i, n in enumerate(LENGTHS)]
+    return stream_prompts(LENGTHS, seed=31)
 
 
 def _knob():
@@ -85,10 +85,8 @@ def test_random_levels_in_a_mixed_batch_equal_the_reference(path):
     depths = [DepthParams.from_dict(d) for d in LOOPS]
     params = [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2, prompt_logprobs=1)
               for _ in prompts]
-    probe = tiny_llm(path, max_model_len=MAX_LEN)
-    bm, model = probe.engine.block_manager, probe.engine.model
-    costliest = max(bm.pages_for(cache_layout(model, d), MAX_LEN) for d in depths)
-    llm = tiny_llm(path, pages=costliest + 40, max_model_len=MAX_LEN, max_num_batched_tokens=16)
+    llm = tiny_llm(path, pages=costliest_pages(path, depths, MAX_LEN) + 40, max_model_len=MAX_LEN,
+                   max_num_batched_tokens=16)
     policy = llm.engine.depth_policy = MixedLevels(0)
     preempted = []  # per preemption: (ranged, the levels its computed positions ran at)
     preempt = llm.engine.scheduler._preempt

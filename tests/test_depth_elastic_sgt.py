@@ -16,8 +16,8 @@ import torch
 from depthserve import DepthParams, SamplingParams, reference
 from depthserve.archs.sgt.format import kv_heads_of, loop_slot_name
 from depthserve.errors import InvalidDepthError
-from depthserve.tiny import make_tiny, synthetic_streams
-from tests.depth_helpers import assert_runs_like_the_fixed_knob, cache_layout, check_logprobs, tiny_llm
+from depthserve.tiny import make_tiny
+from tests.depth_helpers import assert_runs_like_the_fixed_knob, cache_layout, check_logprobs, stream_prompts, tiny_llm
 from tests.test_depth_elastic import RandomLevels
 from tests.test_sgt_itt_engine import NEAR_TIE, TOL
 
@@ -37,8 +37,7 @@ def path(tmp_path_factory, smollm_tokenizer):
 
 
 def _prompts() -> list[list[int]]:
-    stream = synthetic_streams(49152, 1, 400, seed=51)[0].tolist()
-    prompts = [stream[i * 7 : i * 7 + n] for i, n in enumerate(LENGTHS)]
+    prompts = stream_prompts(LENGTHS, seed=51)
     prompts[6] = prompts[4][:33]  # fixed loops=2 requests sharing a prefix: prefix-cache hits
     return prompts
 

@@ -24,7 +24,7 @@ from depthserve.archs.dreamer import format as dreamer
 from depthserve.archs.dreamer import model as dreamer_model
 from depthserve.errors import CacheCapacityError, CheckpointFormatError, InvalidDepthError
 from depthserve.tiny import make_tiny, synthetic_streams
-from tests.depth_helpers import cache_layout, check_logprobs, depth_params, tiny_llm
+from tests.depth_helpers import cache_layout, check_logprobs, depth_params, stream_prompts, tiny_llm
 
 TOL = 1e-4
 DELTA = 1e-4
@@ -48,8 +48,7 @@ def ckpts(tmp_path_factory, smollm_tokenizer):
 
 
 def _prompts() -> list[list[int]]:
-    stream = synthetic_streams(49152, 1, 400, seed=31)[0].tolist()
-    prompts = [stream[i * 7 : i * 7 + n] for i, n in enumerate(LENGTHS)]
+    prompts = stream_prompts(LENGTHS, seed=31)
     prompts[4] = prompts[7][:33]  # shares a 4-block prefix with request 7 (both at depth 4)
     prompts[3] = prompts[7][:24]
     return prompts

@@ -27,7 +27,7 @@ from depthserve.cache import SlotKind
 from depthserve.engine.model_runner import ModelRunner
 from depthserve.errors import CheckpointFormatError, InvalidDepthError
 from depthserve.tiny import make_tiny, synthetic_streams
-from tests.depth_helpers import cache_layout, check_logprobs, tiny_llm
+from tests.depth_helpers import cache_layout, check_logprobs, stream_prompts, tiny_llm
 
 TOL = 1e-4  # logprobs, fp32 engine vs the float64 reference
 LONG_TOL = 1e-3  # at 4096 tokens
@@ -53,8 +53,7 @@ def ckpts(tmp_path_factory, smollm_tokenizer):
 
 
 def _prompts() -> list[list[int]]:
-    stream = synthetic_streams(49152, 1, 400, seed=23)[0].tolist()
-    return [stream[i * 7 : i * 7 + n] for i, n in enumerate(LENGTHS)]
+    return stream_prompts(LENGTHS, seed=23)
 
 
 def check_against_reference(path, prompts, outputs, tol=TOL, greedy=True) -> dict:

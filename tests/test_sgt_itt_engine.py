@@ -17,8 +17,8 @@ import torch
 from depthserve import LLM, DepthParams, SamplingParams, reference
 from depthserve.engine.model_runner import ModelRunner
 from depthserve.errors import InvalidDepthError
-from depthserve.tiny import make_tiny, synthetic_streams
-from tests.depth_helpers import cache_layout, check_logprobs, depth_params, tiny_llm
+from depthserve.tiny import make_tiny
+from tests.depth_helpers import cache_layout, check_logprobs, depth_params, stream_prompts, tiny_llm
 
 TOL = 1e-4  # logprobs, fp32 engine vs the float64 reference
 DELTA = 1e-4  # routing margin below which a decision may differ (rounding)
@@ -45,8 +45,7 @@ def ckpts(tmp_path_factory, smollm_tokenizer):
 
 
 def _prompts() -> list[list[int]]:
-    stream = synthetic_streams(49152, 1, 400, seed=21)[0].tolist()
-    prompts = [stream[i * 7 : i * 7 + n] for i, n in enumerate(LENGTHS)]
+    prompts = stream_prompts(LENGTHS, seed=21)
     prompts[4] = prompts[7][:33]  # shares a 2-block prefix with request 7 (same depth setting below)
     prompts[3] = prompts[7][:24]
     return prompts

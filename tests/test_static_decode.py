@@ -14,8 +14,8 @@ import torch
 
 from depthserve import SamplingParams
 from depthserve.engine.static_decode import DecodeRow, decode_buckets
-from depthserve.tiny import make_tiny, synthetic_streams
-from tests.depth_helpers import assert_same_generations, depth_params, tiny_llm
+from depthserve.tiny import make_tiny
+from tests.depth_helpers import assert_same_generations, depth_params, stream_prompts, tiny_llm
 
 LENGTHS = [3, 17, 9, 30, 5, 12, 41]
 # Architectures with a static decode step beyond Llama: make_tiny options, the depth of each request of
@@ -45,8 +45,7 @@ def compiled(path):
 
 
 def _prompts(vocab_size: int = 49152) -> list[list[int]]:
-    stream = synthetic_streams(vocab_size, 1, 400, seed=1)[0].tolist()
-    return [stream[i * 9 : i * 9 + n] for i, n in enumerate(LENGTHS)]
+    return stream_prompts(LENGTHS, seed=1, stride=9, vocab_size=vocab_size)
 
 
 def test_buckets_cover_every_batch_size():
