@@ -102,6 +102,20 @@ def timed(fn: Callable[[], object], sync: Callable[[], None] = lambda: None) -> 
     return time.perf_counter() - start
 
 
+def device_copy_rate(device) -> float | None:
+    """Bytes per second of a 1 GiB device-to-device copy, counting bytes read and written (the
+    median of triton's do_bench); None off CUDA, where no such ceiling is measured."""
+    if device.type != "cuda":
+        return None
+    import torch
+    import triton
+
+    source = torch.empty(1 << 29, dtype=torch.bfloat16, device=device).normal_()
+    target = torch.empty_like(source)
+    ms = triton.testing.do_bench(lambda: target.copy_(source), warmup=25, rep=200, return_mode="median")
+    return 2 * source.numel() * source.element_size() / (ms / 1000)
+
+
 def layer_matmuls_ms(model, layers, num_rows: int, passes: int, sync, lm_head: bool = False) -> float:
     """Milliseconds that the weight matmuls of `layers` (qkv, o, gate_up and down projections; the
     LM head too if asked) take alone on `num_rows` random rows, each layer run `passes` times in a

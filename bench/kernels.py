@@ -146,22 +146,10 @@ def bench_shape(shape: str, ns: argparse.Namespace, device: torch.device, copy_r
             "bytes_moved": bytes_moved, "rows": rows}
 
 
-def device_copy_rate(device: torch.device) -> float | None:
-    """Bytes per second of a 1 GiB device-to-device copy (read + written); None off CUDA."""
-    if device.type != "cuda":
-        return None
-    import triton
-
-    source = torch.empty(1 << 29, dtype=torch.bfloat16, device=device).normal_()
-    target = torch.empty_like(source)
-    ms = triton.testing.do_bench(lambda: target.copy_(source), warmup=25, rep=200, return_mode="median")
-    return 2 * source.numel() * source.element_size() / (ms / 1000)
-
-
 def main(argv: list[str] | None = None) -> int:
     ns = parse_args(argv)
     device = torch.device(common.resolve_device(ns.device))
-    copy_rate = device_copy_rate(device)
+    copy_rate = common.device_copy_rate(device)
     if copy_rate:
         print(f"device-to-device copy rate: {copy_rate / 1e12:.2f} TB/s (read + written)")
     shapes = [bench_shape(shape, ns, device, copy_rate) for shape in ns.shapes.split(",")]

@@ -132,20 +132,11 @@ class AnchorRunner:
         assert out.shape == (batch, new_tokens)
 
 
-def copy_rate(device: torch.device, sync, gib: float = 1.0, repeats: int = 10) -> float:
-    """Bytes per second of a device-to-device copy, counting bytes read and written (median of `repeats`)."""
-    source = torch.empty(int(gib * (1 << 30)) // 2, dtype=torch.bfloat16, device=device).normal_()
-    target = torch.empty_like(source)
-    target.copy_(source)
-    seconds = statistics.median(common.timed(lambda: target.copy_(source), sync) for _ in range(repeats))
-    return 2 * source.numel() * source.element_size() / seconds
-
-
-def bandwidth_floor(model: torch.nn.Module, device: torch.device, sync) -> dict:
+def bandwidth_floor(model: torch.nn.Module, device: torch.device) -> dict:
     """The fastest a batch-1 decode step can be: every weight read once at the measured copy rate."""
     storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters()}
     weight_bytes = sum(storages.values())
-    rate = copy_rate(device, sync)
+    rate = common.device_copy_rate(device)
     return {"weight_bytes": weight_bytes, "copy_rate_bytes_per_s": rate,
             "batch1_floor_ms_per_step": 1000 * weight_bytes / rate, "batch1_floor_tok_s": rate / weight_bytes}
 
@@ -261,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         "rows": rows,
     }
     if engine.device.type == "cuda":
-        payload["bandwidth_floor"] = bandwidth_floor(engine.llm.engine.model, engine.device, sync)
+        payload["bandwidth_floor"] = bandwidth_floor(engine.llm.engine.model, engine.device)
         print(f"batch-1 bandwidth floor: {payload['bandwidth_floor']['batch1_floor_tok_s']:.0f} tok/s "
               f"({payload['bandwidth_floor']['batch1_floor_ms_per_step'] * 1000:.0f} us per step)")
     name = ns.out or f"throughput-{common.device_slug(str(engine.device))}" + ("-quick" if ns.quick else "")
