@@ -51,14 +51,15 @@ def load_default_tokenizer():
 
 
 def tokenizer_from(path: str | Path):
-    """The tokenizer saved in a directory (a checkpoint's, or one written by save_pretrained)."""
-    from transformers import AutoTokenizer
-    from transformers.utils import logging as hf_logging
+    """The tokenizer saved in a directory (a checkpoint's, or one written by save_pretrained), read
+    as the engine reads a checkpoint's."""
+    from depthserve.loading.registry import ModelSource
+    from depthserve.loading.tokenizer import load_tokenizer
 
-    hf_logging.set_verbosity_error()
-    if not (Path(path) / "tokenizer.json").is_file() and not (Path(path) / "tokenizer_config.json").is_file():
+    path = Path(path)
+    if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
         raise ConfigurationError(f"no tokenizer in {path} (tokenizer.json or tokenizer_config.json)")
-    return AutoTokenizer.from_pretrained(str(path))
+    return load_tokenizer(ModelSource(path.name, "hf", path))
 
 
 def _byte_tokenizer():
