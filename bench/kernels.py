@@ -15,8 +15,12 @@ pool) and the decode attention of `--batch` sequences of `--context` keys is tim
 Each time is the median of `triton.testing.do_bench` on CUDA (a wall-clock median elsewhere). The
 bytes a decode attention must move are its keys and values, read once (queries and outputs are
 negligible); over the time they give the achieved bandwidth, reported against the device's
-device-to-device copy rate measured in the same run. Every variant's output is checked against
-the torch fallback in fp32 first (relative error). Result: bench/results/kernels-<device>.json.
+device-to-device copy rate measured in the same run. Every kernel's output is checked first against
+the torch fallback in fp32 on the same inputs: one outside the error bound of its dtype is recorded
+as wrong and not timed, one that raises (a variant that does not compile, say: too much shared
+memory) as failed with its error, and the run goes on; only rows within the bound are timed and can
+be the fastest. Result: bench/results/kernels-<device>.json, rewritten after every row (its "status":
+running, complete or interrupted).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+ERROR_BOUNDS = {"bfloat16": 2e-2, "float16": 1e-2, "float32": 1e-3}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -108,9 +114,54 @@ def relative_error(got: torch.Tensor, reference: torch.Tensor) -> float:
     return float((got.float() - reference).norm() / reference.norm())
 
 
-def bench_shape(shape: str, ns: argparse.Namespace, device: torch.device, copy_rate: float | None) -> dict[str, Any]:
+def error_bound(dtype: str) -> float:
+    """The largest relative error against the fp32 reference that a correct kernel shows in `dtype`
+    (inputs rounded alike, fp32 accumulation: the output's and the probabilities' rounding, ~3e-3 in
+    bf16, with margin); a masking or indexing bug gives 1e-1 and more."""
+    return ERROR_BOUNDS[dtype]
+
+
+def measure(fn: Callable[[], torch.Tensor], reference: torch.Tensor, bound: float,
+            device: torch.device) -> dict[str, Any]:
+    """One kernel's row: its error against the reference, then, if within `bound`, its time. A kernel
+    that raises (one that does not compile, say: a tile too large for shared memory) is recorded as
+    failed, one outside the bound as wrong (not timed), and the benchmark goes on."""
+    try:
+        error = relative_error(fn(), reference)
+        if not error <= bound:  # NaN included
+            return {"status": "wrong", "relative_error": error, "error_bound": bound}
+        return {"status": "ok", "relative_error": error, "error_bound": bound, "ms": time_ms(fn, device)}
+    except Exception as failure:  # noqa: BLE001 - any failure of one variant is that variant's result
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        return {"status": "failed", "error": f"{type(failure).__name__}: {failure}"[:2000]}
+
+
+def describe(row: dict[str, Any], copy_rate: float | None) -> str:
+    if row["status"] == "failed":
+        return f"  {row['name']:<28} FAILED: {row['error'].splitlines()[0][:200]}"
+    if row["status"] == "wrong":
+        return (f"  {row['name']:<28} WRONG: rel. error {row['relative_error']:.1e} > {row['error_bound']:.0e}"
+                " (not timed)")
+    share = f"{100 * row['share_of_copy_rate']:5.1f}% of copy rate" if copy_rate else ""
+    return (f"  {row['name']:<28} {row['ms'] * 1000:9.1f} us  {row['bandwidth_bytes_per_s'] / 1e9:8.1f} GB/s  {share}"
+            f"  rel. error {row['relative_error']:.1e}")
+
+
+def fastest_triton(rows: list[dict[str, Any]]) -> str | None:
+    """The fastest Triton row among those within the error bound (failed and wrong rows never win)."""
+    timed = [row for row in rows if row["name"].startswith("triton") and row["status"] == "ok"]
+    return min(timed, key=lambda row: row["ms"])["name"] if timed else None
+
+
+def bench_shape(shape: str, ns: argparse.Namespace, device: torch.device, copy_rate: float | None,
+                report: dict[str, Any] | None = None, save: Callable[[], None] = lambda: None) -> dict[str, Any]:
+    """Every kernel on `shape`, filled into `report` (its rows and the winner) row by row, calling
+    `save` after each row; returns the report."""
     from depthserve.kernels import paged as torch_paged
     from depthserve.kernels.triton import paged as triton_paged
+
+    report = {"shape": shape} if report is None else report
 
     q_heads, kv_heads, head_dim = (int(x) for x in shape.split("/"))
     dtype = DTYPES[ns.dtype]
@@ -120,49 +171,72 @@ def bench_shape(shape: str, ns: argparse.Namespace, device: torch.device, copy_r
     reference = torch_paged.paged_decode_attention(x["q"].float(), x["k_pages"].float(), x["v_pages"].float(),
                                                    x["table"], x["lens"], scale)
     bytes_moved = 2 * ns.batch * kv_heads * ns.context * head_dim * x["k_pages"].element_size()
+    report.update(q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, bytes_moved=bytes_moved, rows=[])
+    bound = error_bound(ns.dtype)
 
-    def record(name: str, fn, settings: dict | None = None) -> dict[str, Any]:
-        error = relative_error(fn(), reference)
-        ms = time_ms(fn, device)
-        row = {"name": name, "settings": settings or {}, "ms": ms, "relative_error": error,
-               "bandwidth_bytes_per_s": bytes_moved / (ms / 1000)}
-        if copy_rate:
-            row["share_of_copy_rate"] = row["bandwidth_bytes_per_s"] / copy_rate
-        share = f"{100 * row['share_of_copy_rate']:5.1f}% of copy rate" if copy_rate else ""
-        print(f"  {name:<28} {ms * 1000:9.1f} us  {row['bandwidth_bytes_per_s'] / 1e9:8.1f} GB/s  {share}"
-              f"  rel. error {error:.1e}", flush=True)
-        return row
+    def record(name: str, fn: Callable[[], torch.Tensor], settings: dict | None = None) -> None:
+        row = {"name": name, "settings": settings or {}, **measure(fn, reference, bound, device)}
+        if row["status"] == "ok":
+            row["bandwidth_bytes_per_s"] = bytes_moved / (row["ms"] / 1000)
+            if copy_rate:
+                row["share_of_copy_rate"] = row["bandwidth_bytes_per_s"] / copy_rate
+        print(describe(row, copy_rate), flush=True)
+        report["rows"].append(row)
+        report["fastest_triton"] = fastest_triton(report["rows"])
+        save()
 
     print(f"shape {shape} (query heads / KV heads / head dim), batch {ns.batch}, context {ns.context}, {ns.dtype}:")
-    rows = [record("triton (default)", lambda: triton_paged.paged_decode_attention(*args))]
+    record("triton (default)", lambda: triton_paged.paged_decode_attention(*args))
     for variant in parse_variants(ns.variants):
         label = "triton " + " ".join(f"{k.removeprefix('num_')}={v}" for k, v in variant.items())
-        rows.append(record(label, lambda v=variant: triton_paged.paged_decode_attention(*args, **v), variant))
-    rows.append(record("torch fallback (gather)", lambda: torch_paged.paged_decode_attention(*args)))
+        record(label, lambda v=variant: triton_paged.paged_decode_attention(*args, **v), variant)
+    record("torch fallback (gather)", lambda: torch_paged.paged_decode_attention(*args))
     query = x["q"][:, :, None, :]  # [batch, heads, 1, d]
-    rows.append(record("sdpa, contiguous K/V", lambda: F.scaled_dot_product_attention(
-        query, x["k"], x["v"], scale=scale, enable_gqa=q_heads != kv_heads)[:, :, 0]))
-    return {"shape": shape, "q_heads": q_heads, "kv_heads": kv_heads, "head_dim": head_dim,
-            "bytes_moved": bytes_moved, "rows": rows}
+    record("sdpa, contiguous K/V", lambda: F.scaled_dot_product_attention(
+        query, x["k"], x["v"], scale=scale, enable_gqa=q_heads != kv_heads)[:, :, 0])
+    print(f"  fastest Triton variant within the error bound: {report['fastest_triton']}")
+    return report
 
 
 def main(argv: list[str] | None = None) -> int:
     ns = parse_args(argv)
     device = torch.device(common.resolve_device(ns.device))
-    copy_rate = common.device_copy_rate(device)
-    if copy_rate:
-        print(f"device-to-device copy rate: {copy_rate / 1e12:.2f} TB/s (read + written)")
-    shapes = [bench_shape(shape, ns, device, copy_rate) for shape in ns.shapes.split(",")]
-    payload = {
+    name = ns.out or f"kernels-{common.device_slug(str(device))}" + ("-quick" if ns.quick else "")
+    payload: dict[str, Any] = {
         "benchmark": "kernels",
+        "status": "running",
         "settings": vars(ns),
-        "copy_rate_bytes_per_s": copy_rate,
-        "shapes": shapes,
+        "copy_rate_bytes_per_s": None,
+        "shapes": [],
         "environment": common.environment(str(device), None),
     }
-    name = ns.out or f"kernels-{common.device_slug(str(device))}" + ("-quick" if ns.quick else "")
-    print(f"wrote {common.write_result(name, payload)}")
-    return 0
+
+    def save() -> None:  # after every row: an interrupted or crashed run keeps what it measured
+        common.write_result(name, payload)
+
+    try:
+        payload["copy_rate_bytes_per_s"] = copy_rate = common.device_copy_rate(device)
+        if copy_rate:
+            print(f"device-to-device copy rate: {copy_rate / 1e12:.2f} TB/s (read + written)")
+        for shape in ns.shapes.split(","):
+            report: dict[str, Any] = {"shape": shape}
+            payload["shapes"].append(report)
+            try:
+                bench_shape(shape, ns, device, copy_rate, report, save)
+            except Exception as failure:  # noqa: BLE001 - a shape's set-up failing (memory, say) ends that shape only
+                report["error"] = f"{type(failure).__name__}: {failure}"[:2000]
+                print(f"  shape {shape} FAILED: {report['error'].splitlines()[0][:200]}", flush=True)
+        payload["status"] = "complete"
+    except KeyboardInterrupt:
+        payload["status"] = "interrupted"
+        print("interrupted: the result holds the rows measured so far", flush=True)
+    finally:
+        save()
+        print(f"wrote {common.RESULTS_DIR / (name + '.json')}")
+    failed = [row["name"] for report in payload["shapes"] for row in report.get("rows", []) if row["status"] != "ok"]
+    if failed:
+        print(f"not timed (failed or outside the error bound): {len(failed)} rows; see the result's 'status' fields")
+    return 130 if payload["status"] == "interrupted" else 0
 
 
 if __name__ == "__main__":
