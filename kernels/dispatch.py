@@ -12,8 +12,11 @@ reference) and, for the hot ones, a Triton kernel of the same signature and mean
 
 The engine picks the backend (EngineArgs.kernel_backend, `--kernel-backend`) and passes its
 Kernels to the model in every step's metadata (`AttentionMetadata.kernels`), so two engines in
-one process may run different backends. `ops` is the "auto" binding, for code outside an engine
-step (benchmarks timing one op).
+one process may run different backends. The torch implementations of the ops a decode step calls
+(kernels/library.py) take no host synchronisation (no data-dependent branch or shape: padding rows
+are written as harmless duplicates, `paged.masked_index_copy_`), so a compiled decode step captures
+as a CUDA graph on every backend (tests/test_kernel_fallbacks.py). `ops` is the "auto" binding, for
+code outside an engine step (benchmarks timing one op).
 """
 
 from __future__ import annotations

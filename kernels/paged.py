@@ -22,13 +22,36 @@ def store_kv(
     """Write each token's keys/values at its (page, offset). Rows with index -1 are padding."""
     head_dim = k.shape[-1]
     index = slot_index.reshape(-1)
-    keys = k.reshape(-1, head_dim)
-    values = v.reshape(-1, head_dim)
-    if bool((index < 0).any()):
-        keep = index >= 0
-        index, keys, values = index[keep], keys[keep], values[keep]
-    k_pages.view(-1, head_dim).index_copy_(0, index, keys.to(k_pages.dtype))
-    v_pages.view(-1, head_dim).index_copy_(0, index, values.to(v_pages.dtype))
+    keep = index >= 0
+    masked_index_copy_(k_pages.view(-1, head_dim), index, k.reshape(-1, head_dim).to(k_pages.dtype), keep)
+    masked_index_copy_(v_pages.view(-1, head_dim), index, v.reshape(-1, head_dim).to(v_pages.dtype), keep)
+
+
+def masked_index_copy_(dest: torch.Tensor, index: torch.Tensor, source: torch.Tensor, keep: torch.Tensor) -> None:
+    """dest[index[i]] = source[i] where keep[i]; rows not kept change nothing.
+
+    Without a data-dependent shape or branch (no host synchronisation, so it can run inside a
+    CUDA-graph capture and traces whole under torch.compile): a row not kept is written too, as a
+    copy of the first kept row (the same index and the same value, so the duplicate write is
+    harmless in any order), or, when no row is kept, as dest[0] onto itself.
+    """
+    if index.numel() == 0:
+        return
+    index = index.long()
+    if dest.device.type == "cpu" and not torch.compiler.is_compiling():
+        # Eager on the CPU the host reads the mask at no cost: the plain copy, a dozen fewer
+        # dispatched ops per call (two calls per layer in a batch-1 decode step).
+        if not bool(keep.all()):
+            index, source = index[keep], source[keep]
+        dest.index_copy_(0, index, source)
+        return
+    first = torch.argmax(keep.to(torch.uint8)).view(1)  # the first kept row (0 when none is)
+    any_kept = keep.index_select(0, first)  # [1] (a tensor index, not an item: nothing leaves the device)
+    stand_in_index = torch.where(any_kept, index.index_select(0, first), 0)
+    row_shape = (-1,) + (1,) * (source.dim() - 1)
+    stand_in_row = torch.where(any_kept.view(row_shape), source.index_select(0, first), dest[:1])
+    dest.index_copy_(0, torch.where(keep, index, stand_in_index),
+                     torch.where(keep.view(row_shape), source, stand_in_row))
 
 
 def gather_kv(

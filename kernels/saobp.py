@@ -6,11 +6,18 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from depthserve.kernels.paged import gather_kv
+from depthserve.kernels.paged import gather_kv, masked_index_copy_
 
 # ---- SAOBP: attention with a running per-key bias (depth-semantics section 5) -----------------------
 # The bias lives in `bias_pages` [num_rows, block_size] fp32; `bias_table[..., h, block]` is the row
 # holding (that head, that token block). log(M_ik / m_0) = log1p(A_ik * coef), coef = 1/m_0 - 1.
+
+
+def pool_bias_rows(k_pages: torch.Tensor) -> torch.Tensor:
+    """[num_pages * R, block_size] fp32: the K pool's storage as bias rows, R = head_dim * itemsize / 4
+    per page (where the engine keeps SAOBP's bias: archs/saobp/format.py)."""
+    num_pages, block_size = k_pages.shape[0], k_pages.shape[1]
+    return k_pages.view(num_pages, -1).view(torch.float32).view(-1, block_size)
 
 
 def gather_bias(bias_pages: torch.Tensor, bias_table: torch.Tensor) -> torch.Tensor:
@@ -26,7 +33,8 @@ def _scatter_bias(bias_pages, bias_table, values, keep) -> None:
     pos = torch.arange(length, device=values.device)
     index = bias_table[:, :, pos // bs] * bs + pos % bs  # [batch, heads, len]
     mask = keep[:, None, :].expand(batch, heads, length)
-    bias_pages.view(-1).index_copy_(0, index[mask], values[mask].to(bias_pages.dtype))
+    masked_index_copy_(bias_pages.view(-1), index.reshape(-1), values.reshape(-1).to(bias_pages.dtype),
+                       mask.reshape(-1))
 
 
 def _saobp_scores(q, k_pages, page_table, scale):

@@ -69,6 +69,31 @@ def test_paged_decode_attention_matches_torch(batch, q_heads, kv_heads, block_si
     torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize(
+    "multiprocessors, batch, q_heads, kv_heads, block_size, lens, width_blocks",
+    [
+        (132, 2, 6, 2, 8, [33, 70], 40),  # 5 splits for the width, the longest context fills 2
+        (8, 4, 3, 3, 4, [5, 300, 9, 100], 128),  # 3 splits for the width share the longest context's 5 tiles
+    ],
+)
+def test_paged_decode_attention_splits_the_longest_context_of_a_wide_table(
+        monkeypatch, multiprocessors, batch, q_heads, kv_heads, block_size, lens, width_blocks):
+    """Tables as wide as max_model_len (the CUDA-graph step's) with short contexts: the kernel sizes its
+    splits on the batch's longest context, read on the device, and still matches torch."""
+    from depthserve.kernels.triton import paged as triton_paged
+
+    monkeypatch.setattr(triton_paged, "_multiprocessors", lambda device: multiprocessors)
+    head_dim = 16
+    num_pages = batch * kv_heads * width_blocks + 3
+    k_pages, v_pages = make_pool(num_pages, block_size, head_dim, seed=batch)
+    table = random_tables(batch, kv_heads, width_blocks, num_pages, seed=len(lens))
+    q = torch.randn(batch, q_heads, head_dim, device=DEVICE)
+    context_lens = torch.tensor(lens, device=DEVICE)
+    expected = torch_ops.paged_decode_attention(q, k_pages, v_pages, table, context_lens, 0.3)
+    got = triton_ops.paged_decode_attention(q, k_pages, v_pages, table, context_lens, 0.3)
+    torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
+
+
 def test_decode_splits_grow_with_context_and_shrink_with_batch():
     few = triton.cdiv(4096, 32) // decode_splits(1, 1, 4096)
     many = triton.cdiv(4096, 32) // decode_splits(256, 8, 4096)

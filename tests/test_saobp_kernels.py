@@ -171,3 +171,69 @@ def test_engine_through_triton_matches_torch_path(triton_ops, tmp_path, smollm_t
                                                    max_num_batched_tokens=12)
     assert_same_generations(expected, got)
     assert llm.engine.block_manager.num_used_pages == 0
+
+
+def _pool_decode_step(kernels, q, k, v, k_pages, v_pages, write, table, bias_table, lens, coef):
+    """One SAOBP layer's decode step as the model runs it: store the new keys, attend with the bias
+    rows kept in the K pool, update them."""
+    kernels.store_kv(k, v, k_pages, v_pages, write)
+    bias = torch_ops.pool_bias_rows(k_pages)
+    out, lse = kernels.saobp_decode_attention(q, k_pages, v_pages, table, bias, bias_table, lens, 0.3, coef, True)
+    kernels.saobp_bias_update(q, k_pages, table, bias, bias_table, lens, lse, 0.3, coef)
+    return out
+
+
+def _pool_case(num_pages: int, seed: int = 0):
+    """Two sequences (4 query heads, 2 KV heads, block size 4, head dim 16) over a pool of `num_pages`
+    fp32 pages whose K half also holds their bias rows (4 per page), as the engine lays them out."""
+    gen = torch.Generator().manual_seed(seed)
+    k_pages, v_pages = (torch.randn(num_pages, 4, 16, generator=gen) * 0.1 for _ in range(2))
+    q = torch.randn(2, 4, 16, generator=gen)
+    k, v = (torch.randn(2, 2, 16, generator=gen) for _ in range(2))
+    table = torch.tensor([[[1, 2], [3, 4]], [[5, 6], [7, 8]]], dtype=torch.int32)  # [batch, kv heads, blocks]
+    bias_table = (torch.arange(16).view(2, 4, 2) + 9) * 4  # the first bias row of pages 9..24
+    write = torch.tensor([[1 * 4 + 2, 3 * 4 + 2], [5 * 4, 7 * 4]])  # positions 2 and 0 of block 0
+    lens = torch.tensor([3, 1])
+    for page in range(9, 25):  # bias rows start at 0 (finite values, not the random K values' bits)
+        k_pages[page] = 0
+    return q, k, v, k_pages, v_pages, write, table, bias_table, lens
+
+
+def test_compiled_bias_update_writes_the_pool_in_place():
+    """The bias rows are a dtype view of the K pool. A custom op declared as mutating that view made the
+    compiled step end with the whole K pool copied onto itself (a loop over every element of k_pages,
+    each step); the op mutates k_pages itself: the compiled step gives the eager step's results, in the
+    same storage, and its generated code has no loop over the pool."""
+    from torch._inductor.utils import run_and_get_code
+
+    from depthserve.kernels.dispatch import Kernels
+
+    num_pages = 997  # a prime: the pool's element count (63,808) appears in no other loop bound
+    case = _pool_case(num_pages)
+    expected_pools = [t.clone() for t in case[3:5]]
+    expected = _pool_decode_step(Kernels("torch"), *case[:3], *expected_pools, *case[5:], COEFS["low"])
+    k_pages = case[3]
+    address = k_pages.data_ptr()
+    torch._dynamo.reset()
+    step = torch.compile(_pool_decode_step, fullgraph=True)
+    got, code = run_and_get_code(step, Kernels("torch", traceable=True), *case, COEFS["low"])
+    torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
+    torch.testing.assert_close(k_pages, expected_pools[0], atol=ATOL, rtol=0)
+    assert k_pages.data_ptr() == address
+    assert str(k_pages.numel()) not in "\n".join(code), "the compiled step copies the whole K pool"
+
+
+def test_compiled_bias_update_needs_the_pools_own_bias_rows():
+    from depthserve.kernels.dispatch import Kernels
+
+    q, k, v, k_pages, v_pages, write, table, bias_table, lens = _pool_case(30)
+    _, lse = torch_ops.saobp_decode_attention(q, k_pages, v_pages, table, torch_ops.pool_bias_rows(k_pages),
+                                              bias_table, lens, 0.3, 1.0, False)
+    update = Kernels("torch", traceable=True).saobp_bias_update
+    with pytest.raises(ValueError, match="bias rows of the K pool"):
+        update(q, k_pages, table, torch_ops.pool_bias_rows(k_pages).clone(), bias_table, lens, lse, 0.3, 1.0)
+    expected = k_pages.clone()
+    torch_ops.saobp_bias_update(q, expected, table, torch_ops.pool_bias_rows(expected), bias_table, lens, lse, 0.3,
+                                1.0)
+    update(q, k_pages, table, torch_ops.pool_bias_rows(k_pages), bias_table, lens, lse, 0.3, 1.0)
+    assert torch.equal(k_pages, expected)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from depthserve import SamplingParams
+from depthserve.engine.page_tables import RowTable
 from depthserve.engine.static_decode import DecodeRow, decode_buckets
 from depthserve.tiny import make_tiny
 from tests.depth_helpers import assert_same_generations, depth_params, stream_prompts, tiny_llm
@@ -78,6 +79,7 @@ def compiled_equals_eager(path, pages: int, depths=None, device: str = "cpu", pr
                                           max_num_batched_tokens=16, enforce_eager=enforce_eager)
     eager, llm = engines[True], engines[False]
     assert eager.engine.runner.static is None
+    check_page_tables_each_step(llm.engine.runner.static)
     prompts = prompts or _prompts()
     expected = eager.generate(prompts, params, depth)
     graphs, warm_up_steps = counters["stats"]["unique_graphs"], llm.engine.runner.static.steps
@@ -90,6 +92,24 @@ def compiled_equals_eager(path, pages: int, depths=None, device: str = "cpu", pr
         assert_same_report(e.depth, g.depth)
     assert llm.engine.block_manager.num_used_pages == 0
     return llm
+
+
+def check_page_tables_each_step(static) -> None:
+    """After every step of `static`, its persistent page table (updated by what changed) holds each
+    row's table as built afresh from the block manager, and the padding rows' first block is the
+    scratch page."""
+    run = static.run
+
+    def checked(rows: list[DecodeRow]) -> torch.Tensor:
+        out = run(rows)
+        table = static.tables.table
+        for i, row in enumerate(rows):
+            fresh = row.table.blocks(0, row.table.num_blocks)
+            np.testing.assert_array_equal(table[i, : row.table.num_blocks].cpu().numpy(), fresh, err_msg=f"row {i}")
+        assert bool((table[len(rows): static.bucket(len(rows)), 0] == static.scratch_page).all())
+        return out
+
+    static.run = checked
 
 
 @pytest.mark.slow
@@ -135,13 +155,14 @@ def test_padding_rows_write_nothing_and_leave_real_rows_alone(compiled):
     width = static.width
     tables = [np.arange(b * width, (b + 2) * width, dtype=np.int64).reshape(2, width) + 1 for b in range(0, 6, 2)]
     bs = static.block_size
-    rows = [DecodeRow(token, position, table, table[position // bs] * bs + position % bs, np.zeros(0, np.float32),
-                      np.zeros(0, np.int64), np.zeros(0, np.int64))
+    rows = [DecodeRow(token, position, RowTable.of_array(table), table[position // bs] * bs + position % bs,
+                      np.zeros(0, np.float32), np.zeros(0, np.int64), np.zeros(0, np.int64))
             for token, position, table in zip([5, 17, 99], [3, 9, 12], tables)]
     before = pool.k_pages.clone()
     batched = static.run(rows)
     changed = (pool.k_pages != before).any(-1).nonzero().tolist()  # (page, offset) pairs written
-    written = sorted([int(p), row.position % bs] for row in rows for p in row.table[row.position // bs])
+    written = sorted([int(p), position % bs] for position, table in zip([3, 9, 12], tables)
+                     for p in table[position // bs])
     assert sorted(changed) == written
     for i, row in enumerate(rows):
         torch.testing.assert_close(static.run([row])[0], batched[i], atol=1e-5, rtol=0)
@@ -150,3 +171,106 @@ def test_padding_rows_write_nothing_and_leave_real_rows_alone(compiled):
 def test_enforce_eager_and_the_default_on_cpu(path):
     assert tiny_llm(path, max_model_len=64).engine.runner.static is None  # CPU default: eager
     assert tiny_llm(path, max_model_len=64, enforce_eager=True).engine.runner.static is None
+
+
+class _Sequences:
+    """Page tables of simulated sequences for DecodeTables: each grows by whole blocks, a preemption
+    gives it a new key and new pages, and its last `volatile` blocks change every step (a routed
+    slot's reservation)."""
+
+    def __init__(self, width: int, seed: int):
+        self.rng = np.random.default_rng(seed)
+        self.width = width
+        self.pages: dict[int, np.ndarray] = {}  # sequence -> [blocks, width]
+        self.epoch: dict[int, int] = {}
+        self.volatile: dict[int, int] = {}
+        self.next_id = 0
+
+    def admit(self, blocks: int, volatile: int = 0) -> int:
+        seq = self.next_id
+        self.next_id += 1
+        self.pages[seq], self.epoch[seq], self.volatile[seq] = self._new(blocks), 0, volatile
+        return seq
+
+    def _new(self, blocks: int) -> np.ndarray:
+        return self.rng.integers(0, 10_000, (blocks, self.width)).astype(np.int32)
+
+    def grow(self, seq: int) -> None:
+        self.pages[seq] = np.concatenate([self.pages[seq], self._new(1)])
+
+    def preempt(self, seq: int) -> None:
+        self.pages[seq], self.epoch[seq] = self._new(len(self.pages[seq])), self.epoch[seq] + 1
+
+    def step_volatile(self) -> None:
+        for seq, count in self.volatile.items():
+            if count:
+                self.pages[seq][-count:] = self._new(count)
+
+    def row_table(self, seq: int) -> RowTable:
+        pages = self.pages[seq]
+        return RowTable((seq, self.epoch[seq]), len(pages), len(pages) - self.volatile[seq],
+                        lambda start, stop: pages[start:stop].copy())
+
+
+def test_incremental_page_tables_equal_fresh_ones():
+    """Fifty steps of admissions, finishes (rows shift), preemptions (new keys and pages), new blocks,
+    volatile blocks and bucket changes: after each, the table updated incrementally (on the host as on
+    CPU, and staged then applied as on CUDA) holds every row's full table, and padding rows' first
+    block is the scratch page; the steady steps send far less than the tables."""
+    from depthserve.engine.page_tables import DecodeTables
+
+    width, max_blocks, scratch, rows = 5, 12, 99_999, 8
+    sequences = _Sequences(width, seed=0)
+    host = DecodeTables(rows, max_blocks, width, scratch, torch.device("cpu"))
+    staged = DecodeTables(rows, max_blocks, width, scratch, torch.device("cpu"))
+    running = [sequences.admit(int(b), volatile=int(b % 2)) for b in (1, 3, 2, 5)]
+    for step in range(50):
+        rng = sequences.rng
+        if rng.random() < 0.2 and len(running) < rows:
+            running.insert(int(rng.integers(0, len(running) + 1)), sequences.admit(int(rng.integers(1, 6))))
+        if rng.random() < 0.15 and len(running) > 1:
+            running.pop(int(rng.integers(0, len(running))))  # finished: the rows after it shift
+        if rng.random() < 0.1:
+            sequences.preempt(running[int(rng.integers(0, len(running)))])
+        for seq in running:
+            if rng.random() < 0.3 and len(sequences.pages[seq]) < max_blocks:
+                sequences.grow(seq)
+        sequences.step_volatile()
+        size = next(s for s in (1, 2, 4, 8) if s >= len(running))
+        tables = [sequences.row_table(seq) for seq in running]
+        host.apply_on_host(host.update(tables, size))
+        update = staged.update(tables, size)
+        words = np.zeros(staged.staging_words(), np.int64)
+        used = staged.stage(update, words)
+        staged.apply_on_device(update, torch.from_numpy(words[:used]))
+        for table in (host.table, staged.table):
+            for row, seq in enumerate(running):
+                expected = sequences.pages[seq]
+                np.testing.assert_array_equal(table[row, : len(expected)].numpy(), expected, err_msg=f"step {step}")
+            assert (table[len(running):size, 0] == scratch).all(), f"step {step}: a padding row's first block"
+    full_tables = 50 * rows * max_blocks * width * 8  # what rebuilding every row (int64) would have sent
+    assert host.bytes_written < full_tables / 10 and staged.bytes_sent < full_tables / 5
+
+
+def test_staged_table_updates_as_on_cuda_equal_the_eager_engine(compiled, path):
+    """The CUDA way of a step, run on CPU: the per-row inputs and the page tables' update staged in
+    the host buffer, copied in one copy to a separate buffer (the device's), and the update applied
+    there by device ops. A mixed batch with finishes and admissions gives the eager engine's tokens
+    and logprobs, and the table holds each row's fresh table after every step."""
+    static = compiled.engine.runner.static
+    saved = static._sizes, static._host, static._device
+    static._sizes = static._sizes[:-1] + (static.tables.staging_words(),)
+    static._host = torch.zeros(sum(static._sizes), dtype=torch.int64)
+    static._device = torch.zeros_like(static._host)
+    check_page_tables_each_step(static)
+    try:
+        params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=1)
+                  for n in (12, 3, 9, 5, 14, 2, 7)]
+        expected = tiny_llm(path, max_model_len=128, max_num_seqs=8).generate(_prompts(), params)
+        steps, moved = static.steps, static.tables.bytes_moved
+        assert_same_generations(expected, compiled.generate(_prompts(), params))
+        assert static.steps > steps + 10 and static.tables.bytes_sent > 0
+        assert static.tables.bytes_moved > moved, "finishes were meant to move rows"
+    finally:
+        static._sizes, static._host, static._device = saved
+        del static.run  # the checking wrapper

@@ -11,11 +11,12 @@ import torch
 from depthserve.archs.base import DepthModel, StaticDecodeSpec
 from depthserve.cache import CacheLayout
 from depthserve.engine.block_manager import BlockManager
+from depthserve.engine.page_tables import RowTable
 from depthserve.engine.scheduler import ScheduledSeq
 from depthserve.engine.static_decode import DecodeRow, StaticDecode, spec_columns
 from depthserve.kernels.dispatch import Kernels
 from depthserve.layers.attention import AttentionMetadata, KVPool, PrefillSeqMeta
-from depthserve.layers.batch import BatchItem, StepBatch
+from depthserve.layers.batch import BatchItem, StepBatch, page_table_tensor
 from depthserve.sampler import Sampler, SampledToken, SamplingFault, SamplingRow, prompt_logprobs
 
 
@@ -98,28 +99,42 @@ class ModelRunner:
     def _decode_row(self, item: ScheduledSeq) -> DecodeRow:
         """The sequence's decode step with its page-table columns moved to the static spec's."""
         seq, bs = item.seq, self.block_size
+        table = self._row_table(seq, -(-item.end // bs))
         columns = self._spec_columns(seq.layout)
-        own = self.block_manager.page_table(seq)[: -(-item.end // bs)]
-        table = np.where(columns >= 0, own[:, columns], self.scratch_page)
-        write = np.where(columns >= 0, table[item.start // bs] * bs + item.start % bs, -1)
+        write = np.where(columns >= 0, table.blocks(item.start // bs, item.start // bs + 1)[0] * bs + item.start % bs,
+                         -1)
         routed_lens = np.zeros(self.static.num_routed, np.int64)
-        if seq.layout.routed_slots:
-            self._routed_columns(seq, table, write, routed_lens)
+        for slot in seq.layout.routed_slots:
+            # Where the slot's next token would go (the model stores it only if the token is selected).
+            pages, length = self.block_manager.routed_table(seq, slot.name)
+            write[self.static.columns[slot.name]] = pages[length // bs] * bs + length % bs
+            routed_lens[self.static.routed_index[slot.name]] = length
         state = self.block_manager.state_table(seq)
         return DecodeRow(seq.token_ids(item.start, item.end)[0], item.start, table, write,
                          self.model.static_settings(seq.plan), np.zeros(0, np.int64) if state is None else state,
                          routed_lens, self.model.static_level(seq.plan))
 
-    def _routed_columns(self, seq, table: np.ndarray, write: np.ndarray, routed_lens: np.ndarray) -> None:
-        """A routed slot's pages at its spec columns (row i: routed tokens i*bs..), where its next
-        token would go in `write` (the model stores it only if the token is selected), its length."""
-        bs, columns, order = self.block_size, self.static.columns, self.static.routed_index
-        for slot in seq.layout.routed_slots:
-            pages, length = self.block_manager.routed_table(seq, slot.name)
-            rows = min(len(pages), len(table))
-            table[:rows, columns[slot.name]] = pages[:rows]
-            write[columns[slot.name]] = pages[length // bs] * bs + length % bs
-            routed_lens[order[slot.name]] = length
+    def _row_table(self, seq, num_blocks: int) -> RowTable:
+        """The sequence's page table in the static spec's columns, block by block (the static decode
+        asks only for the blocks its device table lacks). Keyed by the sequence's allocation: its
+        table only grows until its pages are freed (finish, or preemption, which counts in
+        num_preemptions). A routed slot's rows past its committed tokens are a reservation whose
+        pages may change from step to step, so the blocks from there on are not stable."""
+        bs, scratch = self.block_size, self.scratch_page
+        columns = self._spec_columns(seq.layout)
+        own = self.block_manager.page_table(seq)
+        routed = [(self.static.columns[slot.name], *self.block_manager.routed_table(seq, slot.name))
+                  for slot in seq.layout.routed_slots]
+
+        def blocks(start: int, stop: int) -> np.ndarray:
+            rows = np.where(columns >= 0, own[start:stop][:, columns], scratch)
+            for slot_columns, pages, _ in routed:  # routed row i: the slot's selected tokens i*bs..
+                if start < min(len(pages), stop):
+                    rows[: min(len(pages), stop) - start, slot_columns] = pages[start:stop]
+            return rows
+
+        stable = min([num_blocks] + [-(-length // bs) for _, _, length in routed])
+        return RowTable((seq.seq_id, seq.num_preemptions), num_blocks, stable, blocks)
 
     def _spec_columns(self, layout: CacheLayout) -> np.ndarray:
         if layout not in self._columns:
@@ -163,7 +178,7 @@ class ModelRunner:
             pos_chunks.append(positions)
             slot_chunks.append(table[positions // bs] * bs + (positions % bs)[:, None])
             if item.num_tokens > 1:
-                prefills.append(PrefillSeqMeta(row, item.num_tokens, item.end, self._tensor(table)))
+                prefills.append(PrefillSeqMeta(row, item.num_tokens, item.end, page_table_tensor(table, self.device)))
                 num_prefill_tokens += item.num_tokens
             else:
                 decode_tables.append(table[: -(-item.end // bs)])
@@ -172,10 +187,10 @@ class ModelRunner:
         decode_table = decode_len = None
         if decode_tables:
             max_blocks = max(len(t) for t in decode_tables)
-            padded = np.zeros((len(decode_tables), max_blocks, decode_tables[0].shape[1]), dtype=np.int64)
+            padded = np.zeros((len(decode_tables), max_blocks, decode_tables[0].shape[1]), dtype=np.int32)
             for i, t in enumerate(decode_tables):
                 padded[i, : len(t)] = t
-            decode_table = self._tensor(padded)
+            decode_table = page_table_tensor(padded, self.device)
             decode_len = self._tensor(np.asarray(decode_lens))
         meta = AttentionMetadata(
             num_tokens=row,

@@ -1,11 +1,13 @@
 """Decode steps at static shapes, through the model's compiled forward.
 
 A decode-only step of n sequences runs as a batch of `bucket(n)` rows (the smallest bucket that
-holds n): the rows past n are padding. Every input of the forward (token ids, positions, the
-cache write index, the page tables and context lengths) lives in one persistent device buffer,
-filled from one host array by one copy per step, and the forward reads views of it, so a bucket's
-step always sees tensors of the same shapes at the same addresses (what CUDA-graph capture
-needs) and the compiled forward takes no host synchronisation.
+holds n): the rows past n are padding. Every per-row input of the forward (token ids, positions,
+the cache write index, context lengths, knobs) lives in one persistent device buffer, filled from
+one host array by one copy per step, and the forward reads views of it; the page tables live in
+one persistent int32 table that a step updates only where it changed (engine/page_tables.py), its
+update riding in the same copy. So a bucket's step always sees tensors of the same shapes at the
+same addresses (what CUDA-graph capture needs) and the compiled forward takes no host
+synchronisation.
 
 Depth models decode at static shapes too (`DepthModel.static_decode_spec`): a row's page table
 has the columns of every slot the deepest request can hold (its own slots at their columns, the
@@ -16,19 +18,21 @@ the row's own knobs say so (`torch.where`, never a product with a mask, so nothi
 scratch page leaks in).
 
 Padding rows write nothing to any sequence's pages: their cache write index is -1 (every store op
-skips such rows) and their tables point at the scratch page (one page past the block manager's,
-held by no sequence, so what an op that updates the pages it reads, SAOBP's bias update, writes
-for them lands there); they attend to one key and their outputs are dropped. Attention, norms and
-the MLP work per row, so padding never changes a real row's result.
+skips such rows) and their tables' first block points at the scratch page (one page past the
+block manager's, held by no sequence, so what an op that updates the pages it reads, SAOBP's bias
+update, writes for them lands there); they attend to one key and their outputs are dropped.
+Attention, norms and the MLP work per row, so padding never changes a real row's result.
 
 The forward is compiled (`torch.compile`, fullgraph) with the kernels as torch.library custom ops
 (kernels/library.py), once, with the batch left dynamic, so one compiled graph serves every bucket
 (a dimension of size 1 would be compiled as a constant, so a lone sequence runs padded to two
 rows). On CPU the page-table and page-pool lengths are dynamic too (tables as long as the longest
 context). On CUDA page tables are as wide as max_model_len (the Triton kernels read only up to
-each row's context), so a bucket's inputs never change shape or address, and each bucket's step is
-captured once as a CUDA graph at start-up (vLLM's design): a step is one host-to-device copy and
-one graph replay, whatever the batch's depth settings, instead of a launch per kernel.
+each row's context, and the decode kernel splits the batch's longest context, not the width), so
+a bucket's inputs never change shape or address, and each bucket's step is captured once as a CUDA
+graph at start-up (vLLM's design): a step is one host-to-device copy, the table update (at most
+two small device ops) and one graph replay, whatever the batch's depth settings, instead of a
+launch per kernel.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ import torch
 
 from depthserve.archs.base import StaticDecodeSpec
 from depthserve.cache import CacheLayout
+from depthserve.engine.page_tables import DecodeTables, RowTable
 from depthserve.kernels.dispatch import Kernels
 from depthserve.layers.attention import AttentionMetadata, KVPool, StaticRows
 
@@ -66,7 +71,7 @@ class DecodeRow:
 
     token_id: int
     position: int
-    table: np.ndarray  # [blocks covering the context, width] pages, the spec layout's columns
+    table: RowTable  # [blocks covering the context, width] pages, the spec layout's columns
     write: np.ndarray  # [width] flat cache index of the new token per column; -1: store nothing
     settings: np.ndarray  # [spec.settings] float32 knobs of the request
     state_pages: np.ndarray  # pages of the per-sequence state (spec.state_bytes at most)
@@ -107,15 +112,19 @@ class StaticDecode:
         rows, width = self.buckets[-1], self.width
         page_bytes = 2 * pool.k_pages[0].numel() * pool.k_pages.element_size()
         self.state_pages = -(-spec.state_bytes // page_bytes)
+        # CPU: one block more than a row can use, so the forward's view of a step's first `blocks` is
+        # never contiguous: a view that turned contiguous at the full width would fail the compiled
+        # graph's stride guard (stride 0 != width * blocks) and compile the step again.
+        self.tables = DecodeTables(rows, max_blocks + self.dynamic, width, scratch_page, device)
         # Layout of the one int64 buffer: ids | positions | context lengths | write index | settings
-        # (float32 pairs) | state pages | routed lengths | page tables (last: a step copies only the
-        # tables it uses).
+        # (float32 pairs) | state pages | routed lengths | the page tables' update (CUDA; last: a step
+        # copies only the part it uses).
         self._settings_words = -(-spec.settings // 2)
         self.num_routed = len(spec.layout.routed_slots)
         self.columns = spec.columns()  # slot name -> columns of a row's page table
         self.routed_index = {slot.name: i for i, slot in enumerate(spec.layout.routed_slots)}
         self._sizes = (rows, rows, rows, rows * width, rows * self._settings_words, rows * self.state_pages,
-                       rows * self.num_routed, rows * max_blocks * width)
+                       rows * self.num_routed, 0 if device.type == "cpu" else self.tables.staging_words())
         self._host = torch.zeros(sum(self._sizes), dtype=torch.int64, pin_memory=device.type == "cuda")
         self._device = self._host if device.type == "cpu" else torch.zeros_like(self._host, device=device)
         self.decisions = torch.zeros(rows, spec.decisions, dtype=torch.int32, device=device)
@@ -139,7 +148,8 @@ class StaticDecode:
     def warm_up(self) -> None:
         """Compile the decode step of every level cap now, not on the first requests (a progress
         line), and on CUDA capture every bucket's graph at every cap, the largest first (a line)."""
-        idle = [DecodeRow(0, 0, np.full((1, self.width), self.scratch_page, np.int64), np.full(self.width, -1, np.int64),
+        idle = [DecodeRow(0, 0, RowTable.of_array(np.full((1, self.width), self.scratch_page, np.int64)),
+                          np.full(self.width, -1, np.int64),
                           np.zeros(self.spec.settings, np.float32), np.zeros(0, np.int64),
                           np.zeros(self.num_routed, np.int64), level or 0) for level in self.levels]
         start = time.perf_counter()
@@ -186,24 +196,27 @@ class StaticDecode:
         blocks = self.max_blocks
         if self.dynamic:  # CPU: tables as long as the longest context, in powers of two from 2 blocks
             # (a length of 1 would be compiled as a constant, as any dimension of size 1 is)
-            longest = max(len(r.table) for r in rows)
+            longest = max(r.table.num_blocks for r in rows)
             blocks = min(self.max_blocks, max(2, 1 << (longest - 1).bit_length()))
-        host = self._views(self._host.numpy(), size, blocks)
-        ids, positions, lens, index, settings, states, routed, tables = host
+        ids, positions, lens, index, settings, states, routed, staging = self._views(self._host.numpy(), size)
         ids[:], positions[:], lens[:], index[:], settings[:], states[:], routed[:] = 0, 0, 1, -1, 0, -1, 0
-        tables[:] = self.scratch_page
         for i, row in enumerate(rows):
             ids[i], positions[i], lens[i] = row.token_id, row.position, row.position + 1
-            tables[i, : len(row.table)] = row.table
             index[i] = row.write
             settings[i] = row.settings
             states[i, : len(row.state_pages)] = row.state_pages
             routed[i] = row.routed_lens
-        # One copy: every region up to the end of the used tables. The host buffer is rewritten only
-        # at the next step, after the sampler has read this step's logits (a synchronisation).
-        if self._device is not self._host:
-            used = sum(self._sizes[:-1]) + size * blocks * self.width
+        update = self.tables.update([row.table for row in rows], size)
+        if self._device is self._host:
+            self.tables.apply_on_host(update)
+        else:
+            # One copy: every region up to the end of the staged table update. The host buffer is
+            # rewritten only at the next step, after the sampler has read this step's logits (a
+            # synchronisation).
+            staged = self.tables.stage(update, staging)
+            used = sum(self._sizes[:-1]) + staged
             self._device[:used].copy_(self._host[:used], non_blocking=True)
+            self.tables.apply_on_device(update, self._views(self._device, size)[-1][:staged])
         self.steps += 1
         cap = self._cap(rows)
         self.level_steps[cap] = self.level_steps.get(cap, 0) + 1
@@ -215,7 +228,8 @@ class StaticDecode:
 
     def _arguments(self, size: int, blocks: int, cap: int | None) -> tuple:
         """The forward's arguments for a step of `size` rows: views of the device buffer."""
-        ids, positions, lens, index, settings, states, routed, tables = self._views(self._device, size, blocks)
+        ids, positions, lens, index, settings, states, routed, _ = self._views(self._device, size)
+        tables = self.tables.table[:size, :blocks]
         decisions = self.decisions[:size]
         for tensor in (ids, positions, lens, index, settings, states, routed, tables, decisions):
             torch._dynamo.maybe_mark_dynamic(tensor, 0)
@@ -229,17 +243,16 @@ class StaticDecode:
                                  static=StaticRows(settings, states, positions, decisions, routed, cap))
         return ids, positions, self.pool, meta
 
-    def _views(self, flat, size: int, blocks: int) -> tuple:
+    def _views(self, flat, size: int) -> tuple:
         """The step's arrays (numpy, host) or tensors (device), each contiguous at the start of its
-        region of the buffer (laid out for the largest bucket and the longest table)."""
+        region of the buffer (laid out for the largest bucket), and the table update's region."""
         bounds = np.cumsum((0,) + self._sizes)
-        ids, positions, lens, index, settings, states, routed, tables = (flat[bounds[i]:bounds[i + 1]]
-                                                                         for i in range(8))
+        ids, positions, lens, index, settings, states, routed, staging = (flat[bounds[i]:bounds[i + 1]]
+                                                                          for i in range(8))
         words = self._settings_words
         settings = settings[: size * words]
         settings = (settings.view(np.float32) if isinstance(settings, np.ndarray) else settings.view(torch.float32))
         return (ids[:size], positions[:size], lens[:size], index[: size * self.width].reshape(size, self.width),
                 settings.reshape(size, 2 * words)[:, : self.spec.settings],
                 states[: size * self.state_pages].reshape(size, self.state_pages),
-                routed[: size * self.num_routed].reshape(size, self.num_routed),
-                tables[: size * blocks * self.width].reshape(size, blocks, self.width))
+                routed[: size * self.num_routed].reshape(size, self.num_routed), staging)

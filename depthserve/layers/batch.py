@@ -79,16 +79,16 @@ def build_metadata(entries: list[MetaEntry], block_size: int, device: torch.devi
         else:
             if seen_decode:
                 raise ValueError("prefill entries must come before decode entries")
-            prefills.append(PrefillSeqMeta(row, e.num_queries, e.context_len, _tensor(e.read_table, device)))
+            prefills.append(PrefillSeqMeta(row, e.num_queries, e.context_len, page_table_tensor(e.read_table, device)))
             num_prefill_tokens += e.num_queries
         row += e.num_queries
     decode_table = decode_len = None
     if decode_tables:
         max_blocks = max(len(t) for t in decode_tables)
-        padded = np.zeros((len(decode_tables), max_blocks, decode_tables[0].shape[1]), dtype=np.int64)
+        padded = np.zeros((len(decode_tables), max_blocks, decode_tables[0].shape[1]), dtype=np.int32)
         for i, t in enumerate(decode_tables):
             padded[i, : len(t)] = t
-        decode_table = _tensor(padded, device)
+        decode_table = page_table_tensor(padded, device)
         decode_len = _tensor(np.asarray(decode_lens), device)
     width = entries[0].write_index.shape[1] if entries else 1
     index = np.concatenate([e.write_index for e in entries]) if entries else np.zeros((0, width), np.int64)
@@ -106,6 +106,11 @@ def build_metadata(entries: list[MetaEntry], block_size: int, device: torch.devi
 
 def _tensor(array: np.ndarray, device: torch.device) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64)).to(device)
+
+
+def page_table_tensor(table: np.ndarray, device: torch.device) -> torch.Tensor:
+    """Page ids as int32 (the block manager's type: half the bytes of int64 to fill and copy)."""
+    return torch.from_numpy(np.ascontiguousarray(table, dtype=np.int32)).to(device)
 
 
 class StepBatch:
@@ -216,10 +221,10 @@ class StepBatch:
         tables = [item.routed[name][0] for item in items]
         committed = np.array([item.routed[name][1] for item in items], dtype=np.int64)
         num_blocks = committed // bs + 1
-        padded = np.zeros((len(items), int(num_blocks.max()), tables[0].shape[1]), dtype=np.int64)
+        padded = np.zeros((len(items), int(num_blocks.max()), tables[0].shape[1]), dtype=np.int32)
         for k, (table, blocks) in enumerate(zip(tables, num_blocks.tolist())):
             padded[k, :blocks] = table[:blocks]
-        write = padded[np.arange(len(items)), committed // bs] * bs + (committed % bs)[:, None]
+        write = padded[np.arange(len(items)), committed // bs].astype(np.int64) * bs + (committed % bs)[:, None]
         for item in items:
             self._count_routed(item, name, 1)
         return AttentionMetadata(
@@ -228,7 +233,7 @@ class StepBatch:
             slot_index=_tensor(write, self.device),
             prefills=[],
             num_prefill_tokens=0,
-            decode_page_table=_tensor(padded, self.device),
+            decode_page_table=page_table_tensor(padded, self.device),
             decode_context_lens=_tensor(committed + 1, self.device),
             kernels=self.kernels,
         )

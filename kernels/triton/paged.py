@@ -42,19 +42,34 @@ def store_kv(k, v, k_pages, v_pages, slot_index) -> None:
 
 
 @triton.jit
+def _longest_context(lens_ptr, batch, BLOCK_B: tl.constexpr):
+    """The longest context of the batch (its lengths read BLOCK_B at a time)."""
+    longest = tl.load(lens_ptr)
+    for start in range(0, batch, BLOCK_B):
+        rows = start + tl.arange(0, BLOCK_B)
+        longest = tl.maximum(longest, tl.max(tl.load(lens_ptr + rows, mask=rows < batch, other=0), axis=0))
+    return longest
+
+
+@triton.jit
 def _decode_partial_kernel(
     q_ptr, k_pages_ptr, v_pages_ptr, table_ptr, lens_ptr, part_acc_ptr, part_ml_ptr, out_ptr,
-    scale, table_stride_b, table_stride_h, table_stride_blk, max_blocks,
+    scale, table_stride_b, table_stride_h, table_stride_blk, max_blocks, batch,
     NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, TILES_PER_SPLIT: tl.constexpr, NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr,
 ):
     """One (sequence, KV head, split): every query head of the group against the split's keys.
-    With one split it writes the output; else its partial sum, max and normaliser."""
+    With one split it writes the output; else its partial sum, max and normaliser. TILES_PER_SPLIT
+    0: the NUM_SPLITS splits share the batch's longest context (splits past it find no key)."""
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     context = tl.load(lens_ptr + b)
+    if TILES_PER_SPLIT == 0:
+        tiles_per_split = tl.cdiv(tl.cdiv(_longest_context(lens_ptr, batch, 128), BLOCK_N), NUM_SPLITS)
+    else:
+        tiles_per_split = TILES_PER_SPLIT
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
     g_mask = g < GROUP
@@ -67,8 +82,8 @@ def _decode_partial_kernel(
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     table_row = table_ptr + b * table_stride_b + kv_head * table_stride_h
-    start = split * TILES_PER_SPLIT * BLOCK_N
-    end = tl.minimum(start + TILES_PER_SPLIT * BLOCK_N, context)
+    start = split * tiles_per_split * BLOCK_N
+    end = tl.minimum(start + tiles_per_split * BLOCK_N, context)
     n = tl.arange(0, BLOCK_N)
     for tile in range(start, end, BLOCK_N):
         pos = tile + n
@@ -128,8 +143,13 @@ def decode_splits(batch: int, kv_heads: int, max_len: int, tile: int = DECODE_TI
 def paged_decode_attention(q, k_pages, v_pages, page_table, context_lens, scale, tiles_per_split: int | None = None,
                            tile: int = DECODE_TILE, num_warps: int = 4, num_stages: int = 2):
     """Single-query paged attention (kernels/paged.py has the meaning). `tiles_per_split` (None:
-    `decode_splits` for this device), `tile` (keys per step of a program), `num_warps` and
-    `num_stages` are the kernel's tuning knobs (bench/kernels.py sweeps them)."""
+    sized on the device, below), `tile` (keys per step of a program), `num_warps` and `num_stages`
+    are the kernel's tuning knobs (bench/kernels.py sweeps them).
+
+    By default the grid has the splits `decode_splits` gives a context as long as the table (its
+    most), and the kernel divides the batch's longest context among them: a table as wide as
+    max_model_len (the CUDA-graph step's) with short contexts gets as many busy splits as a table
+    as long as the contexts, and no host synchronisation reads the lengths."""
     batch, num_q_heads, head_dim = q.shape
     if batch == 0:
         return torch.empty_like(q)
@@ -137,8 +157,8 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, context_lens, scale,
     block_size = k_pages.shape[1]
     group = num_q_heads // kv_heads
     max_len = max_blocks * block_size
-    tiles_per_split = tiles_per_split or decode_splits(batch, kv_heads, max_len, tile, _multiprocessors(q.device))
-    num_splits = triton.cdiv(triton.cdiv(max_len, tile), tiles_per_split)
+    tiles_at_width = tiles_per_split or decode_splits(batch, kv_heads, max_len, tile, _multiprocessors(q.device))
+    num_splits = triton.cdiv(triton.cdiv(max_len, tile), tiles_at_width)
     q = q.contiguous()
     out = torch.empty(batch, num_q_heads, head_dim, dtype=q.dtype, device=q.device)
     if num_splits > 1:
@@ -148,10 +168,10 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, context_lens, scale,
         part_acc = part_ml = torch.empty(1, dtype=torch.float32, device=q.device)
     _decode_partial_kernel[(batch, kv_heads, num_splits)](
         q, k_pages, v_pages, page_table, context_lens.to(torch.int32), part_acc, part_ml, out,
-        float(scale), page_table.stride(0), page_table.stride(1), page_table.stride(2), max_blocks,
+        float(scale), page_table.stride(0), page_table.stride(1), page_table.stride(2), max_blocks, batch,
         NUM_Q_HEADS=num_q_heads, GROUP=group, BLOCK_G=group_rows(group), HEAD_DIM=head_dim,
         BLOCK_D=pow2(head_dim, MIN_DOT), BLOCK_SIZE=block_size, BLOCK_N=tile,
-        TILES_PER_SPLIT=tiles_per_split, NUM_SPLITS=num_splits, IEEE=q.dtype == torch.float32,
+        TILES_PER_SPLIT=tiles_per_split or 0, NUM_SPLITS=num_splits, IEEE=q.dtype == torch.float32,
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
