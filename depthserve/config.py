@@ -11,7 +11,12 @@ from depthserve.loading.registry import DEFAULT_MODEL
 @dataclass
 class EngineArgs:
     model: str = DEFAULT_MODEL
-    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    # auto: bfloat16 on CUDA and on CPUs with AVX-512 BF16 or AMX, float32 on other CPUs
+    dtype: str = "auto"
+    # Weight-only quantization on CPU (loading/quantization.py, vLLM's name): auto serves a GGUF in its
+    # own format when activations are bf16; gguf: a GGUF's own format whatever the dtype; none:
+    # dequantized weights; int8 / int4: quantized at load.
+    quantization: str = "auto"
     device: str = "auto"  # auto: cuda when available, else cpu
     max_model_len: int | None = None  # default: the model's context length
     kv_cache_memory_gib: float | None = None  # default: 1 GiB on CPU, 60% of free GPU memory on CUDA
@@ -71,5 +76,7 @@ class EngineArgs:
                 raise ConfigurationError("confidence_threshold applies with depth_policy confidence or slo, not fixed")
             if not 0 < self.confidence_threshold <= 1:
                 raise ConfigurationError(f"confidence_threshold must lie in (0, 1], got {self.confidence_threshold}")
+        if self.quantization not in ("auto", "none", "gguf", "int8", "int4"):
+            raise ConfigurationError(f"quantization must be auto, none, gguf, int8 or int4, got {self.quantization!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigurationError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")

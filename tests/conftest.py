@@ -32,18 +32,21 @@ def _read_each_gguf_once():
     dequantizes each GGUF file once and hands every load its own clone of the weights (so no load
     can alter another's)."""
     import copy
+    import dataclasses
 
     from depthserve.loading import gguf_loader, model_loader
 
     original = gguf_loader.load_gguf
-    cache: dict[Path, tuple] = {}
+    cache: dict[Path, gguf_loader.GGUFWeights] = {}
 
-    def load_once(path, progress: bool = True):
+    def load_once(path, progress: bool = True, keep_codes: bool = False):
         key = Path(path).resolve()
-        if key not in cache:
-            cache[key] = original(path, progress)
-        config, weights = cache[key]
-        return copy.deepcopy(config), {name: tensor.clone() for name, tensor in weights.items()}
+        if key not in cache or (keep_codes and not cache[key].quantized):
+            cache[key] = original(path, progress, keep_codes=True)
+        read = cache[key]
+        # The codes are never written to (the quantized layers re-pack them), so they are shared.
+        return dataclasses.replace(read, config=copy.deepcopy(read.config), dense={n: t.clone() for n, t in read.dense.items()},
+                                   quantized=dict(read.quantized) if keep_codes else {}, types=dict(read.types))
 
     gguf_loader.load_gguf = model_loader.load_gguf = load_once
     yield

@@ -104,7 +104,11 @@ def test_serve_prints_its_banner(tmp_path, smollm_tokenizer):
     finally:
         process.terminate()
         process.wait(timeout=60)
-    assert "engine ready:" in log and "(sgt) on cpu/float32" in log, log
+    from depthserve.loading.quantization import cpu_features, cpu_supports_bf16
+
+    auto_dtype = "bfloat16" if cpu_supports_bf16() else "float32"  # --dtype auto on this CPU
+    assert "engine ready:" in log and f"(sgt) on cpu/{auto_dtype} ({cpu_features()})" in log, log
+    assert "quantization none: 0 linear weights quantized" in log, log
     assert "KV pages" in log and "(capped from 100000: the model's context)" in log and "depth knobs: loops 0.." in log
     assert f"at http://127.0.0.1:{port}" in log and f"{path}:deep" in log
 

@@ -120,6 +120,11 @@ class DepthModel(Protocol):
         """Fill parameters derived from loaded ones (tied heads, copies); return their names."""
         return set()
 
+    def after_quantization(self) -> None:
+        """Refill the copies `after_load` made (other than tied heads) from the weights as served
+        once the linear layers are quantized, so that a copy equals its source's served weight
+        (loading/quantization.py leaves the copies' layers dense)."""
+
 
 @dataclass(frozen=True)
 class StaticDecodeSpec:

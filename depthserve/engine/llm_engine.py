@@ -29,6 +29,7 @@ from depthserve.errors import (
 )
 from depthserve.kernels.dispatch import Kernels
 from depthserve.loading.model_loader import load_model
+from depthserve.loading.quantization import cpu_features, resolve_dtype
 from depthserve.loading.registry import resolve_model
 from depthserve.loading.tokenizer import load_tokenizer
 from depthserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -60,10 +61,8 @@ def _resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def _resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, name)
+def _cpu_features(device: torch.device) -> str:
+    return f" ({cpu_features()})" if device.type == "cpu" else ""
 
 
 class LLMEngine:
@@ -73,18 +72,19 @@ class LLMEngine:
         if args.num_threads:
             torch.set_num_threads(args.num_threads)  # asked for explicitly: torch's threads are per process
         self.device = _resolve_device(args.device)
-        self.dtype = _resolve_dtype(args.dtype, self.device)
+        self.dtype = resolve_dtype(args.dtype, self.device)
         args = self.args = replace(args, max_num_batched_tokens=args.step_token_budget(self.device.type))
         kernels = Kernels(args.kernel_backend)
         source = resolve_model(args.model)
         self.model_name = source.name
         self.tokenizer = load_tokenizer(source)
         loaded = load_model(source, self.dtype, self.device, args.max_model_len, args.load_progress,
-                            max_loops=args.max_loops)
+                            max_loops=args.max_loops, quantization=args.quantization)
         self.model: DepthModel = loaded.model
         self.hf_config = loaded.hf_config
         self.max_model_len = loaded.max_model_len
         self.vocab_size = loaded.vocab_size
+        self.quantization = loaded.quantization
         self.eos_token_ids = self._eos_ids()
 
         page_bytes = ModelRunner.page_bytes(args.block_size, self.model.head_dim, self.dtype)
@@ -138,11 +138,11 @@ class LLMEngine:
                   if args.max_model_len is not None and args.max_model_len > self.max_model_len else "")
         knobs = ", ".join(f"{name} {k.minimum}..{k.maximum}" for name, k in self.model.depth_knobs().items())
         logger.info(
-            "engine ready: %s (%s) on %s/%s, %d KV pages (%.2f GiB), max_model_len=%d%s, depth knobs: %s, "
-            "decode steps %s",
+            "engine ready: %s (%s) on %s/%s%s, %d KV pages (%.2f GiB), max_model_len=%d%s, depth knobs: %s, "
+            "decode steps %s; %s",
             self.model_name, (self.hf_config.get("depth") or {}).get("architecture", "llama"), self.device,
-            str(self.dtype).removeprefix("torch."), num_pages, num_pages * page_bytes / _GIB, self.max_model_len, capped,
-            knobs or "none", self._decode_mode(),
+            str(self.dtype).removeprefix("torch."), _cpu_features(self.device), num_pages, num_pages * page_bytes / _GIB,
+            self.max_model_len, capped, knobs or "none", self._decode_mode(), self.quantization.summary(),
         )
 
     def _decode_mode(self) -> str:
@@ -153,7 +153,8 @@ class LLMEngine:
 
     def _compiles_decode(self, args: EngineArgs) -> bool:
         """Decode steps compiled at static shapes: asked for (enforce_eager=False) or by default on
-        CUDA (for models with a static decode spec)."""
+        CUDA (for models with a static decode spec), on every kernel backend: the torch ops take no
+        host synchronisation, so their steps capture as CUDA graphs too (kernels/dispatch.py)."""
         return not args.enforce_eager if args.enforce_eager is not None else self.device.type == "cuda"
 
     def model_info(self) -> ModelInfo:

@@ -8,7 +8,7 @@ computes them as one batched GEMM: each thread streams only its own block, once.
 exception is a very wide layer (the LM head): for 5 to 48 rows oneDNN with a weight prepacked once
 at load beats that, so that layer keeps a prepacked copy as well.
 
-Measured on a 2-core AMD EPYC (fp32, 2 threads, SmolLM2-135M shapes, the 30 layers' weights
+Measured on a 2-core AMD EPYC (AVX-512; fp32, 2 threads, SmolLM2-135M shapes, the 30 layers' weights
 streamed from memory as in a decode step): the layers' GEMMs at 1 / 8 / 32 rows take
 27 / 43 / 98 ms as column blocks against 35 / 68 / 126 ms as one [in, out] matrix (x @ W_t),
 and the same at 512 rows; the 576x49152 LM head at 32 rows 25 ms (oneDNN) vs 47 ms (blocks)

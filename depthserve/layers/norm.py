@@ -10,9 +10,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:  # one fused op; the same arithmetic as below
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        # Normalise in fp32 whatever the activation dtype (as the HF reference does).
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        # One fused op in every dtype: for bf16/fp16 inputs torch accumulates and normalises in fp32
+        # and rounds once at the end (the Hugging Face form rounds before the weight multiply too;
+        # measured on bf16 rows of SmolLM2's width, the fused op is the closer of the two to a
+        # float64 reference). In eager bf16 decode it replaces seven dispatched ops per norm.
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)

@@ -1,7 +1,9 @@
-"""Read a llama-architecture GGUF file: config from its metadata, weights dequantized with `gguf`."""
+"""Read a llama-architecture GGUF file: config from its metadata, weights dequantized with `gguf`,
+and the codes of the block formats a CPU kernel reproduces exactly (Q4_0, Q4_1) kept as stored."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +12,7 @@ import torch
 from tqdm.auto import tqdm
 
 from depthserve.errors import CheckpointFormatError
+from depthserve.layers.quantized import INT4_GROUP, QuantizedWeight
 
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
@@ -64,12 +67,6 @@ def read_config(reader) -> dict[str, Any]:
     }
 
 
-def _unpermute_rope(weight: np.ndarray, num_heads: int) -> np.ndarray:
-    """llama.cpp stores Q/K rows interleaved per rotary pair; restore the half-split layout."""
-    rows, cols = weight.shape
-    return weight.reshape(num_heads, rows // num_heads // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
-
-
 def _hf_name(gguf_name: str) -> str:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
@@ -77,21 +74,68 @@ def _hf_name(gguf_name: str) -> str:
     return f"model.layers.{layer}.{_LAYER_NAMES[kind]}.{suffix}"
 
 
-def load_gguf(path: Path, progress: bool = True) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """Returns (HF-style config dict, HF-named fp32 state dict)."""
+# Block layouts (ggml's): an fp16 scale d, for Q4_1 an fp16 minimum m, then the codes of 32 weights,
+# two to a byte, weights 0..15 in the low nibbles and 16..31 in the high ones.
+_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}
+KEPT_TYPES = tuple(_BLOCK_BYTES)
+
+
+@dataclass
+class GGUFWeights:
+    """A GGUF's tensors under Hugging Face names: every one dequantized to fp32 (`dense`), and for
+    those stored in a block format the CPU kernels take, their codes (`quantized`, same names)."""
+
+    config: dict[str, Any]
+    dense: dict[str, torch.Tensor]
+    quantized: dict[str, QuantizedWeight] = field(default_factory=dict)
+    types: dict[str, str] = field(default_factory=dict)  # name -> GGUF type name, e.g. "Q4_1"
+
+
+def load_gguf(path: Path, progress: bool = True, keep_codes: bool = False) -> GGUFWeights:
+    """The config and fp32 weights; with `keep_codes`, also the stored codes of Q4_0/Q4_1 tensors."""
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
     reader = GGUFReader(str(path))
     config = read_config(reader)
-    weights: dict[str, torch.Tensor] = {}
+    out = GGUFWeights(config, {})
     for tensor in tqdm(reader.tensors, desc=f"Loading {path.name}", disable=not progress, unit="tensor"):
-        array = dequantize(tensor.data, tensor.tensor_type)
+        name, kind = _hf_name(tensor.name), tensor.tensor_type.name
         shape = tuple(int(d) for d in reversed(tensor.shape))
-        array = np.asarray(array, dtype=np.float32).reshape(shape)
-        if tensor.name.endswith("attn_q.weight"):
-            array = _unpermute_rope(array, config["num_attention_heads"])
-        elif tensor.name.endswith("attn_k.weight"):
-            array = _unpermute_rope(array, config["num_key_value_heads"])
-        weights[_hf_name(tensor.name)] = torch.from_numpy(np.array(array, dtype=np.float32, order="C"))
-    return config, weights
+        array = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(shape)
+        rows = _rope_rows(tensor.name, shape[0], config)
+        if rows is not None:
+            array = array[rows.numpy()]
+        out.dense[name] = torch.from_numpy(np.array(array, dtype=np.float32, order="C"))
+        out.types[name] = kind
+        if keep_codes and kind in _BLOCK_BYTES and len(shape) == 2:
+            codes = _block_codes(np.asarray(tensor.data), kind, shape)
+            out.quantized[name] = codes if rows is None else codes.rows(rows)
+    return out
+
+
+def _rope_rows(gguf_name: str, num_rows: int, config: dict[str, Any]) -> torch.Tensor | None:
+    """llama.cpp stores Q/K rows interleaved per rotary pair: the row order that restores the
+    half-split layout, or None for other tensors."""
+    if gguf_name.endswith("attn_q.weight"):
+        heads = config["num_attention_heads"]
+    elif gguf_name.endswith("attn_k.weight"):
+        heads = config["num_key_value_heads"]
+    else:
+        return None
+    return torch.arange(num_rows).view(heads, num_rows // heads // 2, 2).transpose(1, 2).reshape(-1)
+
+
+def _block_codes(data: np.ndarray, kind: str, shape: tuple[int, int]) -> QuantizedWeight:
+    rows, width = shape
+    blocks = data.reshape(rows, width // INT4_GROUP, _BLOCK_BYTES[kind])
+    scale = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32))
+    start = 4 if kind == "Q4_1" else 2
+    packed = blocks[..., start:]
+    nibbles = np.concatenate([packed & 15, packed >> 4], axis=-1)  # weights 0..15, then 16..31
+    codes = torch.from_numpy(nibbles.reshape(rows, width).astype(np.uint8))
+    if kind == "Q4_1":
+        low = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32))
+    else:
+        low = -8 * scale
+    return QuantizedWeight(4, codes, scale, low)

@@ -2,8 +2,9 @@
 
 read the checkpoint (GGUF or HF directory) -> its registered architecture and spec -> the model,
 built on the meta device (no random init) -> the weights, by name (loading/weights.py) -> cast and
-moved -> `finish_load` (tensors that keep their own dtype) -> on CPU in fp32, linear layers laid
-out for small batches (layers/linear.py).
+moved -> `finish_load` (tensors that keep their own dtype) -> on CPU, linear layers served from
+quantized codes where the quantization mode says (loading/quantization.py), and in fp32 laid out for
+small batches (layers/linear.py).
 """
 
 from __future__ import annotations
@@ -11,14 +12,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import logging
+
 import torch
 
 from depthserve.archs import BuildOptions, DepthModel, resolve_architecture
 from depthserve.layers.linear import optimize_linears_for_cpu
 from depthserve.loading.gguf_loader import load_gguf
 from depthserve.loading.hf_loader import load_hf_dir
+from depthserve.loading.quantization import (QuantizationReport, checkpoint_codes, quantize_model, resident_bytes,
+                                             resolve_quantization)
 from depthserve.loading.registry import ModelSource
-from depthserve.loading.weights import load_weights
+from depthserve.loading.weights import load_weights, parameter_name
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -27,12 +34,17 @@ class LoadedModel:
     hf_config: dict[str, Any]
     max_model_len: int
     vocab_size: int
+    quantization: QuantizationReport
 
 
 def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device, max_model_len: int | None,
-               progress: bool = True, cpu_linear: bool = True, max_loops: int | None = None) -> LoadedModel:
+               progress: bool = True, cpu_linear: bool = True, max_loops: int | None = None,
+               quantization: str = "none") -> LoadedModel:
+    mode = resolve_quantization(quantization, source.format, device, dtype)
+    codes, stored_types = {}, {}
     if source.format == "gguf":
-        hf_config, weights = load_gguf(source.path, progress)
+        read = load_gguf(source.path, progress, keep_codes=mode != "none")
+        hf_config, weights, codes, stored_types = read.config, read.dense, read.quantized, read.types
     else:
         hf_config, weights = load_hf_dir(source.path, progress)
     architecture, spec = resolve_architecture(hf_config)
@@ -41,9 +53,29 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device, ma
     with torch.device("meta"):
         model = architecture.build(hf_config, spec, BuildOptions(max_len=max_len, max_loops=max_loops))
     model = model.to_empty(device="cpu")
-    load_weights(model, weights, str(source.path))
+    derived = load_weights(model, weights, str(source.path))
+    # Quantized from the checkpoint's own values, before the cast (rounding bf16 weights would
+    # round twice), then the copies derived from quantized layers refilled from what they serve.
+    report = quantize_model(model, mode, checkpoint_codes(model, codes), dtype, keep_dense=derived)
+    if report.quantized:
+        model.after_quantization()
     model = model.to(device=device, dtype=dtype).eval()
     model.finish_load(device)
+    report.resident_bytes = resident_bytes(model)
+    if mode == "gguf" and report.dense:
+        _warn_dequantized(report, stored_types, model)
     if device.type == "cpu" and dtype == torch.float32 and cpu_linear:
         optimize_linears_for_cpu(model)
-    return LoadedModel(model=model, hf_config=hf_config, max_model_len=max_len, vocab_size=int(hf_config["vocab_size"]))
+    return LoadedModel(model=model, hf_config=hf_config, max_model_len=max_len, vocab_size=int(hf_config["vocab_size"]),
+                       quantization=report)
+
+
+def _warn_dequantized(report: QuantizationReport, stored_types: dict[str, str], model) -> None:
+    """Name the GGUF types that no CPU kernel serves exactly (their linear layers run dequantized)."""
+    by_parameter = {}
+    for name, kind in stored_types.items():
+        target, _ = parameter_name(name, model.checkpoint_prefix, model.packed_modules)
+        by_parameter[target] = kind
+    kinds = sorted({by_parameter.get(name, "?") for name in report.dense})
+    log.warning("%d linear weights are served dequantized: no CPU kernel reproduces their GGUF types (%s)",
+                len(report.dense), ", ".join(kinds))

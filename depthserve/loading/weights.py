@@ -36,8 +36,9 @@ def parameter_name(checkpoint_name: str, prefix: str, packed: dict[str, tuple[st
 
 
 @torch.no_grad()
-def load_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor], source: str) -> None:
-    """Copy `weights` (consumed) into `model` as its class declares (see the module docstring)."""
+def load_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor], source: str) -> set[str]:
+    """Copy `weights` (consumed) into `model` as its class declares (see the module docstring);
+    returns the names of the parameters `after_load` derived."""
     params = dict(model.named_parameters())
     loaded = set(model.take_weights(weights, source))
     shards: dict[str, dict[int, torch.Tensor]] = {}
@@ -63,10 +64,12 @@ def load_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor], sourc
             raise CheckpointFormatError(f"{source}: {target} needs {expected} tensors, got shards {sorted(parts)}")
         _copy(params[target], torch.cat([parts[i] for i in range(expected)]), target, source)
         loaded.add(target)
-    loaded |= model.after_load(loaded)
+    derived = model.after_load(loaded)
+    loaded |= derived
     missing = sorted(set(params) - loaded)
     if missing:
         raise CheckpointFormatError(f"{source}: weights missing from the checkpoint: {missing[:5]}")
+    return derived
 
 
 def _copy(param: torch.Tensor, value: torch.Tensor, name: str, source: str) -> None:

@@ -52,7 +52,12 @@ def _depth_json(text: str) -> dict:
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL, help="built-in name, .gguf file or checkpoint dir")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                        help="weights and cache dtype (auto: float32 on CPU, bfloat16 on CUDA)")
+                        help="activations and cache dtype (auto: bfloat16 on CUDA and on CPUs with AVX-512 BF16 "
+                             "or AMX, float32 on other CPUs)")
+    parser.add_argument("--quantization", default=EngineArgs.quantization, choices=["auto", "none", "gguf", "int8", "int4"],
+                        help="CPU weight-only quantization (auto: a GGUF in its own 4-bit format when activations "
+                             "are bfloat16; gguf: that whatever the dtype; none: dequantized weights; int8/int4: "
+                             "quantize at load)")
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, or auto (CUDA when present)")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="context length (default and ceiling: the model's own)")

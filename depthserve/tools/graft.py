@@ -79,7 +79,8 @@ def load_source(model: str | Path) -> SourceModel:
             raise GraftError(f"{model} is already a {architecture} checkpoint; graft a plain Llama checkpoint")
         config, weights = load_hf_dir(source.path, progress=False)
     else:
-        config, weights = load_gguf(source.path, progress=False)
+        read = load_gguf(source.path, progress=False)
+        config, weights = read.config, read.dense
     archs = config.get("architectures") or ["LlamaForCausalLM"]
     if archs[0] not in ("LlamaForCausalLM", "MistralForCausalLM"):
         raise GraftError(f"{model}: architecture {archs[0]} is not a Llama; only Llama checkpoints can be grafted")

@@ -369,7 +369,7 @@ class PUTForCausalLM(nn.Module, DepthModel):
         return knobs(self.spec)
 
     def plan(self, depth: DepthParams) -> PUTPlan:
-        return put_plan(self.config, self.spec, depth, self.embed_tokens.weight.element_size())
+        return put_plan(self.config, self.spec, depth, self.norm.weight.element_size())  # the activation dtype's
 
     def static_decode_spec(self) -> StaticDecodeSpec:
         """Rows hold every core pass's slots and state (T passes); a row's setting is its loop count."""

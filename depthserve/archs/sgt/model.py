@@ -25,6 +25,7 @@ from depthserve.archs.sgt.format import plan as sgt_plan
 from depthserve.archs.sgt.format import report as sgt_report
 from depthserve.depth import DepthParams, DepthReport, KnobSpec
 from depthserve.layers.attention import decode_slot_meta, paged_attention
+from depthserve.layers.quantized import served_weight
 from depthserve.layers.rotary import apply_rope
 
 
@@ -65,10 +66,10 @@ class HeadSubsetAttention(nn.Module):
             return torch.cat([torch.arange(offset + h * d, offset + (h + 1) * d) for h in heads])
 
         index = torch.cat([rows(0, self.q_heads), rows(q_size, self.kv_heads), rows(q_size + kv_size, self.kv_heads)])
-        self.qkv_proj.weight.copy_(full.qkv_proj.weight[index])
+        self.qkv_proj.weight.copy_(served_weight(full.qkv_proj)[index])
         if self.qkv_proj.bias is not None:
             self.qkv_proj.bias.copy_(full.qkv_proj.bias[index])
-        columns = full.o_proj.weight[:, rows(0, self.q_heads)].clone()
+        columns = served_weight(full.o_proj)[:, rows(0, self.q_heads)].clone()
         for j, scale in enumerate(self.head_scales):
             columns[:, j * d : (j + 1) * d] *= scale
         self.o_proj.weight.copy_(columns)
@@ -180,6 +181,11 @@ class SGTForCausalLM(LlamaForCausalLM):
             layer.loop_attn.copy_from(self.config, layer.self_attn)
             derived |= {f"layers.{s.layer}.loop_attn.{name}" for name, _ in layer.loop_attn.named_parameters()}
         return derived
+
+    def after_quantization(self) -> None:
+        for s in self.spec.layers:
+            layer = self.layers[s.layer]
+            layer.loop_attn.copy_from(self.config, layer.self_attn)
 
 
 def build(hf_config: dict, spec: SGTSpec, options: BuildOptions) -> SGTForCausalLM:

@@ -1,0 +1,219 @@
+"""Weight-only quantized linear layers for the CPU (docs/quantization.md).
+
+A weight is kept as integer codes in groups along its input dimension and multiplied with
+activations by torch's weight-only CPU kernels: `_weight_int4pack_mm_for_cpu` (4-bit codes, a scale
+and a zero per group of 32) and `_weight_int8pack_mm` (8-bit codes, one scale per output row).
+Those kernels read the codes once per activation row, so their cost grows with the rows, while a
+bf16 GEMM (AMX / AVX-512 BF16 through oneDNN) reads its weight once for all rows: above a few rows
+the layer dequantizes its weight into one scratch buffer shared by the model's layers and runs the
+bf16 GEMM instead. Which path a row count takes is `QuantPolicy.kernel_max_rows`, set from
+`bench/quant_kernels.py`.
+
+Formats, for a weight W [out, in]:
+- int4: W[n, k] = scale[n, g] * code[n, k] + low[n, g], code in 0..15, g = k // group_size (GGUF
+  Q4_1 as stored; Q4_0 is low = -8 * scale). The kernel's own form is (code - 8) * scale + zero,
+  so zero = low + 8 * scale.
+- int8: W[n, k] = scale[n] * code[n, k], code in -127..127 (symmetric, one scale per row: the only
+  grouping `_weight_int8pack_mm` takes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+INT4_GROUP = 32
+_INT4_BLOCK_ROWS = 64  # the CPU int4 packing interleaves output rows n and n + 32 of each 64-row block
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """Integer codes of a [out, in] weight and what turns them back into numbers (formats above)."""
+
+    bits: int  # 4 or 8
+    codes: torch.Tensor  # int4: uint8 [out, in], 0..15; int8: int8 [out, in]
+    scale: torch.Tensor  # fp32; int4: [out, in / group]; int8: [out]
+    low: torch.Tensor | None = None  # int4 only: fp32 [out, in / group]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.codes.shape)
+
+    def dequantize(self) -> torch.Tensor:
+        """The fp32 weight [out, in] the codes stand for."""
+        if self.bits == 8:
+            return self.codes.float() * self.scale[:, None]
+        out, width = self.shape
+        grouped = self.codes.float().view(out, -1, INT4_GROUP) * self.scale[..., None] + self.low[..., None]
+        return grouped.view(out, width)
+
+    def rows(self, index: torch.Tensor) -> "QuantizedWeight":
+        """The same weight with its output rows reordered (the GGUF rotary un-permutation)."""
+        low = None if self.low is None else self.low[index]
+        return QuantizedWeight(self.bits, self.codes[index], self.scale[index], low)
+
+
+def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
+    """Weights stacked along the output dimension (q, k, v into one qkv projection)."""
+    if len({p.bits for p in parts}) != 1:
+        raise ValueError("packed projections must share one quantized format")
+    low = None if parts[0].low is None else torch.cat([p.low for p in parts])
+    return QuantizedWeight(parts[0].bits, torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]), low)
+
+
+def quantize_rtn(weight: torch.Tensor, bits: int) -> QuantizedWeight:
+    """Round-to-nearest: int4 asymmetric per group of 32 (min to max), int8 symmetric per row."""
+    w = weight.detach().float()
+    if bits == 8:
+        scale = (w.abs().amax(dim=1) / 127).clamp_min(1e-12)
+        codes = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+        return QuantizedWeight(8, codes, scale)
+    out, width = w.shape
+    groups = w.view(out, width // INT4_GROUP, INT4_GROUP)
+    low, high = groups.amin(dim=2), groups.amax(dim=2)
+    scale = ((high - low) / 15).clamp_min(1e-12)
+    codes = torch.round((groups - low[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.uint8)
+    return QuantizedWeight(4, codes.view(out, width), scale, low)
+
+
+def quantizable(weight_shape: tuple[int, int], bits: int) -> bool:
+    """Whole groups of 32 input features: the int4 kernel's groups, and for int8 a width its bf16
+    vector loop handles (torch 2.13's `_weight_int8pack_mm` crashes on 70 input features)."""
+    return weight_shape[1] % INT4_GROUP == 0
+
+
+@dataclass(frozen=True)
+class QuantPolicy:
+    """Up to `kernel_max_rows` activation rows the weight-only kernel runs; above, dequantize + GEMM."""
+
+    kernel_max_rows: int = 4
+
+
+class DequantScratch:
+    """One reusable buffer per dtype for the dequantized weight of the layer being run: the model's
+    memory stays its codes plus its largest layer."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[torch.dtype, torch.Tensor] = {}
+
+    def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        buffer = self._buffers.get(dtype)
+        if buffer is None or buffer.numel() < numel:
+            buffer = self._buffers[dtype] = torch.empty(numel, dtype=dtype)
+        return buffer[:numel]
+
+
+class QuantLinear(nn.Module):
+    """y = x W^T (+ b) with W held as int4 or int8 codes (module docstring)."""
+
+    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None, dtype: torch.dtype,
+                 scratch: DequantScratch, policy: QuantPolicy):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.bits = weight.bits
+        self.policy, self.scratch = policy, scratch
+        if weight.bits == 4:
+            packed, scales_and_zeros = _int4_kernel_form(weight, dtype)
+            self.register_buffer("packed", packed)
+            self.register_buffer("scales_and_zeros", scales_and_zeros)
+            self.padded_out = packed.shape[0]
+        else:
+            self.register_buffer("packed", weight.codes.contiguous())
+            self.register_buffer("scales", weight.scale.to(dtype))
+            self.padded_out = self.out_features
+        self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if rows.dtype != self.activation_dtype:
+            rows = rows.to(self.activation_dtype)
+        if rows.shape[0] <= self.policy.kernel_max_rows:
+            out = self._kernel(rows)
+        elif torch.compiler.is_compiling():
+            out = F.linear(rows, self.dequantize())  # the compiler fuses the dequantization; no shared buffer
+        else:
+            out = F.linear(rows, self._dequantized_into_scratch())
+        if self.padded_out != self.out_features:
+            out = out[:, : self.out_features]
+        if self.bias is not None:
+            out = out + self.bias
+        return out.view(*x.shape[:-1], self.out_features)
+
+    @property
+    def activation_dtype(self) -> torch.dtype:
+        return (self.scales_and_zeros if self.bits == 4 else self.scales).dtype
+
+    def _kernel(self, rows: torch.Tensor) -> torch.Tensor:
+        if self.bits == 4:
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, INT4_GROUP, self.scales_and_zeros)
+        return torch.ops.aten._weight_int8pack_mm(rows, self.packed, self.scales)
+
+    def _dequantized_into_scratch(self) -> torch.Tensor:
+        out = self.scratch.take(self.padded_out * self.in_features, self.activation_dtype)
+        if self.bits == 8:
+            return torch.mul(self.packed, self.scales[:, None], out=out.view(self.padded_out, self.in_features))
+        return dequantize_int4_kernel_form(self.packed, self.scales_and_zeros, out.view(self.in_features, self.padded_out)).t()
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight [out, in] in the activation dtype (a fresh tensor)."""
+        if self.bits == 8:
+            return self.packed.to(self.activation_dtype) * self.scales[:, None]
+        full = torch.empty(self.in_features, self.padded_out, dtype=self.activation_dtype)
+        return dequantize_int4_kernel_form(self.packed, self.scales_and_zeros, full).t()[: self.out_features]
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int{self.bits}"
+
+
+def served_weight(layer: nn.Module) -> torch.Tensor:
+    """The [out, in] weight a linear layer computes with: its parameter, or a quantized layer's
+    dequantized codes."""
+    return layer.dequantize() if isinstance(layer, QuantLinear) else layer.weight
+
+
+class QuantEmbedding(nn.Module):
+    """Token embedding rows read from int8 codes (the table a quantized tied LM head shares)."""
+
+    def __init__(self, head: QuantLinear):
+        super().__init__()
+        if head.bits != 8:
+            raise ValueError("a quantized embedding reads int8 rows")
+        self.head = [head]  # not a submodule: the head owns the codes
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        head = self.head[0]
+        return head.packed[input_ids].to(head.activation_dtype) * head.scales[input_ids, None]
+
+
+def _int4_kernel_form(weight: QuantizedWeight, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes packed as `_convert_weight_to_int4pack_for_cpu` lays them out, scales_and_zeros
+    [in / 32, out, 2]); output rows padded to whole 64-row blocks of the packing."""
+    out, _ = weight.shape
+    padded = -(-out // _INT4_BLOCK_ROWS) * _INT4_BLOCK_ROWS
+    codes, scale, low = weight.codes, weight.scale, weight.low
+    if padded != out:
+        extra = padded - out
+        codes = torch.cat([codes, codes.new_zeros(extra, codes.shape[1])])
+        scale, low = torch.cat([scale, scale.new_zeros(extra, scale.shape[1])]), torch.cat([low, low.new_zeros(extra, low.shape[1])])
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 2)
+    zero = low + 8 * scale
+    scales_and_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(dtype).contiguous()
+    return packed, scales_and_zeros
+
+
+def dequantize_int4_kernel_form(packed: torch.Tensor, scales_and_zeros: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """The transposed weight [in, out] from the kernel's packing, written into `out`: byte (block, k, j)
+    holds code (k, 64 * block + j) in its low nibble and (k, 64 * block + 32 + j) in its high one, so
+    each nibble plane is one strided copy with j contiguous on both sides."""
+    width, padded_out = out.shape
+    source = packed.view(padded_out // _INT4_BLOCK_ROWS, width, 32).transpose(0, 1)  # [k, block, j]
+    planes = out.view(width, padded_out // _INT4_BLOCK_ROWS, 2, 32)
+    planes[:, :, 0].copy_(source & 15)
+    planes[:, :, 1].copy_(source >> 4)
+    grouped = out.view(width // INT4_GROUP, INT4_GROUP, padded_out)
+    scale, zero = scales_and_zeros[:, None, :, 0], scales_and_zeros[:, None, :, 1]
+    grouped.mul_(scale).add_(zero - 8 * scale)
+    return out
