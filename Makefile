@@ -14,7 +14,7 @@ EVAL_STAMP := $(EVAL_VENV)/.installed
 EVAL_ARGS ?=
 C4_SAMPLE ?= ../shared/data/c4_sample.jsonl
 
-.PHONY: install browser serve test test-fast bench eval eval-install clean
+.PHONY: install browser serve test test-fast bench eval eval-install llamacpp clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -75,6 +75,11 @@ eval-install: $(EVAL_STAMP)
 # ARC-Easy via lm-evaluation-harness: the server (local-completions) vs lm-eval's hf model.
 eval: $(STAMP) $(EVAL_STAMP)
 	$(BIN)/python bench/lm_eval_arc.py --eval-venv $(EVAL_VENV) $(EVAL_ARGS)
+
+# The llama.cpp baselines (bench/throughput.py --llamacpp, bench/serving.py --llama-server), compiled from
+# the llama-cpp-python sdist for this CPU: several minutes on 2 cores, so not part of install or test.
+llamacpp: $(STAMP)
+	PYTHON=$(BIN)/python bench/llamacpp/build.sh all
 
 clean:
 	rm -rf $(VENV) $(EVAL_VENV) build *.egg-info

@@ -36,7 +36,9 @@ def device_description(device: str) -> str:
 
     if device.startswith("cuda") and torch.cuda.is_available():
         return torch.cuda.get_device_name(torch.device(device))
-    return f"{cpu_model()} ({os.cpu_count()} logical CPUs)"
+    from depthserve.loading.quantization import cpu_features
+
+    return f"{cpu_model()} ({os.cpu_count()} logical CPUs; {cpu_features()})"
 
 
 def device_slug(device: str) -> str:

@@ -5,6 +5,7 @@
     python bench/serving.py --base-url http://127.0.0.1:8000 --max-concurrency 8 --num-prompts 64
     python bench/serving.py --launch --model DIR --depth '{"loops": 2}' --goodput ttft:500 tpot:100
     python bench/serving.py --launch --model DIR --depth '{"depth": "auto"}' --depth-policy slo --tpot-slo-ms 300
+    python bench/serving.py --launch --llama-server --server-args "--num-threads 2" --request-rate 1,2,4
 
 Workload: `--num-prompts` prompts of exactly `--input-len` tokens, sent as token ids to
 /v1/completions: the first tokens of the documents of the C4 sample (`--dataset`, tokenized by
@@ -28,6 +29,13 @@ Summary per rate: mean, std, median and `--percentiles` of each; request through
 output / total token throughput over the run's wall time (first send to last completion);
 goodput = requests/s that met every SLO of `--goodput`. Result: bench/results/serving-<label>.json
 with the settings, machine and library versions, the summaries and every request's raw figures.
+
+`--llama-server` (with `--launch`) adds llama.cpp's server as the baseline (build it with
+`make llamacpp`): at each rate, `depthserve serve` and then `llama-server -t T -np 16 -c 16384` on
+the same GGUF file (T: the server's --num-threads, else torch's default thread count) each run the
+same requests, one server at a time, each started afresh for its turn, so neither has a prompt cache
+from an earlier rate (nor from the warm-up, whose prompt is a reversed one of the workload's).
+Every run in the result names its server.
 """
 
 from __future__ import annotations
@@ -53,6 +61,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 SLO_METRICS = ("ttft", "tpot", "e2el")
+DEPTHSERVE, LLAMA_SERVER = "depthserve", "llama-server"
+LLAMA_SERVER_BINARY = Path(__file__).resolve().parent / "llamacpp" / "build" / "server" / "bin" / "llama-server"
 
 
 # ---- settings -------------------------------------------------------------------------------------
@@ -69,6 +79,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     server.add_argument("--depth-policy", default=None, choices=["fixed", "slo"],
                         help="the launched server's depth policy (with --launch; slo needs --tpot-slo-ms)")
     server.add_argument("--tpot-slo-ms", type=float, default=None, help="the slo depth policy's TPOT target")
+    server.add_argument("--llama-server", action="store_true",
+                        help="also run llama.cpp's llama-server on the same GGUF, taking turns with depthserve at "
+                             "each rate, both started afresh for each turn (needs --launch; build: make llamacpp)")
+    server.add_argument("--llama-server-binary", type=Path, default=LLAMA_SERVER_BINARY)
+    server.add_argument("--llama-server-args", default="-np 16 -c 16384",
+                        help="llama-server arguments besides the model, threads, host and port")
+    server.add_argument("--llama-server-gguf", type=Path, default=None,
+                        help="the GGUF file llama-server loads (default: the file behind --model)")
     load = p.add_argument_group("workload")
     load.add_argument("--num-prompts", type=int, default=64, help="requests per request rate")
     load.add_argument("--input-len", type=int, default=128)
@@ -98,6 +116,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--depth must be a JSON object")
     if any(r <= 0 for r in ns.rates):
         p.error("--request-rate values must be positive (or inf)")
+    if ns.llama_server and not ns.launch:
+        p.error("--llama-server needs --launch: the benchmark starts both servers itself, afresh for each rate")
     return ns
 
 
@@ -113,14 +133,30 @@ def parse_slos(items: list[str]) -> dict[str, float]:
 
 
 # ---- the server -----------------------------------------------------------------------------------
+def depthserve_command(model: str, server_args: str, port: int) -> list[str]:
+    exe = Path(sys.executable).with_name("depthserve")
+    return [str(exe) if exe.exists() else "depthserve", "serve", "--model", model, "--host", "127.0.0.1",
+            "--port", str(port), "--log-level", "warning", *shlex.split(server_args)]
+
+
+def llama_server_command(binary: Path, gguf: Path, threads: int, server_args: str, port: int) -> list[str]:
+    return [str(binary), "-m", str(gguf), "-t", str(threads), "--host", "127.0.0.1", "--port", str(port),
+            *shlex.split(server_args)]
+
+
 @contextlib.contextmanager
 def launched_server(model: str, server_args: str, timeout: float) -> Iterator[str]:
     """`depthserve serve` on a free loopback port; yields its base URL; stops it on exit."""
     port = common.free_port()
-    exe = Path(sys.executable).with_name("depthserve")
-    command = [str(exe) if exe.exists() else "depthserve", "serve", "--model", model, "--host", "127.0.0.1",
-               "--port", str(port), "--log-level", "warning", *shlex.split(server_args)]
-    log = tempfile.NamedTemporaryFile("w+", prefix="depthserve-bench-", suffix=".log", delete=False)
+    with launched(depthserve_command(model, server_args, port), port, timeout, DEPTHSERVE) as base_url:
+        yield base_url
+
+
+@contextlib.contextmanager
+def launched(command: list[str], port: int, timeout: float, name: str) -> Iterator[str]:
+    """A server started by `command`, listening on the loopback `port`; yields its base URL once its
+    /health answers 200; stops it on exit (its log is kept if anything failed)."""
+    log = tempfile.NamedTemporaryFile("w+", prefix=f"{name}-bench-", suffix=".log", delete=False)
     print(f"launching: {shlex.join(command)} (log: {log.name})", flush=True)
     proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     base_url = f"http://127.0.0.1:{port}"
@@ -360,32 +396,130 @@ def meets_slos(result: RequestResult, slos_ms: dict[str, float]) -> bool:
 
 
 # ---- the whole benchmark ------------------------------------------------------------------------
-async def benchmark(base_url: str, ns: argparse.Namespace) -> dict[str, Any]:
+def http_client(base_url: str, ns: argparse.Namespace) -> httpx.AsyncClient:
     headers = {"Authorization": f"Bearer {ns.api_key}"} if ns.api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=httpx.Timeout(None), limits=limits) as client:
-        models = (await client.get("/v1/models")).raise_for_status().json()["data"]
-        model_id = ns.served_model or models[0]["id"]
-        if ns.random_prompts:
-            vocab = await probe_vocab_size(client)
-            prompts = common.random_prompts(ns.num_prompts, ns.input_len, vocab, ns.seed)
-        else:
-            prompts = await dataset_prompts(client, ns.dataset, ns.num_prompts, ns.input_len)
+    return httpx.AsyncClient(base_url=base_url, headers=headers, timeout=httpx.Timeout(None), limits=limits)
+
+
+async def served_model(client: httpx.AsyncClient, requested: str | None) -> tuple[str, dict]:
+    """The model id the requests name (`requested`, else the server's first), and its /v1/models entry."""
+    models = (await client.get("/v1/models")).raise_for_status().json()["data"]
+    model_id = requested or models[0]["id"]
+    return model_id, next((m for m in models if m["id"] == model_id), models[0])
+
+
+async def workload_prompts(client: httpx.AsyncClient, ns: argparse.Namespace) -> list[list[int]]:
+    if ns.random_prompts:
+        vocab = await probe_vocab_size(client)
+        return common.random_prompts(ns.num_prompts, ns.input_len, vocab, ns.seed)
+    return await dataset_prompts(client, ns.dataset, ns.num_prompts, ns.input_len)
+
+
+def warmup_prompts(prompts: list[list[int]], count: int) -> list[list[int]]:
+    """Warm-up prompts that share no prefix with the measured ones (the first ones reversed), so a
+    server whose prompt cache cannot be emptied (llama-server) finds nothing of them cached."""
+    return [list(reversed(prompt)) for prompt in prompts[:count]]
+
+
+async def warm_up(client: httpx.AsyncClient, model_id: str, prompts: list[list[int]], ns: argparse.Namespace) -> None:
+    for prompt in warmup_prompts(prompts, ns.warmup_requests):
+        warm = await send_streaming_request(client, completion_body(model_id, prompt, ns.output_len, ns.depth_knobs),
+                                            time.perf_counter())
+        if not warm.ok:
+            raise SystemExit(f"the warm-up request failed: {warm.error}")
+
+
+async def measure_rate(client: httpx.AsyncClient, bodies: list[dict], rate: float, ns: argparse.Namespace,
+                       server: str) -> dict[str, Any]:
+    """One run of every request at `rate`, its prefix cache emptied first where the server can."""
+    cold = await reset_prefix_cache(client) if server == DEPTHSERVE else None
+    results, duration = await run_at_rate(client, bodies, rate, ns)
+    summary = summarize_run(results, duration, ns)
+    print(f"{server:>12} " + format_summary(rate, summary), flush=True)
+    return run_record(server, rate, cold, summary, [r.as_dict() for r in results])
+
+
+def run_record(server: str, rate: float, prefix_cache_reset: bool | None, summary: dict[str, Any],
+               requests: list[dict[str, Any]]) -> dict[str, Any]:
+    """One run as the result keeps it: `prefix_cache_reset` is None where the server was started
+    afresh for the run instead (llama-server)."""
+    return {"server": server, "request_rate": rate if rate != float("inf") else "inf",
+            "prefix_cache_reset": prefix_cache_reset, "summary": summary, "requests": requests}
+
+
+async def benchmark(base_url: str, ns: argparse.Namespace) -> dict[str, Any]:
+    """Every rate against one running depthserve server, its prefix cache emptied before each."""
+    async with http_client(base_url, ns) as client:
+        model_id, model = await served_model(client, ns.served_model)
+        prompts = await workload_prompts(client, ns)
         bodies = [completion_body(model_id, p, ns.output_len, ns.depth_knobs) for p in prompts]
-        for body in bodies[: ns.warmup_requests]:
-            warm = await send_streaming_request(client, body, time.perf_counter())
-            if not warm.ok:
-                raise SystemExit(f"the warm-up request failed: {warm.error}")
-        runs = []
-        for rate in ns.rates:
-            cold = await reset_prefix_cache(client)
-            results, duration = await run_at_rate(client, bodies, rate, ns)
-            summary = summarize_run(results, duration, ns)
-            print(format_summary(rate, summary), flush=True)
-            runs.append({"request_rate": rate if rate != float("inf") else "inf", "prefix_cache_reset": cold,
-                         "summary": summary, "requests": [r.as_dict() for r in results]})
-    server = next((m for m in models if m["id"] == model_id), models[0])
-    return {"model_id": model_id, "server_model": server, "runs": runs}
+        await warm_up(client, model_id, prompts, ns)
+        runs = [await measure_rate(client, bodies, rate, ns, DEPTHSERVE) for rate in ns.rates]
+    return {"model_id": model_id, "server_model": model, "runs": runs}
+
+
+def turns(rates: list[float], servers: tuple[str, ...]) -> list[tuple[float, str]]:
+    """(rate, server) in the order they run: every server in turn at each rate, depthserve first
+    (it tokenizes the prompts that both are sent)."""
+    return [(rate, server) for rate in rates for server in servers]
+
+
+async def fresh_server_run(base_url: str, ns: argparse.Namespace, server: str, rate: float,
+                           prompts: list[list[int]] | None) -> tuple[list[list[int]], str, dict, dict[str, Any]]:
+    """One rate against a server just started: warm-up, then the run. Returns the prompts (made
+    here on the first turn), the model id and entry, and the run."""
+    async with http_client(base_url, ns) as client:
+        model_id, model = await served_model(client, ns.served_model if server == DEPTHSERVE else None)
+        prompts = prompts if prompts is not None else await workload_prompts(client, ns)
+        await warm_up(client, model_id, prompts, ns)
+        bodies = [completion_body(model_id, p, ns.output_len, ns.depth_knobs) for p in prompts]
+        return prompts, model_id, model, await measure_rate(client, bodies, rate, ns, server)
+
+
+def benchmark_against_llama_server(ns: argparse.Namespace, gguf: Path, threads: int) -> dict[str, Any]:
+    """depthserve and llama-server taking turns at each rate, each started afresh for its turn."""
+    prompts, runs, models = None, [], {}
+    for rate, server in turns(ns.rates, (DEPTHSERVE, LLAMA_SERVER)):
+        port = common.free_port()
+        command = (depthserve_command(ns.model, ns.server_args, port) if server == DEPTHSERVE else
+                   llama_server_command(ns.llama_server_binary, gguf, threads, ns.llama_server_args, port))
+        with launched(command, port, ns.server_start_timeout, server) as base_url:
+            prompts, model_id, model, run = asyncio.run(fresh_server_run(base_url, ns, server, rate, prompts))
+        models[server] = (model_id, model)
+        runs.append(run)
+    model_id, model = models[DEPTHSERVE]
+    return {"model_id": model_id, "server_model": model, "runs": runs, "llama_server_model": models[LLAMA_SERVER][1]}
+
+
+def llama_server_gguf(ns: argparse.Namespace) -> Path:
+    if ns.llama_server_gguf is not None:
+        return ns.llama_server_gguf
+    from depthserve.loading.registry import resolve_model
+
+    source = resolve_model(ns.model)
+    if source.format != "gguf":
+        raise SystemExit(f"--llama-server needs a GGUF model; {ns.model} is a {source.format} checkpoint "
+                         "(pass --llama-server-gguf FILE)")
+    return source.path
+
+
+def llama_server_threads(server_args: str) -> int:
+    """llama-server's -t: depthserve's --num-threads, else the thread count torch (so depthserve) picks."""
+    threads = server_arg(server_args, "--num-threads")
+    if threads:
+        return int(threads)
+    import torch
+
+    return torch.get_num_threads()
+
+
+def llama_server_version(binary: Path) -> str:
+    if not binary.exists():
+        raise SystemExit(f"no llama-server at {binary}: build it with `make llamacpp` (or bench/llamacpp/build.sh "
+                         "server), or pass --llama-server-binary")
+    out = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=60)
+    return (out.stdout + out.stderr).strip()
 
 
 async def reset_prefix_cache(client: httpx.AsyncClient) -> bool:
@@ -427,14 +561,20 @@ def main(argv: list[str] | None = None) -> int:
             ns.server_args += f" --depth-policy {ns.depth_policy}"
         if ns.tpot_slo_ms is not None:
             ns.server_args += f" --tpot-slo-ms {ns.tpot_slo_ms:g}"
-        with launched_server(ns.model, ns.server_args, ns.server_start_timeout) as base_url:
-            outcome = asyncio.run(benchmark(base_url, ns))
+        if ns.llama_server:
+            gguf, threads = llama_server_gguf(ns), llama_server_threads(ns.server_args)
+            version = llama_server_version(ns.llama_server_binary)
+            outcome = benchmark_against_llama_server(ns, gguf, threads)
+        else:
+            with launched_server(ns.model, ns.server_args, ns.server_start_timeout) as base_url:
+                outcome = asyncio.run(benchmark(base_url, ns))
         device = common.resolve_device(server_arg(ns.server_args, "--device") or "auto")
         threads = server_arg(ns.server_args, "--num-threads")
     else:
         outcome = asyncio.run(benchmark(ns.base_url, ns))
         device, threads = common.resolve_device("auto"), None
-    settings = {k: v for k, v in vars(ns).items() if k not in ("rates", "slos_ms", "depth_knobs")}
+    settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(ns).items()
+                if k not in ("rates", "slos_ms", "depth_knobs")}
     settings["dataset"] = None if ns.random_prompts else str(ns.dataset)
     payload = {
         "benchmark": "serving",
@@ -446,7 +586,12 @@ def main(argv: list[str] | None = None) -> int:
                         "describes": "the server's machine" if ns.launch else "the client's machine"},
         "runs": outcome["runs"],
     }
+    if ns.llama_server:
+        payload["llama_server"] = {
+            "command": shlex.join(llama_server_command(ns.llama_server_binary, gguf, threads, ns.llama_server_args, 0)),
+            "version": version, "threads": threads, "gguf": str(gguf), "model": outcome["llama_server_model"]}
     label = ns.label or f"{common.slug(Path(outcome['model_id']).name)}-{common.device_slug(device)}"
+    label += "-vs-llama-server" if ns.llama_server and not ns.label else ""
     label += "-quick" if ns.quick and not ns.label else ""
     print(f"wrote {common.write_result(f'serving-{label}', payload)}")
     return 0

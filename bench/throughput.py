@@ -21,13 +21,18 @@ Optional systems, each taking its turn in the same repeats: `--compiled` (the en
 steps compiled at static shapes, on CUDA replayed as CUDA graphs), `--hf-compiled` (transformers'
 static cache, which its generate compiles on CUDA), `--anchor` (bench/anchor.py: a plain Llama
 with a static KV cache, its decode step compiled with CUDA graphs, gpt-fast style: the speed
-paging, continuous batching and depth support should not cost). On CUDA the result also gives the
+paging, continuous batching and depth support should not cost), `--llamacpp` (llama.cpp through
+llama-cpp-python on the same GGUF file and the same token ids, with the engine's thread count: the
+CPU baseline; build it with `make llamacpp`). On CUDA the result also gives the
 batch-1 bandwidth floor: the weights' bytes over the device's measured copy rate.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import logging
+import math
 import statistics
 import sys
 from collections.abc import Callable
@@ -49,6 +54,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto")
+    p.add_argument("--quantization", default="auto", choices=["auto", "none", "gguf", "int8", "int4"],
+                   help="the engine's weight format (docs/quantization.md)")
+    p.add_argument("--engine-fp32", action="store_true",
+                   help="also time the engine with fp32 activations and dequantized weights (the CPU path "
+                        "before quantized weights), taking turns with the others")
     p.add_argument("--threads", type=int, default=None, help="torch threads for both systems (CPU)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="engine per-step token budget")
@@ -60,6 +70,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="also time transformers with its static cache (compiled by its generate on CUDA)")
     p.add_argument("--anchor", action="store_true",
                    help="also time bench/anchor.py, a plain static-cache decoder of the same weights, compiled")
+    p.add_argument("--llamacpp", action="store_true",
+                   help="also time llama.cpp (llama-cpp-python, built by `make llamacpp`) on the same GGUF file, "
+                        "with the engine's thread count")
+    p.add_argument("--llamacpp-gguf", default=None,
+                   help="the GGUF file llama.cpp loads (default: the file behind --model, which must be a GGUF)")
     p.add_argument("--quick", action="store_true", help="concurrency 1 and 8, output 16, 2 repeats")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="result name under bench/results (default: throughput-<device>)")
@@ -70,19 +85,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 class EngineRunner:
-    def __init__(self, ns: argparse.Namespace, max_batch: int, compiled: bool = False):
+    def __init__(self, ns: argparse.Namespace, max_batch: int, compiled: bool = False, fp32: bool = False):
         from depthserve import LLM
 
-        self.name = "engine_compiled" if compiled else "engine"
+        self.name = "engine_fp32" if fp32 else "engine_compiled" if compiled else "engine"
+        formats = {"dtype": "float32", "quantization": "none"} if fp32 else {"dtype": ns.dtype, "quantization": ns.quantization}
 
         extra = {}
         if ns.max_num_batched_tokens:
             extra["max_num_batched_tokens"] = ns.max_num_batched_tokens
         # Prefix caching off: every repeat must prefill its prompts again.
-        self.llm = LLM(ns.model, dtype=ns.dtype, device=ns.device, num_threads=ns.threads,
+        self.llm = LLM(ns.model, device=ns.device, num_threads=ns.threads,
                        max_num_seqs=max(max_batch, 1), enable_prefix_caching=False,
                        max_model_len=ns.input_len + ns.output_len + 8, load_progress=False,
-                       enforce_eager=not compiled, **extra)
+                       enforce_eager=not compiled, **formats, **extra)
         self.device = self.llm.engine.device
         self.dtype = self.llm.engine.dtype
         self.vocab_size = self.llm.engine.vocab_size
@@ -130,6 +146,130 @@ class AnchorRunner:
             self.generators[batch] = AnchorGenerator(self.hf_model, batch, self.max_len, compile_decode=True)
         out = self.generators[batch].generate(prompts, new_tokens)
         assert out.shape == (batch, new_tokens)
+
+
+class LlamaCppRunner:
+    """llama.cpp through llama-cpp-python's low-level API, as llama.cpp's own batched tools drive it:
+    every prompt its own sequence id in one llama_batch, prefilled together (at most n_batch tokens
+    per llama_decode), then one llama_decode per step with one token of every sequence, each picked
+    by llama.cpp's greedy sampler. One context per concurrency level, its KV cache emptied before
+    each generation."""
+
+    name = "llamacpp"
+
+    def __init__(self, gguf: Path, threads: int, max_len: int):
+        import llama_cpp
+
+        # llama-cpp-python's log callback prints llama.cpp's load-time chatter unless its logger is quieter.
+        logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)
+        self.lib = llama_cpp
+        self.threads, self.max_len = threads, max_len
+        llama_cpp.llama_backend_init()
+        self.model = llama_cpp.llama_model_load_from_file(str(gguf).encode(), llama_cpp.llama_model_default_params())
+        if not self.model:
+            raise SystemExit(f"llama.cpp could not load {gguf}")
+        self.sampler = llama_cpp.llama_sampler_init_greedy()
+        self.context = None
+        self.concurrency = 0
+        self.batch = None
+        self.n_batch = 0  # the most tokens one llama_decode takes, read from each context
+        self.last_tokens: list[list[int]] = []  # the last generation's tokens, per prompt
+
+    def _prepare(self, concurrency: int) -> None:
+        if self.concurrency == concurrency:
+            return
+        self.close_context()
+        params = self.lib.llama_context_default_params()
+        # llama.cpp pads the context to a multiple of 256 and splits it evenly between the sequences.
+        params.n_ctx = concurrency * 256 * math.ceil(self.max_len / 256)
+        params.n_seq_max = concurrency
+        params.n_threads = params.n_threads_batch = self.threads
+        self.context = self.lib.llama_init_from_model(self.model, params)
+        if not self.context:
+            raise SystemExit(f"llama.cpp could not create a context for {concurrency} sequences")
+        self.n_batch = self.lib.llama_n_batch(self.context)
+        self.batch = self.lib.llama_batch_init(self.n_batch, 0, 1)
+        self.concurrency = concurrency
+
+    def close_context(self) -> None:
+        if self.context is not None:
+            self.lib.llama_batch_free(self.batch)
+            self.lib.llama_free(self.context)
+            self.context, self.batch, self.concurrency = None, None, 0
+
+    def generate(self, prompts: list[list[int]], new_tokens: int) -> None:
+        self._prepare(len(prompts))
+        self.lib.llama_memory_clear(self.lib.llama_get_memory(self.context), False)
+        tokens: list[list[int]] = [[] for _ in prompts]
+        for chunk in batch_chunks(prefill_entries(prompts), self.n_batch):
+            self._decode_and_sample(chunk, tokens)
+        for step in range(new_tokens - 1):
+            self._decode_and_sample(decode_entries(tokens, [len(p) + step for p in prompts]), tokens)
+        assert all(len(t) == new_tokens for t in tokens)
+        self.last_tokens = tokens
+
+    def _decode_and_sample(self, entries: list[tuple[int, int, int, bool]], tokens: list[list[int]]) -> None:
+        """One llama_decode of `entries` (token, position, sequence, wants logits); the sequences
+        whose logits it asked for get their next token appended."""
+        batch = self.batch
+        batch.n_tokens = len(entries)
+        for i, (token, position, sequence, wants_logits) in enumerate(entries):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i] = token, position, 1
+            batch.seq_id[i][0] = sequence
+            batch.logits[i] = wants_logits
+        status = self.lib.llama_decode(self.context, batch)
+        if status != 0:
+            raise RuntimeError(f"llama_decode returned {status}")
+        for i, (_, _, sequence, wants_logits) in enumerate(entries):
+            if wants_logits:
+                tokens[sequence].append(self.lib.llama_sampler_sample(self.sampler, self.context, i))
+
+    def describe(self) -> dict:
+        description = ctypes.create_string_buffer(256)
+        self.lib.llama_model_desc(self.model, description, len(description))
+        return {"version": self.lib.__version__, "model": description.value.decode(),
+                "model_bytes": self.lib.llama_model_size(self.model), "threads": self.threads,
+                "system_info": self.lib.llama_print_system_info().decode().strip()}
+
+
+def prefill_entries(prompts: list[list[int]]) -> list[tuple[int, int, int, bool]]:
+    """(token, position, sequence, wants logits) for every prompt token, prompt after prompt;
+    logits only at each prompt's last token."""
+    return [(token, position, sequence, position == len(prompt) - 1)
+            for sequence, prompt in enumerate(prompts) for position, token in enumerate(prompt)]
+
+
+def decode_entries(tokens: list[list[int]], positions: list[int]) -> list[tuple[int, int, int, bool]]:
+    """One decode step: every sequence's newest token at its position, all wanting logits."""
+    return [(generated[-1], position, sequence, True)
+            for sequence, (generated, position) in enumerate(zip(tokens, positions))]
+
+
+def batch_chunks(entries: list, size: int) -> list[list]:
+    """`entries` in consecutive pieces of at most `size` (llama_decode takes at most n_batch tokens)."""
+    return [entries[i:i + size] for i in range(0, len(entries), size)]
+
+
+def llamacpp_gguf(ns: argparse.Namespace) -> Path:
+    """The GGUF file llama.cpp should load: --llamacpp-gguf, else the file the engine's --model names."""
+    if ns.llamacpp_gguf:
+        return Path(ns.llamacpp_gguf)
+    from depthserve.loading.registry import resolve_model
+
+    source = resolve_model(ns.model)
+    if source.format != "gguf":
+        raise SystemExit(f"--llamacpp needs a GGUF model; {ns.model} is a {source.format} checkpoint "
+                         "(pass --llamacpp-gguf FILE)")
+    return source.path
+
+
+def llamacpp_runner(ns: argparse.Namespace, threads: int) -> LlamaCppRunner:
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError as exc:
+        raise SystemExit(f"--llamacpp needs llama-cpp-python ({exc}); build it with `make llamacpp` "
+                         "(docs/benchmarks.md)") from exc
+    return LlamaCppRunner(llamacpp_gguf(ns), threads, ns.input_len + ns.output_len + 1)
 
 
 def bandwidth_floor(model: torch.nn.Module, device: torch.device) -> dict:
@@ -211,6 +351,10 @@ def main(argv: list[str] | None = None) -> int:
     hf = None if ns.no_hf else HFRunner(hf_model, engine.device)
     extra = ([HFRunner(hf_model, engine.device, static_cache=True)] if ns.hf_compiled else []) + (
         [AnchorRunner(hf_model, ns.input_len + ns.output_len + 1)] if ns.anchor else [])
+    # The engine set torch's threads (--threads, else torch's default): llama.cpp gets as many.
+    llamacpp = llamacpp_runner(ns, torch.get_num_threads()) if ns.llamacpp else None
+    extra += [llamacpp] if llamacpp is not None else []
+    extra += [EngineRunner(ns, max(batch_sizes), fp32=True)] if ns.engine_fp32 else []
     runners = [r for r in (engine, compiled, hf) if r is not None] + extra
 
     rows = []
@@ -233,12 +377,8 @@ def main(argv: list[str] | None = None) -> int:
             row.update({"compiled_decode_tok_s": c["decode_tok_s"], "compiled_prefill_tok_s": c["prefill_tok_s"]})
             if hf is not None and c["decode_tok_s"] and h["decode_tok_s"]:
                 row["compiled_decode_ratio"] = c["decode_tok_s"] / h["decode_tok_s"]
-        for runner in extra:  # hf_compiled, anchor: their figures, and the engine's best decode against them
-            f = figures[runner.name]
-            row.update({f"{runner.name}_decode_tok_s": f["decode_tok_s"], f"{runner.name}_prefill_tok_s": f["prefill_tok_s"]})
-            best = max((x for x in (e["decode_tok_s"], row.get("compiled_decode_tok_s")) if x), default=None)
-            if best and f["decode_tok_s"]:
-                row[f"engine_best_decode_over_{runner.name}"] = best / f["decode_tok_s"]
+        for runner in extra:  # hf_compiled, anchor, llamacpp: their figures, and the engine's against them
+            row.update(baseline_columns(runner.name, figures[runner.name], e, row.get("compiled_decode_tok_s")))
         row.update(matmul_floor(matmul_ms, h if hf is not None else None))
         row["raw"] = figures
         rows.append(row)
@@ -247,10 +387,14 @@ def main(argv: list[str] | None = None) -> int:
     payload = {
         "benchmark": "throughput",
         "settings": {k: v for k, v in vars(ns).items()},
-        "engine": {"device": str(engine.device), "dtype": str(engine.dtype).replace("torch.", "")},
+        "engine": {"device": str(engine.device), "dtype": str(engine.dtype).replace("torch.", ""),
+                   "quantization": engine.llm.engine.quantization.summary(),
+                   "weights_resident_bytes": engine.llm.engine.quantization.resident_bytes},
         "environment": common.environment(str(engine.device), ns.threads),
         "rows": rows,
     }
+    if llamacpp is not None:
+        payload["llamacpp"] = {**llamacpp.describe(), "gguf": str(llamacpp_gguf(ns))}
     if engine.device.type == "cuda":
         payload["bandwidth_floor"] = bandwidth_floor(engine.llm.engine.model, engine.device)
         print(f"batch-1 bandwidth floor: {payload['bandwidth_floor']['batch1_floor_tok_s']:.0f} tok/s "
@@ -258,6 +402,17 @@ def main(argv: list[str] | None = None) -> int:
     name = ns.out or f"throughput-{common.device_slug(str(engine.device))}" + ("-quick" if ns.quick else "")
     print(f"wrote {common.write_result(name, payload)}")
     return 0
+
+
+def baseline_columns(name: str, baseline: dict, engine: dict, compiled_decode: float | None) -> dict:
+    """A baseline's row columns: its prefill and decode tokens/s, the engine's best decode (eager or
+    compiled) over its decode, and the engine's prefill over its prefill."""
+    columns = {f"{name}_decode_tok_s": baseline["decode_tok_s"], f"{name}_prefill_tok_s": baseline["prefill_tok_s"]}
+    best = max((x for x in (engine["decode_tok_s"], compiled_decode) if x), default=None)
+    if best and baseline["decode_tok_s"]:
+        columns[f"engine_best_decode_over_{name}"] = best / baseline["decode_tok_s"]
+    columns[f"engine_prefill_over_{name}"] = engine["prefill_tok_s"] / baseline["prefill_tok_s"]
+    return columns
 
 
 def _format_row(row: dict) -> str:
@@ -272,11 +427,12 @@ def _format_row(row: dict) -> str:
         text += (f"\n                 compiled: prefill {row['compiled_prefill_tok_s']:8.1f} tok/s, decode "
                  f"{_figure(row['compiled_decode_tok_s'], 7, 1)} tok/s, decode ratio "
                  f"{_figure(row.get('compiled_decode_ratio'), 0, 2)}")
-    for name in ("hf_compiled", "anchor"):
+    for name in ("hf_compiled", "anchor", "llamacpp"):
         if f"{name}_decode_tok_s" in row:
             text += (f"\n                 {name}: prefill {row[f'{name}_prefill_tok_s']:8.1f} tok/s, decode "
                      f"{_figure(row[f'{name}_decode_tok_s'], 7, 1)} tok/s; engine's best decode / {name}: "
-                     f"{_figure(row.get(f'engine_best_decode_over_{name}'), 0, 2)}")
+                     f"{_figure(row.get(f'engine_best_decode_over_{name}'), 0, 2)}, engine's prefill / {name}: "
+                     f"{row[f'engine_prefill_over_{name}']:.2f}")
     return text
 
 
