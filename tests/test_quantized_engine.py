@@ -29,7 +29,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from depthserve import LLM, SamplingParams, reference
-from depthserve.layers.quantized import (INT4_GROUP, QuantEmbedding, QuantLinear, dequantize_int4_kernel_form,
+from depthserve.layers.quantized import (INT4_GROUP, QuantEmbedding, QuantLinear, QuantPolicy, dequantize_int4_kernel_form,
                                          quantize_rtn)
 from depthserve.loading.weights import parameter_name
 from depthserve.tiny import make_tiny
@@ -160,9 +160,13 @@ def mixed_batch(case: Case) -> tuple[list[list[int]], list[SamplingParams], list
 
 
 class PathCounter:
-    """Calls of each path of QuantLinear (wraps the class's two matmuls)."""
+    """Calls of each path of QuantLinear (wraps the class's two matmuls), with the path switching
+    above 4 rows so that the tiny batches here run both (the default switches above a decode batch)."""
 
     def __init__(self, monkeypatch):
+        from depthserve.loading import quantization
+
+        monkeypatch.setattr(quantization, "QuantPolicy", lambda: QuantPolicy(kernel_max_rows=4))
         self.kernel_calls = self.gemm_calls = 0
         kernel, gemm = QuantLinear._kernel, QuantLinear._dequantized_into_scratch
 

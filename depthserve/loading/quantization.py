@@ -108,7 +108,7 @@ def checkpoint_codes(model: nn.Module, codes: dict[str, QuantizedWeight]) -> dic
 
 
 def quantize_model(model: nn.Module, mode: str, codes: dict[str, QuantizedWeight], dtype: torch.dtype,
-                   policy: QuantPolicy = QuantPolicy(), keep_dense: set[str] = frozenset()) -> QuantizationReport:
+                   policy: QuantPolicy | None = None, keep_dense: set[str] = frozenset()) -> QuantizationReport:
     """Swap the model's nn.Linear layers for QuantLinear where `mode` says (module docstring); tied
     embeddings read the head's int8 table. `codes`: a checkpoint's own codes by parameter name;
     `keep_dense`: parameter names the model derives from others (copies stay dense; a tied
@@ -116,7 +116,7 @@ def quantize_model(model: nn.Module, mode: str, codes: dict[str, QuantizedWeight
     report = QuantizationReport(mode)
     if mode != "none":
         aliases = _parameter_aliases(model)
-        scratch = DequantScratch()
+        scratch, policy = DequantScratch(), policy or QuantPolicy()
         errors: list[tuple[float, float]] = []
         quantized_tables: dict[int, QuantLinear] = {}
         for parent, child_name, linear, name in _linears(model):
