@@ -72,10 +72,11 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device, ma
 
 def _warn_dequantized(report: QuantizationReport, stored_types: dict[str, str], model) -> None:
     """Name the GGUF types that no CPU kernel serves exactly (their linear layers run dequantized)."""
-    by_parameter = {}
+    tensor_of = {name: id(param) for name, param in model.named_parameters(remove_duplicate=False)}
+    type_of_tensor = {}
     for name, kind in stored_types.items():
         target, _ = parameter_name(name, model.checkpoint_prefix, model.packed_modules)
-        by_parameter[target] = kind
-    kinds = sorted({by_parameter.get(name, "?") for name in report.dense})
+        type_of_tensor[tensor_of.get(target)] = kind
+    kinds = sorted({type_of_tensor.get(tensor_of.get(name), "?") for name in report.dense})
     log.warning("%d linear weights are served dequantized: no CPU kernel reproduces their GGUF types (%s)",
                 len(report.dense), ", ".join(kinds))
