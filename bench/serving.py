@@ -139,7 +139,7 @@ def depthserve_command(model: str, server_args: str, port: int) -> list[str]:
             "--port", str(port), "--log-level", "warning", *shlex.split(server_args)]
 
 
-def llama_server_command(binary: Path, gguf: Path, threads: int, server_args: str, port: int) -> list[str]:
+def llama_server_command(binary: Path, gguf: Path, threads: int, server_args: str, port: int | str) -> list[str]:
     return [str(binary), "-m", str(gguf), "-t", str(threads), "--host", "127.0.0.1", "--port", str(port),
             *shlex.split(server_args)]
 
@@ -514,6 +514,12 @@ def llama_server_threads(server_args: str) -> int:
     return torch.get_num_threads()
 
 
+def llama_server_record(ns: argparse.Namespace, gguf: Path, threads: int, version: str, model: dict) -> dict[str, Any]:
+    """What the result keeps about the llama-server baseline (its command with the port left out)."""
+    command = llama_server_command(ns.llama_server_binary, gguf, threads, ns.llama_server_args, "PORT")
+    return {"command": shlex.join(command), "version": version, "threads": threads, "gguf": str(gguf), "model": model}
+
+
 def llama_server_version(binary: Path) -> str:
     if not binary.exists():
         raise SystemExit(f"no llama-server at {binary}: build it with `make llamacpp` (or bench/llamacpp/build.sh "
@@ -562,9 +568,9 @@ def main(argv: list[str] | None = None) -> int:
         if ns.tpot_slo_ms is not None:
             ns.server_args += f" --tpot-slo-ms {ns.tpot_slo_ms:g}"
         if ns.llama_server:
-            gguf, threads = llama_server_gguf(ns), llama_server_threads(ns.server_args)
+            gguf, llama_threads = llama_server_gguf(ns), llama_server_threads(ns.server_args)
             version = llama_server_version(ns.llama_server_binary)
-            outcome = benchmark_against_llama_server(ns, gguf, threads)
+            outcome = benchmark_against_llama_server(ns, gguf, llama_threads)
         else:
             with launched_server(ns.model, ns.server_args, ns.server_start_timeout) as base_url:
                 outcome = asyncio.run(benchmark(base_url, ns))
@@ -587,9 +593,7 @@ def main(argv: list[str] | None = None) -> int:
         "runs": outcome["runs"],
     }
     if ns.llama_server:
-        payload["llama_server"] = {
-            "command": shlex.join(llama_server_command(ns.llama_server_binary, gguf, threads, ns.llama_server_args, 0)),
-            "version": version, "threads": threads, "gguf": str(gguf), "model": outcome["llama_server_model"]}
+        payload["llama_server"] = llama_server_record(ns, gguf, llama_threads, version, outcome["llama_server_model"])
     label = ns.label or f"{common.slug(Path(outcome['model_id']).name)}-{common.device_slug(device)}"
     label += "-vs-llama-server" if ns.llama_server and not ns.label else ""
     label += "-quick" if ns.quick and not ns.label else ""

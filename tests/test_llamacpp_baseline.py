@@ -88,6 +88,10 @@ def test_serving_runs_name_their_server():
     assert run == {"server": "llama-server", "request_rate": "inf", "prefix_cache_reset": None,
                    "summary": {"completed": 1}, "requests": []}
     assert serving.run_record("depthserve", 2.0, True, {}, [])["request_rate"] == 2.0
+    ns = serving.parse_args(["--launch", "--llama-server", "--llama-server-binary", "/b/llama-server"])
+    record = serving.llama_server_record(ns, Path("/m.gguf"), 2, "version: 1", {"id": "m"})
+    assert record == {"command": "/b/llama-server -m /m.gguf -t 2 --host 127.0.0.1 --port PORT -np 16 -c 16384",
+                      "version": "version: 1", "threads": 2, "gguf": "/m.gguf", "model": {"id": "m"}}
 
 
 # ---- llama.cpp itself, where it was built ---------------------------------------------------------
