@@ -124,9 +124,9 @@ def layer_matmuls_ms(model, layers, num_rows: int, passes: int, sync, lm_head: b
     row, as a decode step runs them: the floor that the matmul kernels set under a step's time."""
     import torch
 
-    weight = model.embed_tokens.weight
+    weight = layers[0].input_layernorm.weight  # the hidden width and activation dtype (the embedding may be quantized)
     attn, mlp = layers[0].self_attn, layers[0].mlp
-    x = torch.randn(num_rows, weight.shape[1], device=weight.device, dtype=weight.dtype)
+    x = torch.randn(num_rows, weight.shape[0], device=weight.device, dtype=weight.dtype)
     attended = torch.randn(num_rows, attn.o_proj.in_features, device=weight.device, dtype=weight.dtype)
     inner = torch.randn(num_rows, mlp.down_proj.in_features, device=weight.device, dtype=weight.dtype)
 

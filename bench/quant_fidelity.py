@@ -21,8 +21,9 @@ Four measurements, every format on the same token ids, scheduled the same way:
    no BOS). Each choice's log-likelihood is the sum of the engine's prompt log-probs
    (`SamplingParams(prompt_logprobs=0, max_tokens=0)`) over the continuation tokens; acc picks the
    highest sum, acc_norm the highest sum divided by the choice's length in characters (first on
-   ties, as numpy's argmax). All question x choice requests go through one `llm.generate` call, so
-   the engine batches them. (Prompt log-probs need every position computed, so the engine does not
+   ties, as numpy's argmax). The question x choice requests go through `llm.generate` in chunks of
+   `--arc-chunk` questions (60: ~240 requests a call, batched by the engine; each chunk is saved with
+   --raw-dir, so an interrupted run resumes from the last chunk). (Prompt log-probs need every position computed, so the engine does not
    reuse cached prefixes for them: each request runs its full context.) Checked once: the fp32
    path's 400 log-likelihoods of the first 100 questions are within 1.7e-4 of lm-eval's own `hf` run
    in bench/results/lm-eval-arc-easy.json, with the same acc (0.48) and acc_norm (0.36).
@@ -100,6 +101,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--arc", type=Path, default=ARC_DATA, help="ARC-Easy validation JSON lines")
     p.add_argument("--c4", type=Path, default=common.C4_SAMPLE, help="C4 sample JSON lines")
     p.add_argument("--limit", type=int, default=None, help="the first N ARC questions (default: all; --quick 40)")
+    p.add_argument("--arc-chunk", type=int, default=60, help="ARC questions per llm.generate call")
     p.add_argument("--docs", type=int, default=None, help="the first N C4 documents (default: all; --quick 4)")
     p.add_argument("--window", type=int, default=None, help="tokens per C4 document (default 512; --quick 256)")
     p.add_argument("--prompts", type=int, default=None, help="greedy prompts (default 32; --quick 8)")
@@ -171,6 +173,12 @@ def arc_requests(rows: Sequence[dict], encode) -> tuple[list[list[int]], list[tu
             prompts.append(context_ids + continuation_ids)
             index.append((q, c, len(continuation_ids)))
     return prompts, index
+
+
+def chunk_ranges(index: Sequence[tuple[int, int, int]], questions_per_chunk: int) -> list[tuple[int, int]]:
+    """[start, end) request ranges holding `questions_per_chunk` whole questions each, in order."""
+    bounds = [i for i, (q, c, _) in enumerate(index) if c == 0 and q % questions_per_chunk == 0] + [len(index)]
+    return list(zip(bounds[:-1], bounds[1:]))
 
 
 def continuation_loglik(scores: Sequence[float | None], num_continuation: int) -> float:
@@ -326,7 +334,7 @@ def kernel_max_rows(model) -> int | None:
     return None
 
 
-def run_format(name: str, ns: argparse.Namespace, arc_prompts, c4_prompts, greedy_prompts,
+def run_format(name: str, ns: argparse.Namespace, arc_prompts, arc_chunks, c4_prompts, greedy_prompts,
                done: dict | None = None, save=lambda run: None) -> dict:
     """One format's raw measurements: ARC and C4 prompt log-probs, greedy tokens batched and at batch 1.
     Phases already in `done` (a saved partial run) are kept; `save(run)` is called after each phase."""
@@ -336,13 +344,17 @@ def run_format(name: str, ns: argparse.Namespace, arc_prompts, c4_prompts, greed
 
     phases = [("arc_scores", bool(arc_prompts)), ("c4_scores", bool(c4_prompts)),
               ("greedy_tokens", bool(greedy_prompts)), ("greedy_batch1_tokens", bool(greedy_prompts and ns.batch1_prompts))]
-    if done is not None and all(key in done for key, wanted in phases if wanted):
+    def finished(run: dict, key: str) -> bool:
+        return key in run and (key != "arc_scores" or len(run[key]) == len(arc_prompts))
+
+    if done is not None and all(finished(done, key) for key, wanted in phases if wanted):
         print(f"\n[{name}] every measurement kept from a previous run", flush=True)
         return done
     out = dict(done or {})
     spec = FORMATS[name]
     print(f"\n[{name}] LLM({ns.model!r}, dtype={spec['dtype']!r}, quantization={spec['quantization']!r})"
-          + (f"; kept from a previous run: {', '.join(k for k, _ in phases if k in out)}" if done else ""), flush=True)
+          + (f"; kept from a previous run: {', '.join(k for k, _ in phases if k in out)}"
+             f" ({len(out.get('arc_scores', []))} of {len(arc_prompts)} ARC requests)" if done else ""), flush=True)
     start = time.perf_counter()
     llm = LLM(ns.model, **spec, load_progress=False, num_threads=ns.threads)
     engine = llm.engine
@@ -358,8 +370,22 @@ def run_format(name: str, ns: argparse.Namespace, arc_prompts, c4_prompts, greed
     })
     print(f"  {out['quantization_summary']} (activations {out['resolved_dtype']}), "
           f"loaded in {out['seconds']['load']:.0f}s", flush=True)
+    def arc() -> list:
+        scores = out.setdefault("arc_scores", [])
+        for start, end in arc_chunks:
+            if len(scores) >= end:
+                continue
+            assert len(scores) == start, "ARC chunks out of step with the saved scores"
+            t = time.perf_counter()
+            scores += score(llm, arc_prompts[start:end])
+            out["seconds"]["arc_chunks"] = out["seconds"].get("arc_chunks", 0.0) + time.perf_counter() - t
+            print(f"    ARC requests {start}..{end - 1} in {time.perf_counter() - t:.0f}s", flush=True)
+            if end < len(arc_prompts):
+                save(out)
+        return scores
+
     runs = {
-        "arc_scores": ("arc", lambda: score(llm, arc_prompts), f"ARC: {len(arc_prompts)} requests"),
+        "arc_scores": ("arc", arc, f"ARC: {len(arc_prompts)} requests"),
         "c4_scores": ("c4", lambda: score(llm, c4_prompts), f"C4: {len(c4_prompts)} documents"),
         "greedy_tokens": ("greedy", lambda: generate_greedy(llm, greedy_prompts, ns.new_tokens),
                           f"greedy: {len(greedy_prompts)} x {ns.new_tokens} tokens"),
@@ -370,12 +396,14 @@ def run_format(name: str, ns: argparse.Namespace, arc_prompts, c4_prompts, greed
     }
     with torch.inference_mode():
         for key, wanted in phases:
-            if not wanted or key in out:
+            if not wanted or finished(out, key):
                 continue
             timer, fn, label = runs[key]
             t = time.perf_counter()
             out[key] = fn()
             out["seconds"][timer] = round(time.perf_counter() - t, 1)
+            if key == "arc_scores":  # the chunks' own times add up across resumed runs
+                out["seconds"][timer] = round(out["seconds"].pop("arc_chunks"), 1)
             print(f"  {label} in {out['seconds'][timer]:.0f}s", flush=True)
             save(out)
     del llm, engine
@@ -393,11 +421,12 @@ def source_digest() -> str:
     return digest.hexdigest()[:16]
 
 
-def run_or_reuse(name: str, ns: argparse.Namespace, inputs_key: str, arc_prompts, c4_prompts, greedy_prompts) -> dict:
+def run_or_reuse(name: str, ns: argparse.Namespace, inputs_key: str, arc_prompts, arc_chunks, c4_prompts,
+                 greedy_prompts) -> dict:
     """run_format; with --raw-dir, each phase's raw results are saved as they come and a rerun with the
     same inputs and engine sources picks up what a previous (interrupted) run finished."""
     if ns.raw_dir is None:
-        return run_format(name, ns, arc_prompts, c4_prompts, greedy_prompts)
+        return run_format(name, ns, arc_prompts, arc_chunks, c4_prompts, greedy_prompts)
     key = hashlib.sha256(json.dumps([inputs_key, name, FORMATS[name]]).encode()).hexdigest()[:16]
     path = ns.raw_dir / f"{name}-{key}.json"
     done = json.loads(path.read_text()) if path.is_file() else None
@@ -408,7 +437,7 @@ def run_or_reuse(name: str, ns: argparse.Namespace, inputs_key: str, arc_prompts
         partial.write_text(json.dumps(run))
         partial.replace(path)
 
-    run = run_format(name, ns, arc_prompts, c4_prompts, greedy_prompts, done, save)
+    run = run_format(name, ns, arc_prompts, arc_chunks, c4_prompts, greedy_prompts, done, save)
     if done is not None:
         run = {**run, "reused_from": str(path)}  # some or all of its measurements come from an earlier run
     return run
@@ -557,9 +586,11 @@ def main(argv: list[str] | None = None) -> int:
           f"greedy: {len(greedy_prompts)} prompts of {ns.prompt_len} tokens x {ns.new_tokens}", flush=True)
 
     digest = source_digest()
-    inputs_key = hashlib.sha256(json.dumps([ns.model, ns.threads, ns.new_tokens, ns.batch1_prompts, digest,
+    arc_chunks = chunk_ranges(arc_index, ns.arc_chunk)
+    inputs_key = hashlib.sha256(json.dumps([ns.model, ns.threads, ns.new_tokens, ns.batch1_prompts, digest, arc_chunks,
                                             arc_prompts, c4_ids, greedy_prompts]).encode()).hexdigest()
-    runs = {name: run_or_reuse(name, ns, inputs_key, arc_prompts, c4_ids, greedy_prompts) for name in ns.format_names}
+    runs = {name: run_or_reuse(name, ns, inputs_key, arc_prompts, arc_chunks, c4_ids, greedy_prompts)
+            for name in ns.format_names}
     results = summarize(runs, rows, arc_index)
     bad = [name for name, r in results.items() if not r["finite"]]
 
@@ -582,6 +613,7 @@ def main(argv: list[str] | None = None) -> int:
             "arc": {"data": str(ns.arc), "questions": len(rows), "limit": ns.limit,
                     "context": CONTEXT_TEMPLATE, "continuation": CONTINUATION_TEMPLATE,
                     "requests": len(arc_prompts), "tokens": sum(map(len, arc_prompts)),
+                    "questions_per_generate_call": ns.arc_chunk,
                     "tokenization": "lm-eval HF _encode_pair, no BOS",
                     "metrics": "acc: argmax summed continuation log-prob; acc_norm: divided by len(choice) chars"},
             "c4": {"data": str(ns.c4), "documents": len(c4_ids), "window": ns.window,
@@ -591,8 +623,9 @@ def main(argv: list[str] | None = None) -> int:
                        "batch1_prompts": ns.batch1_prompts,
                        "source": "common.token_windows over the C4 documents", "temperature": 0.0,
                        "ignore_eos": True},
-            "engine": {"threads": ns.threads, "other_args": "engine defaults (prefix caching on, chunked prefill, "
-                                                            "one llm.generate call per measurement)"},
+            "engine": {"threads": ns.threads, "other_args": "engine defaults (prefix caching on, chunked prefill); one "
+                                                            "llm.generate call per ARC chunk, for C4, for the batched "
+                                                            "greedy run, per batch-1 prompt"},
             "criteria": {"arc_acc_within_points": CRITERIA["arc_acc_points"],
                          "c4_perplexity_within_fraction": CRITERIA["c4_perplexity_ratio"],
                          "applies_to": "default"},
