@@ -165,3 +165,10 @@ def test_missing_data_exits_with_a_message(tmp_path, capsys):
                     "--output", str(tmp_path / "out.json")])
     assert code == 2 and "missing" in capsys.readouterr().err
     assert not (tmp_path / "out.json").exists()
+
+
+def test_chunk_ranges_keep_questions_whole():
+    index = [(0, 0, 1), (0, 1, 1), (1, 0, 1), (1, 1, 1), (1, 2, 1), (2, 0, 1), (2, 1, 1)]
+    assert qf.chunk_ranges(index, 2) == [(0, 5), (5, 7)]
+    assert qf.chunk_ranges(index, 1) == [(0, 2), (2, 5), (5, 7)]
+    assert qf.chunk_ranges(index, 10) == [(0, 7)]
