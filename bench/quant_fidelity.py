@@ -585,7 +585,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{sum(map(len, arc_prompts))} tokens; C4: {len(c4_ids)} documents, {sum(map(len, c4_ids))} tokens; "
           f"greedy: {len(greedy_prompts)} prompts of {ns.prompt_len} tokens x {ns.new_tokens}", flush=True)
 
-    digest = source_digest()
+    digest, git = source_digest(), git_state()  # the code as this run found it at its start
     arc_chunks = chunk_ranges(arc_index, ns.arc_chunk)
     inputs_key = hashlib.sha256(json.dumps([ns.model, ns.threads, ns.new_tokens, ns.batch1_prompts, digest, arc_chunks,
                                             arc_prompts, c4_ids, greedy_prompts]).encode()).hexdigest()
@@ -605,7 +605,7 @@ def main(argv: list[str] | None = None) -> int:
         "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": machine(),
         "versions": common.library_versions(),
-        "git": git_state(),
+        "git": git,
         "engine_source_digest": digest,
         "settings": {
             "model": ns.model, "checkpoint": str(resolve_model(ns.model).path), "device": "cpu",
