@@ -11,7 +11,7 @@ from torch import nn
 from depthserve.layers.quantized import (DequantScratch, QuantEmbedding, QuantLinear, QuantPolicy, quantizable,
                                          quantize_rtn)
 from depthserve.loading.gguf_loader import _block_codes
-from depthserve.loading.quantization import quantize_model, resolve_dtype, resolve_quantization
+from depthserve.loading.quantization import quantize_model, resident_bytes, resolve_dtype, resolve_quantization
 
 # Shapes: SmolLM2's qkv, output widths that are no whole 64-row block of the int4 packing, the
 # narrowest input (one group).
@@ -106,7 +106,7 @@ def test_quantize_model_ties_the_embedding_to_the_int8_head():
     assert torch.equal(model.embed_tokens(ids), model.lm_head.dequantize()[ids])
     assert report.weight_error is not None and 0 < report.weight_error < 0.1
     # The bf16 table (96 x 64 x 4 bytes in fp32) is gone: codes plus scales remain.
-    assert report.resident_bytes < 96 * 64 * 4
+    assert resident_bytes(model) < 96 * 64 * 4
 
 
 def test_auto_quantizes_only_a_gguf_with_bf16_activations_on_cpu():

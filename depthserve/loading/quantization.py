@@ -83,7 +83,7 @@ class QuantizationReport:
     quantized: list[str] = field(default_factory=list)  # parameter names served from codes
     dense: list[str] = field(default_factory=list)  # linear weights left dequantized, and why
     weight_error: float | None = None  # relative Frobenius error of the re-rounded weights (RTN)
-    resident_bytes: int = 0  # every parameter and buffer of the model after the swap
+    resident_bytes: int = 0  # every parameter and buffer of the served model (set by the loader after the cast)
 
     def summary(self) -> str:
         error = "" if self.weight_error is None else f", relative weight error {self.weight_error:.4f}"
@@ -132,7 +132,6 @@ def quantize_model(model: nn.Module, mode: str, codes: dict[str, QuantizedWeight
         _share_embedding_tables(model, quantized_tables)
         if errors:
             report.weight_error = (sum(e for e, _ in errors) / sum(n for _, n in errors)) ** 0.5
-    report.resident_bytes = resident_bytes(model)
     return report
 
 
