@@ -357,6 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     extra += [EngineRunner(ns, max(batch_sizes), fp32=True)] if ns.engine_fp32 else []
     runners = [r for r in (engine, compiled, hf) if r is not None] + extra
 
+    name = ns.out or f"throughput-{common.device_slug(str(engine.device))}" + ("-quick" if ns.quick else "")
     rows = []
     for concurrency in batch_sizes:
         prompts = common.random_prompts(concurrency, ns.input_len, engine.vocab_size, ns.seed + concurrency)
@@ -383,7 +384,20 @@ def main(argv: list[str] | None = None) -> int:
         row["raw"] = figures
         rows.append(row)
         print(_format_row(row), flush=True)
+        # Written after every row: a run interrupted at its time limit keeps the rows it finished.
+        common.write_result(name, result_payload(ns, engine, rows, llamacpp, complete=False))
 
+    payload = result_payload(ns, engine, rows, llamacpp, complete=True)
+    if engine.device.type == "cuda":
+        payload["bandwidth_floor"] = bandwidth_floor(engine.llm.engine.model, engine.device)
+        print(f"batch-1 bandwidth floor: {payload['bandwidth_floor']['batch1_floor_tok_s']:.0f} tok/s "
+              f"({payload['bandwidth_floor']['batch1_floor_ms_per_step'] * 1000:.0f} us per step)")
+    print(f"wrote {common.write_result(name, payload)}")
+    return 0
+
+
+def result_payload(ns: argparse.Namespace, engine: EngineRunner, rows: list[dict],
+                   llamacpp: LlamaCppRunner | None, complete: bool) -> dict:
     payload = {
         "benchmark": "throughput",
         "settings": {k: v for k, v in vars(ns).items()},
@@ -392,16 +406,11 @@ def main(argv: list[str] | None = None) -> int:
                    "weights_resident_bytes": engine.llm.engine.quantization.resident_bytes},
         "environment": common.environment(str(engine.device), ns.threads),
         "rows": rows,
+        "complete": complete,
     }
     if llamacpp is not None:
         payload["llamacpp"] = {**llamacpp.describe(), "gguf": str(llamacpp_gguf(ns))}
-    if engine.device.type == "cuda":
-        payload["bandwidth_floor"] = bandwidth_floor(engine.llm.engine.model, engine.device)
-        print(f"batch-1 bandwidth floor: {payload['bandwidth_floor']['batch1_floor_tok_s']:.0f} tok/s "
-              f"({payload['bandwidth_floor']['batch1_floor_ms_per_step'] * 1000:.0f} us per step)")
-    name = ns.out or f"throughput-{common.device_slug(str(engine.device))}" + ("-quick" if ns.quick else "")
-    print(f"wrote {common.write_result(name, payload)}")
-    return 0
+    return payload
 
 
 def baseline_columns(name: str, baseline: dict, engine: dict, compiled_decode: float | None) -> dict:

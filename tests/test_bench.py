@@ -337,3 +337,19 @@ def test_depth_elastic_compares_the_policies_at_twice_the_rate_fixed_sustains():
     assert twice["fixed"]["slo_attainment"] == 0.3 and twice["slo"]["p99_tpot_ms"] == 50
     assert result["at_twice_the_rate_by_p99"]["request_rate"] == 4
     assert depth_elastic.comparison(runs[3:], 60.0)["at_twice_the_rate"] is None  # fixed sustains no rate run
+
+
+def test_decode_profile_counts_busy_time_once_and_subtracts_the_prefill_run():
+    import profile_decode
+
+    assert profile_decode.busy_us([(0, 4), (2, 6), (10, 11), (3, 5)]) == 7  # overlaps counted once
+    short = {"wall_us": 1000.0, "busy_us": 400.0, "launches": 10, "graph_launches": 1,
+             "per_name": {"gemm": [4, 200.0], "attn": [2, 100.0]}}
+    long = {"wall_us": 5000.0, "busy_us": 2400.0, "launches": 14, "graph_launches": 5,
+            "per_name": {"gemm": [12, 1000.0], "attn": [6, 500.0], "argmax": [4, 40.0]}}
+    step = profile_decode.per_step(long, short, 4, on_device=True)
+    assert step["wall_ms_per_step"] == pytest.approx(1.0) and step["gpu_busy_ms_per_step"] == pytest.approx(0.5)
+    assert step["gpu_busy_fraction"] == pytest.approx(0.5)
+    assert step["kernels_per_step"] == 4 and step["graph_launch_calls_per_step"] == 1
+    assert [k["name"] for k in step["top_kernels"]] == ["gemm", "attn", "argmax"]
+    assert step["top_kernels"][0]["ms_per_step"] == pytest.approx(0.2)

@@ -145,7 +145,7 @@ def test_a_dry_run_of_every_stage_passes_with_an_offline_kit(tmp_path):
     prepared = subprocess.run(["bash", str(PREPARE_SH)], capture_output=True, text=True, timeout=300,
                               env=clean_env(HOST_PYTHON="local", KIT=str(kit_dir), PYTHON=sys.executable))
     assert prepared.returncode == 0, prepared.stdout + prepared.stderr
-    stages = ["tests", "kernels", "serve", "throughput", "depth"]
+    stages = ["tests", "kernels", "serve", "throughput", "profile", "depth"]
     env = clean_env(DRY_RUN="1", KIT=str(kit_dir), OUT=str(out), GPU_WORK=str(work), LOCAL_PYTHON=sys.executable)
     done = subprocess.run(["bash", str(RUN_SH), *stages], env=env, capture_output=True, text=True, timeout=600)
     try:

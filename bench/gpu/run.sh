@@ -22,14 +22,17 @@
 # current directory prepended), and pytest runs in a process that has imported the tree's depthserve
 # before pytest puts the checkout on sys.path for the `tests` package.
 #
-# A stage stops at its first failing step and the run stops at the first failed stage (a dry run
-# checks every stage and fails at the end). What a stage writes lands in $OUT (default ./gpu-out):
+# A stage stops at its first failing step and the run stops at the first failed stage (a dry run,
+# and a run with KEEP_GOING=1, goes on to the next stage and fails at the end). STAGE_BUDGETS caps
+# stages in seconds ("kernels:80 throughput:200"), inside RUN_BUDGET_S, so that one slow stage
+# cannot take a call's whole time from the stages after it. What a stage writes lands in $OUT (default ./gpu-out):
 # run.log, <stage>.log, JUnit XML, and the result JSON this run wrote under bench/results. Every
 # command is interrupted (SIGINT: pytest and the benchmarks then write what they have) when the run
 # reaches RUN_BUDGET_S seconds, inside the device tool's 600 s per call.
 #
 # Settings (environment): OUT, PYTHON (python3), BATCH_SIZES (1,64), ARCHS (itt,sgt,dreamer,put),
 # DEPTH_ARGS, KERNELS_ARGS, PYTEST_ARGS (e.g. -k 'llama or sgt'), RUN_BUDGET_S (570),
+# STAGE_BUDGETS, KEEP_GOING, THROUGHPUT_SYSTEMS (--compiled --hf-compiled --anchor),
 # GPU_WORK (/tmp/depthserve-gpu), KIT (.gpu), DRY_RUN.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -38,6 +41,7 @@ KIT=$(realpath -m "${KIT:-.gpu}")
 OUT=$(realpath -m "${OUT:-$REPO/gpu-out}")
 DRY_RUN=${DRY_RUN:-0}
 RUN_BUDGET_S=${RUN_BUDGET_S:-570}
+STAGE_END=$RUN_BUDGET_S  # set per stage by run_stage from STAGE_BUDGETS
 KERNEL_TESTS=(tests/test_cuda.py::test_paged_decode_kernel_in_half_precision_matches_fp32
               tests/test_cuda.py::test_varlen_prefill_and_saobp_kernels_in_half_precision_match_fp32
               tests/test_kernels.py tests/test_saobp_kernels.py)
@@ -51,10 +55,11 @@ dry() { [ "$DRY_RUN" = 1 ]; }
 say() { echo "$*" | tee -a "$OUT/run.log"; }
 fail() { say "run.sh: $*"; exit 1; }
 
-limited() {  # COMMAND...: runs it within what is left of RUN_BUDGET_S
-    local left=$((RUN_BUDGET_S - SECONDS - 15))
+limited() {  # COMMAND...: runs it within what is left of RUN_BUDGET_S and of the stage's budget
+    local left=$((RUN_BUDGET_S - SECONDS - 15)) stage_left=$((STAGE_END - SECONDS))
+    ((stage_left < left)) && left=$stage_left
     if ((left <= 0)); then
-        echo "run.sh: no time left of RUN_BUDGET_S=$RUN_BUDGET_S for: $*"
+        echo "run.sh: no time left (RUN_BUDGET_S=$RUN_BUDGET_S, STAGE_BUDGETS=${STAGE_BUDGETS:-}) for: $*"
         return 124
     fi
     timeout --signal=INT --kill-after=10 "$left" "$@"
@@ -202,8 +207,17 @@ stage_throughput() {
     local model
     model=$(smollm2_shaped llama)
     if dry; then bench_imports bench/throughput.py --optional llama_cpp; return; fi
+    # shellcheck disable=SC2086  # THROUGHPUT_SYSTEMS: several arguments
     limited "$PY" bench/throughput.py --model "$model" --device cuda --dtype bfloat16 \
-        --compiled --hf-compiled --anchor --batch-sizes "${BATCH_SIZES:-1,64}" --repeats 3 2>&1 | tee "$OUT/throughput.log"
+        ${THROUGHPUT_SYSTEMS:---compiled --hf-compiled --anchor} --batch-sizes "${BATCH_SIZES:-1,64}" --repeats 3 2>&1 | tee "$OUT/throughput.log"
+}
+
+stage_profile() {  # where a decode step's time goes: launches, GPU busy share, top kernels (engine vs anchor)
+    local model
+    model=$(smollm2_shaped llama)
+    if dry; then bench_imports bench/profile_decode.py; return; fi
+    limited "$PY" bench/profile_decode.py --model "$model" --device cuda --dtype bfloat16 \
+        --batch-sizes "${PROFILE_BATCH_SIZES:-1,64}" 2>&1 | tee "$OUT/profile.log"
 }
 
 stage_serve() {  # the server on the GPU (eager: start-up stays short): starts, answers a completion, stops
@@ -248,6 +262,7 @@ result_prefix() {  # STAGE: the name its result files start with under bench/res
     case $1 in
         kernels) echo kernels ;;
         throughput) echo throughput ;;
+        profile) echo decode-profile ;;
         depth) echo depth-sweep ;;
     esac
 }
@@ -258,10 +273,20 @@ keep_results() {  # STAGE STAMP: the result JSON the stage wrote (newer than STA
     find bench/results -maxdepth 1 -name "$prefix-*.json" -newer "$2" -exec cp {} "$OUT"/ \; -print
 }
 
+stage_budget() {  # STAGE: its seconds in STAGE_BUDGETS ("kernels:80 throughput:200"), 0 where none
+    local entry
+    for entry in ${STAGE_BUDGETS:-}; do
+        [ "${entry%%:*}" = "$1" ] && { echo "${entry#*:}"; return; }
+    done
+    echo 0
+}
+
 run_stage() {  # STAGE: in a subshell with errexit, so its first failing step ends it
     # (errexit is void in a condition or a && / || list, hence no caller tests this call directly)
-    local stage=$1 stamp=$GPU_WORK/started-$1 status
+    local stage=$1 stamp=$GPU_WORK/started-$1 status budget
     touch "$stamp"
+    budget=$(stage_budget "$stage")
+    STAGE_END=$((budget ? SECONDS + budget : RUN_BUDGET_S))
     say "=== $stage ($(date -u +%H:%M:%S), ${SECONDS}s into the run)"
     (set -e; "stage_${stage//-/_}")
     status=$?
@@ -275,7 +300,7 @@ main() {
     mkdir -p "$OUT" && : > "$OUT/run.log"
     for stage in "$@"; do
         declare -F "stage_${stage//-/_}" >/dev/null ||
-            fail "unknown stage '$stage' (tests, tests-kernels, tests-engines, kernels, serve, throughput, depth)"
+            fail "unknown stage '$stage' (tests, tests-kernels, tests-engines, kernels, serve, throughput, profile, depth)"
     done
     setup
     for stage in "$@"; do
@@ -287,7 +312,7 @@ main() {
         fi
         say "=== $stage FAILED with exit status $status (${SECONDS}s into the run): its log is in $OUT"
         failed+=("$stage")
-        dry || break
+        dry || [ "${KEEP_GOING:-0}" = 1 ] || break
     done
     if ((${#failed[@]})); then
         say "run.sh: failed: ${failed[*]}" && exit 1
