@@ -5,6 +5,8 @@
 
     throughput-*.json   decode and prefill tokens/s against concurrency, engine vs transformers,
                         and the decode tokens/s that the engine's weight matmuls alone would allow
+    kernels-*.json      the paged decode attention's bandwidth (each variant, the torch fallback, SDPA)
+                        as a share of the device's copy rate, per head shape
     serving-*.json      TTFT and TPOT percentiles and token throughput against request rate
     depth-sweep-*.json  decode step time against the depth setting, with the step time the
                         setting's predicted compute implies and that compute itself on one chart
@@ -85,6 +87,29 @@ def plot_throughput(payload: dict[str, Any], out: Path) -> list[Path]:
         ax.legend()
     fig.suptitle(f"{settings['model']}, input {settings['input_len']} / output {settings['output_len']} tokens, "
                  f"{payload['engine']['device']} {payload['engine']['dtype']}\n{machine_line(payload)}", fontsize=9)
+    return [save(fig, out)]
+
+
+# ---- kernels -------------------------------------------------------------------------------------
+def plot_kernels(payload: dict[str, Any], out: Path) -> list[Path]:
+    """Each decode-attention implementation's bandwidth as a share of the device's copy rate, per shape."""
+    shapes = payload["shapes"]
+    fig, axes = plt.subplots(1, len(shapes), figsize=(5.5 * len(shapes), 6), sharey=True, squeeze=False)
+    for ax, shape in zip(axes[0], shapes):
+        rows = [row for row in shape["rows"] if row.get("share_of_copy_rate") is not None]
+        names = [row["name"].replace("triton ", "") for row in rows]
+        colors = ["tab:orange" if row["name"] == "triton (default)" else "tab:gray" if "triton" not in row["name"]
+                  else "tab:blue" for row in rows]
+        ax.barh(range(len(rows)), [100 * row["share_of_copy_rate"] for row in rows], color=colors)
+        ax.set_yticks(range(len(rows)), names, fontsize=7)
+        ax.axvline(70, color="red", linestyle=":", label="target 70%")
+        ax.set_xlabel("% of the device copy rate")
+        ax.set_title(f"q/kv heads, head dim {shape['shape']}", fontsize=9)
+        ax.grid(True, axis="x", alpha=0.3)
+        ax.legend(fontsize=7, loc="lower right")
+    settings = payload["settings"]
+    fig.suptitle(f"Paged decode attention, batch {settings['batch']}, context {settings['context']}, "
+                 f"{settings['dtype']}\n{machine_line(payload)}", fontsize=9)
     return [save(fig, out)]
 
 
@@ -329,6 +354,7 @@ def plot_depth_confidence(payload: dict[str, Any], out: Path) -> list[Path]:
 
 PLOTTERS: dict[str, Callable[[dict[str, Any], Path], list[Path]]] = {
     "throughput": plot_throughput,
+    "kernels": plot_kernels,
     "serving": plot_serving,
     "depth-sweep": plot_depth_sweep,
     "step-breakdown": plot_step_breakdown,

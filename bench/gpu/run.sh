@@ -32,7 +32,7 @@
 #
 # Settings (environment): OUT, PYTHON (python3), BATCH_SIZES (1,64), ARCHS (itt,sgt,dreamer,put),
 # DEPTH_ARGS, KERNELS_ARGS, PYTEST_ARGS (e.g. -k 'llama or sgt'), RUN_BUDGET_S (570),
-# STAGE_BUDGETS, KEEP_GOING, THROUGHPUT_SYSTEMS (--compiled --hf-compiled --anchor),
+# STAGE_BUDGETS, KEEP_GOING, THROUGHPUT_SYSTEMS (--compiled --hf-compiled --anchor), PROFILE_BATCH_SIZES (1,64),
 # GPU_WORK (/tmp/depthserve-gpu), KIT (.gpu), DRY_RUN.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -164,8 +164,9 @@ has_pytest_timeout() { "$PY" -c "import pytest_timeout" 2>/dev/null; }
 
 run_pytest() {  # NAME TEST...: the tests natively on the GPU (a dry run collects them), log and JUnit XML into $OUT
     local name=$1; shift
-    # shellcheck disable=SC2206  # PYTEST_ARGS: several arguments
-    local args=(-q -p no:cacheprovider -rfEs "$@" ${PYTEST_ARGS:-})
+    local extra=()
+    eval "extra=(${PYTEST_ARGS:-})"  # shell words, so that -k 'a or b' stays one expression
+    local args=(-q -p no:cacheprovider -rfEs "$@" "${extra[@]}")
     if dry; then
         args+=(--collect-only)
     else
@@ -228,8 +229,8 @@ stage_serve() {  # the server on the GPU (eager: start-up stays short): starts, 
         --log-level warning > "$OUT/serve.log" 2>&1 &
     server=$!
     trap 'kill "$server" 2>/dev/null; wait "$server" 2>/dev/null' EXIT
-    limited "$PY" - "${SERVE_PORT:-8765}" "$server" <<'PY'
-import json, os, sys, time, urllib.error, urllib.request
+    limited "$PY" - "${SERVE_PORT:-8765}" "$server" <<'PY' 2>&1 | tee "$OUT/serve-client.log"
+import http.client, json, os, sys, time, urllib.request
 
 base, server = f"http://127.0.0.1:{sys.argv[1]}", int(sys.argv[2])
 while True:
@@ -240,7 +241,7 @@ while True:
     try:
         if urllib.request.urlopen(f"{base}/health", timeout=5).status == 200:
             break
-    except (urllib.error.URLError, ConnectionError):
+    except (OSError, http.client.HTTPException):  # refused, reset, a 503 or a read timed out while it starts
         time.sleep(2)
 model = json.load(urllib.request.urlopen(f"{base}/v1/models"))["data"][0]["id"]
 body = json.dumps({"model": model, "prompt": "The capital of France is", "max_tokens": 8}).encode()
