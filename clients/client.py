@@ -64,12 +64,17 @@ def _delta_text(chunk: dict) -> str:
     return "".join(pieces)
 
 
+def _finish_reason(chunk: dict) -> str | None:
+    return next((c["finish_reason"] for c in chunk.get("choices", []) if c.get("finish_reason")), None)
+
+
 class DepthServeClient:
     def __init__(self, base_url: str = "http://127.0.0.1:8000", api_key: str | None = None,
                  model: str | None = None, timeout: float = 600.0):
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.Client(base_url=base_url, headers=headers, timeout=timeout)
         self.model = model or self.models()[0]["id"]
+        self.last_finish_reason: str | None = None  # of the last streamed reply: "stop", "length", ...
 
     def close(self) -> None:
         self._http.close()
@@ -107,7 +112,9 @@ class DepthServeClient:
             if response.status_code >= 400:
                 response.read()
                 _check(response)
+            self.last_finish_reason = None
             for chunk in _sse_payloads(response.iter_lines()):
+                self.last_finish_reason = _finish_reason(chunk) or self.last_finish_reason
                 text = _delta_text(chunk)
                 if text:
                     yield text

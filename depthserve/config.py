@@ -61,6 +61,10 @@ class EngineArgs:
             raise ConfigurationError(f"block_size must be a power of two, got {self.block_size}")
         if (self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1) or self.max_num_seqs < 1:
             raise ConfigurationError("max_num_batched_tokens and max_num_seqs must be positive")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ConfigurationError(f"max_model_len must be positive, got {self.max_model_len}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ConfigurationError(f"num_threads must be positive, got {self.num_threads}")
         if self.kv_cache_memory_gib is not None and self.kv_cache_memory_gib <= 0:
             raise ConfigurationError("kv_cache_memory_gib must be positive")
         if self.kernel_backend not in ("auto", "torch", "triton"):

@@ -37,6 +37,7 @@ from depthserve.server.protocol import (
     CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
+    ModelCard,
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
@@ -67,16 +68,23 @@ def error_response(exc: DepthServeError) -> JSONResponse:
     return _error(exc.status, str(exc), exc.error_type, getattr(exc, "param", None), headers)
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+def _validation_message(exc: RequestValidationError, content_type: str) -> tuple[str, str | None]:
     first = exc.errors()[0] if exc.errors() else {}
-    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-    param = ".".join(loc) or None
+    kind, where = first.get("type"), tuple(first.get("loc", ()))
     message = first.get("msg", "invalid request").removeprefix("Value error, ")
-    if first.get("type") == "extra_forbidden":
-        message = f"unknown field '{param}'"
-    elif first.get("type") == "json_invalid":
-        message = f"the body is not valid JSON: {first.get('ctx', {}).get('error', message)}"
-    return (f"{param}: {message}" if param and first.get("type") != "extra_forbidden" else message), param
+    if kind == "json_invalid":  # loc is ("body", character offset): the offset is no parameter
+        reason = str(first.get("ctx", {}).get("error", message)).removesuffix(" at").strip()
+        offset = where[1] if len(where) > 1 else "?"
+        return f"the body is not valid JSON: {reason} at character {offset}", None
+    if where == ("body",) and kind in ("missing", "model_attributes_type", "dict_type", "model_type"):
+        # no body, or one that is not a JSON object
+        if not content_type.startswith("application/json"):
+            return f"the body must be a JSON object sent as application/json, not {content_type or 'no content type'}", None
+        return "the body must be a JSON object" + (" (it is empty)" if kind == "missing" else ""), None
+    param = ".".join(str(part) for part in where if part != "body") or None
+    if kind == "extra_forbidden":
+        return f"unknown field '{param}'", param
+    return (f"{param}: {message}" if param else message), param
 
 
 def build_app(llm: AsyncLLM, served_model_name: str | None = None, api_key: str | None = None,
@@ -110,7 +118,7 @@ def build_app(llm: AsyncLLM, served_model_name: str | None = None, api_key: str 
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError):
-        message, param = _validation_message(exc)
+        message, param = _validation_message(exc, request.headers.get("content-type", ""))
         count_refused(request, 400)
         return _error(400, message, "invalid_request_error", param)
 
@@ -150,6 +158,10 @@ def build_app(llm: AsyncLLM, served_model_name: str | None = None, api_key: str 
     @app.get("/v1/models", response_model=ModelList)
     async def models():
         return serving.list_models()
+
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard)
+    async def model(model_id: str):
+        return serving.retrieve_model(model_id)
 
     @app.post("/tokenize", response_model=TokenizeResponse)
     async def tokenize(body: TokenizeRequest):
@@ -199,7 +211,7 @@ class RequestIdAuthAndLimit:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
-        request_id = headers.get("x-request-id") or f"req-{uuid.uuid4().hex}"
+        request_id = _client_request_id(headers.get("x-request-id")) or f"req-{uuid.uuid4().hex}"
         scope.setdefault("state", {})["request_id"] = request_id
         status = []
         started = time.monotonic()
@@ -245,6 +257,17 @@ class RequestIdAuthAndLimit:
 
 
 QUIET_PATHS = ("/health", "/metrics")
+
+
+MAX_REQUEST_ID_CHARS = 128  # a client's X-Request-Id longer than this is cut, in the reply and the logs
+
+
+def _client_request_id(value: str | None) -> str | None:
+    """The client's request id as echoed and logged: at most MAX_REQUEST_ID_CHARS printable characters."""
+    if not value:
+        return None
+    kept = "".join(c for c in value[:MAX_REQUEST_ID_CHARS] if c.isprintable())
+    return kept or None
 
 
 def _error_message(body: bytes) -> str:

@@ -13,6 +13,7 @@ can carry a lone surrogate (`"\ud800"`), which no tokenizer can encode, so it is
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -38,6 +39,7 @@ UNSUPPORTED_FIELDS = (
 # OpenAI fields that never change what is generated (storage, billing tier, tracing and caching
 # hints): accepted and ignored, as vLLM does.
 IGNORED_FIELDS = ("store", "metadata", "service_tier", "user", "prompt_cache_key", "safety_identifier")
+_ASCII_TOKEN_ID = re.compile(r"-?[0-9]+")
 
 
 class StrictModel(BaseModel):
@@ -143,7 +145,7 @@ class SamplingFields(OpenAIRequest):
     @classmethod
     def _token_id_keys(cls, value: dict[str, float] | None) -> dict[str, float] | None:
         for key, bias in (value or {}).items():
-            if not key.lstrip("-").isdigit():
+            if not _ASCII_TOKEN_ID.fullmatch(key):  # str.isdigit() would take other scripts' digits too
                 raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
             if not -100 <= bias <= 100:
                 raise ValueError(f"logit_bias values must lie in [-100, 100], got {bias}")
@@ -207,6 +209,14 @@ class ChatCompletionRequest(SamplingFields):
     def _top_logprobs_needs_logprobs(self):
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs: true")
+        return self
+
+    @model_validator(mode="after")
+    def _one_token_limit(self):
+        # max_completion_tokens is the current name, max_tokens the deprecated one: either, or both equal
+        if None not in (self.max_tokens, self.max_completion_tokens) and self.max_tokens != self.max_completion_tokens:
+            raise ValueError(f"max_tokens ({self.max_tokens}) and max_completion_tokens ({self.max_completion_tokens}) "
+                             "disagree; send one of them")
         return self
 
 

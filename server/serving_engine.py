@@ -77,7 +77,8 @@ class OpenAIServing:
         base, _, preset = model.partition(":")
         if base == self.model_name and preset in self.depth_presets:
             return dict(self.depth_presets[preset])
-        raise ModelNotFoundError(f"the model '{model}' does not exist; this server serves {self.model_ids()}")
+        shown = model if len(model) <= 100 else f"{model[:100]}... ({len(model)} characters)"
+        raise ModelNotFoundError(f"the model '{shown}' does not exist; this server serves {self.model_ids()}")
 
     def list_models(self) -> ModelList:
         knobs = {name: spec.as_dict() for name, spec in self.info.depth_knobs.items()}
@@ -85,6 +86,10 @@ class OpenAIServing:
         return ModelList(data=[ModelCard(id=model_id, created=created, max_model_len=self.max_model_len,
                                          depth_knobs=knobs, depth_preset=self.preset_depth(model_id) or None)
                                for model_id in self.model_ids()])
+
+    def retrieve_model(self, model_id: str) -> ModelCard:
+        self.preset_depth(model_id)  # ModelNotFoundError (404) for an id this server does not serve
+        return next(card for card in self.list_models().data if card.id == model_id)
 
     # ---- tokenizer endpoints (tokenizing runs on the tokenizer worker's thread) -----------------
     async def chat_prompt_ids(self, messages) -> list[int]:

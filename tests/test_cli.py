@@ -46,8 +46,16 @@ def busy_port():
     (["generate", "hi", "--depth", "[2]"], "JSON object"),
     (["chat", "--depth", "{loops:2}"], "not JSON"),
     (["serve", "--max-num-seqs", "many"], "invalid int value"),
+    (["serve", "--port", "99999"], "--port must be between 1 and 65535, got 99999"),
+    (["serve", "--max-model-len", "-5"], "max_model_len must be positive, got -5"),
+    (["generate", "hi", "--max-model-len", "0"], "max_model_len must be positive, got 0"),
+    (["serve", "--max-body-mb", "-1"], "--max-body-mb must be positive, got -1.0"),
+    (["serve", "--max-waiting-requests", "-3"], "--max-waiting-requests must be 0 or more"),
+    (["serve", "--num-threads", "0"], "num_threads must be positive, got 0"),
+    (["serve", "--host", "999.1.1.1", "--port", "8131"], "--host '999.1.1.1' is not an address"),
 ], ids=["serve-model", "generate-model", "preset-json", "preset-knob", "generate-depth", "generate-depth-list",
-        "chat-depth", "bad-int"])
+        "chat-depth", "bad-int", "port-range", "max-model-len", "generate-max-model-len", "max-body",
+        "max-waiting", "threads", "bad-host"])
 def test_cli_errors_are_one_line_and_exit_2_before_loading(args, words):
     result = _cli(*args)
     assert result.returncode == 2, result.stderr
@@ -73,16 +81,25 @@ def tiny_server(tmp_path_factory, smollm_tokenizer):
 
 
 def test_chat_commands_and_multiline_input(tiny_server):
-    """Two messages reach the model (one line, then three lines between \"\"\" marks); /clear and
-    /exit do not, and nothing after /exit is sent."""
+    """Two messages reach the model (one line, then three lines between \"\"\" marks); /clear, an
+    unknown /command and /exit do not, and nothing after /exit is sent. Replies cut by --max-tokens
+    say so."""
     base, llm = tiny_server
     before = metric_value(base, "depthserve_requests_total", outcome="success")
-    script = 'hello\n/clear\n"""\nline one\nline two\nline three\n"""\n/exit\nnot sent\n'
+    script = 'hello\n/foo\n/clear\n"""\nline one\nline two\nline three\n"""\n/exit\nnot sent\n'
     result = _cli("chat", "--url", base, "--max-tokens", "3", "--temperature", "0", stdin=script)
     assert result.returncode == 0, result.stderr
-    assert "(conversation cleared)" in result.stdout
+    assert "(conversation cleared)" in result.stdout and "(unknown command /foo;" in result.stdout
+    assert result.stdout.count("(cut at --max-tokens)") == 2, result.stdout
     wait_idle(llm)
     assert metric_value(base, "depthserve_requests_total", outcome="success") == before + 2
+
+
+def test_chat_with_a_model_the_server_does_not_serve_fails_at_once(tiny_server):
+    base, _ = tiny_server
+    result = _cli("chat", "--url", base, "--model", "nosuch", stdin="hello\n")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [f"error: {base} serves no model 'nosuch'; it serves ['tiny']"]
 
 
 def test_serve_prints_its_banner(tmp_path, smollm_tokenizer):
@@ -110,6 +127,7 @@ def test_serve_prints_its_banner(tmp_path, smollm_tokenizer):
     assert "engine ready:" in log and f"(sgt) on cpu/{auto_dtype} ({cpu_features()})" in log, log
     assert "quantization none: 0 linear weights quantized" in log, log
     assert "KV pages" in log and "(capped from 100000: the model's context)" in log and "depth knobs: loops 0.." in log
+    assert "depth policy fixed, decode steps" in log, log
     assert f"at http://127.0.0.1:{port}" in log and f"{path}:deep" in log
 
 

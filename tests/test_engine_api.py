@@ -180,3 +180,13 @@ def test_failed_batch_submission_rolls_back(llm):
     with pytest.raises(EmptyPromptError):
         llm.generate(["fine", ""], SamplingParams(max_tokens=2))
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_the_start_up_line_names_the_depth_policy_and_its_settings():
+    from depthserve.config import EngineArgs
+    from depthserve.engine.llm_engine import _policy_summary
+
+    assert _policy_summary(EngineArgs(model="m")) == "fixed"
+    assert _policy_summary(EngineArgs(model="m", depth_policy="slo", tpot_slo_ms=60.0)) == "slo (TPOT target 60 ms)"
+    assert (_policy_summary(EngineArgs(model="m", depth_policy="confidence", confidence_threshold=0.99))
+            == "confidence (exit at top-1 probability 0.99)")

@@ -130,6 +130,14 @@ BAD_REQUESTS = [
      400, "invalid_request_error", "response_format: only"),
     ("a misspelt field", "POST", "/v1/completions", {**_completion(), "max_token": 4}, None, 400,
      "invalid_request_error", "unknown field 'max_token'"),
+    ("a raw NUL in the body", "POST", "/v1/completions", b'{"model": "tiny", "prompt": "a\x00b"}', JSON, 400,
+     "invalid_request_error", "not valid JSON: Invalid control character at character 30"),
+    ("a truncated body", "POST", "/v1/completions", b'{"model": "tiny", "prom', JSON, 400,
+     "invalid_request_error", "not valid JSON"),
+    ("an empty body", "POST", "/v1/completions", b"", JSON, 400, "invalid_request_error",
+     "the body must be a JSON object (it is empty)"),
+    ("a text/plain body", "POST", "/v1/completions", b'{"model": "tiny", "prompt": "x"}',
+     {"Content-Type": "text/plain"}, 400, "invalid_request_error", "sent as application/json, not text/plain"),
 ]
 
 # OpenAI fields that do not change the output: accepted and ignored, on both endpoints.
@@ -164,6 +172,7 @@ def test_bad_request_gets_a_clean_4xx_and_the_server_keeps_serving(server, name,
     assert set(error) == {"message", "type", "param", "code"}
     assert error["type"] == err_type and error["code"] == status
     assert words.lower() in error["message"].lower(), error["message"]
+    assert error["param"] is None or not error["param"].isdigit()  # a parameter's name, never a body offset
     _assert_still_serving(base, llm)
 
 

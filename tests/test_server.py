@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 
 import httpx
 import pytest
@@ -178,6 +179,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": MODEL, "prompt": "x", "depth": [1]}, None, 400, "invalid_request_error", "depth"),
     ("/v1/completions", {"model": MODEL, "prompt": "hello " * 1100}, None, 400, "invalid_request_error", "context"),
     ("/v1/completions", {"model": "no-such-model", "prompt": "x"}, None, 404, "not_found_error", "no-such-model"),
+    ("/v1/completions", {"model": "m" * 10_000, "prompt": "x"}, None, 404, "not_found_error", "(10000 characters)"),
     ("/v1/chat/completions", {"model": MODEL, "messages": []}, None, 400, "invalid_request_error", "messages"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": [{}]}, None, 400, "invalid_request_error", "tools"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, None, 400, "invalid_request_error", "role"),
@@ -185,6 +187,9 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": MODEL, "prompt": "x"}, {}, 401, "authentication_error", "API key"),
     ("/v1/completions", {"model": MODEL, "prompt": "x"}, {"Authorization": "Bearer wrong"}, 401, "authentication_error", "API key"),
     ("/detokenize", {"tokens": [-1]}, None, 400, "invalid_request_error", "range"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "logit_bias": {"\u0665": 1}}, None, 400, "invalid_request_error", "logit_bias"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 4,
+                              "max_completion_tokens": 8}, None, 400, "invalid_request_error", "disagree"),
 ]
 
 
@@ -206,6 +211,15 @@ def test_bad_requests_get_documented_errors_and_the_server_keeps_serving(server,
     assert _pages_used(llm) == 0
 
 
+def test_a_long_request_id_is_cut_in_the_reply_and_the_log(server, caplog):
+    base, _ = server
+    caplog.set_level(logging.INFO, logger="depthserve.server")
+    response = httpx.get(f"{base}/v1/models", headers={"Authorization": f"Bearer {API_KEY}", "X-Request-Id": "r" * 60_000})
+    assert response.status_code == 200 and response.headers["x-request-id"] == "r" * 128
+    access = [record.getMessage() for record in caplog.records if "/v1/models" in record.getMessage()]
+    assert access and all("r" * 128 in line and "r" * 129 not in line for line in access)
+
+
 def test_open_endpoints_models_tokenize_and_metrics(server, offline):
     base, _ = server
     auth = {"Authorization": f"Bearer {API_KEY}"}
@@ -213,6 +227,10 @@ def test_open_endpoints_models_tokenize_and_metrics(server, offline):
     models = httpx.get(f"{base}/v1/models", headers=auth).json()["data"]
     assert [m["id"] for m in models] == [MODEL, f"{MODEL}:plain"]
     assert models[0]["depth_knobs"] == {}
+    client = openai.OpenAI(base_url=base + "/v1", api_key=API_KEY)
+    assert client.models.retrieve(f"{MODEL}:plain").id == f"{MODEL}:plain"  # the SDK's GET /v1/models/{id}
+    missing = httpx.get(f"{base}/v1/models/no-such-model", headers=auth)
+    assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error"
     body = {"prompt": "Hello world", "add_special_tokens": False}
     assert httpx.post(f"{base}/tokenize", json=body).status_code == 401  # behind the key, like /v1
     ids = httpx.post(f"{base}/tokenize", json=body, headers=auth).json()

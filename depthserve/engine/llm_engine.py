@@ -65,6 +65,16 @@ def _cpu_features(device: torch.device) -> str:
     return f" ({cpu_features()})" if device.type == "cpu" else ""
 
 
+def _policy_summary(args: EngineArgs) -> str:
+    """The depth policy and its settings, as the start-up line names them."""
+    settings = []
+    if args.tpot_slo_ms is not None and args.depth_policy == "slo":
+        settings.append(f"TPOT target {args.tpot_slo_ms:g} ms")
+    if args.confidence_threshold is not None:
+        settings.append(f"exit at top-1 probability {args.confidence_threshold:g}")
+    return args.depth_policy + (f" ({', '.join(settings)})" if settings else "")
+
+
 class LLMEngine:
     def __init__(self, args: EngineArgs):
         args.validate()
@@ -139,10 +149,11 @@ class LLMEngine:
         knobs = ", ".join(f"{name} {k.minimum}..{k.maximum}" for name, k in self.model.depth_knobs().items())
         logger.info(
             "engine ready: %s (%s) on %s/%s%s, %d KV pages (%.2f GiB), max_model_len=%d%s, depth knobs: %s, "
-            "decode steps %s; %s",
+            "depth policy %s, decode steps %s; %s",
             self.model_name, (self.hf_config.get("depth") or {}).get("architecture", "llama"), self.device,
             str(self.dtype).removeprefix("torch."), _cpu_features(self.device), num_pages, num_pages * page_bytes / _GIB,
-            self.max_model_len, capped, knobs or "none", self._decode_mode(), self.quantization.summary(),
+            self.max_model_len, capped, knobs or "none", _policy_summary(args), self._decode_mode(),
+            self.quantization.summary(),
         )
 
     def _decode_mode(self) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import functools
 import importlib
 import json
@@ -175,12 +176,14 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     presets = dict(ns.depth_preset or [])
     try:  # what can be checked without the model, before it loads
         resolve_model(ns.model)
+        engine_args_from(ns).validate()
         for name, settings in presets.items():
             DepthParams.from_dict(settings)
     except DepthServeError as exc:
         return fail(str(exc))
-    if not _port_free(ns.host, ns.port):
-        return fail(f"port {ns.port} on {ns.host} is already in use (choose another with --port)")
+    problem = _serve_option_problem(ns) or _listen_problem(ns.host, ns.port)
+    if problem:
+        return fail(problem)
     try:
         llm = AsyncLLM.from_engine_args(engine_args_from(ns), max_waiting_requests=ns.max_waiting_requests)
         for name, settings in presets.items():  # the knobs' ranges are the model's
@@ -192,18 +195,37 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     return 0
 
 
-def _port_free(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as probe:
+def _serve_option_problem(ns: argparse.Namespace) -> str | None:
+    """What is wrong with the server's own numeric options, if anything."""
+    if not 1 <= ns.port <= 65535:
+        return f"--port must be between 1 and 65535, got {ns.port}"
+    if not ns.max_body_mb > 0:
+        return f"--max-body-mb must be positive, got {ns.max_body_mb}"
+    if ns.max_waiting_requests < 0:
+        return f"--max-waiting-requests must be 0 or more, got {ns.max_waiting_requests}"
+    return None
+
+
+def _listen_problem(host: str, port: int) -> str | None:
+    """Why the server could not listen on (host, port), tried before the model loads: a host that
+    is no address of this machine, or a port in use."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except (socket.gaierror, UnicodeError):
+        return f"--host {host!r} is not an address or a name that resolves"
+    with socket.socket(family, kind, proto) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            probe.bind((host, port))
-        except OSError:
-            return False
-    return True
+            probe.bind(address)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                return f"port {port} on {host} is already in use (choose another with --port)"
+            return f"cannot listen on {host} port {port}: {exc.strerror or exc}"
+    return None
 
 
 CHAT_HELP = ('commands: /exit (or /bye, Ctrl-D) quit, /clear forget the conversation, """ starts and ends '
-             "a multi-line message; Ctrl-C stops a reply")
+             "a multi-line message (also for a message that is one word starting with /); Ctrl-C stops a reply")
 
 
 def cmd_chat(ns: argparse.Namespace) -> int:
@@ -214,6 +236,10 @@ def cmd_chat(ns: argparse.Namespace) -> int:
         client = DepthServeClient(ns.url, api_key=ns.api_key, model=ns.model)
     except Exception as exc:  # noqa: BLE001 - a CLI reports and exits
         return fail(f"cannot reach {ns.url}: {exc}")
+    if ns.model is not None:
+        served = [model["id"] for model in client.models()]
+        if ns.model not in served:
+            return fail(f"{ns.url} serves no model {ns.model!r}; it serves {served}")
     system = [{"role": "system", "content": ns.system}] if ns.system else []
     messages: list[dict[str, str]] = list(system)
     print(f"chatting with {client.model} at {ns.url}; {CHAT_HELP}")
@@ -238,6 +264,9 @@ def cmd_chat(ns: argparse.Namespace) -> int:
         if command in ("/help", "/?"):
             print(CHAT_HELP)
             continue
+        if command.startswith("/") and " " not in command:
+            print(f"(unknown command {command}; {CHAT_HELP})")
+            continue
         messages.append({"role": "user", "content": line})
         reply = []
         stream = client.chat(messages, stream=True, max_tokens=ns.max_tokens, temperature=ns.temperature, **depth)
@@ -254,7 +283,7 @@ def cmd_chat(ns: argparse.Namespace) -> int:
             messages.pop()
             continue
         else:
-            print()
+            print("\n(cut at --max-tokens)" if client.last_finish_reason == "length" else "")
         messages.append({"role": "assistant", "content": "".join(reply)})
 
 
