@@ -21,6 +21,7 @@ import re
 import shutil
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 import httpx
 import pytest
@@ -221,6 +222,8 @@ def test_streamed_tokens_and_their_depth_colours_equal_the_api(browser, demo):
 
     body = _sent_body(browser)
     assert body["depth"] == {"depth": {"min": 1, "max": 6}} and body["seed"] == 11 and body["stream"] is True
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert f'`"depth": {json.dumps(body["depth"])}`' in readme  # the screenshot's caption shows this request
     assert body["logit_bias"] == {"2": -100}
     api = httpx.post(f"{base}/v1/completions", json=_unstreamed(body), timeout=30).json()
     choice = api["choices"][0]
