@@ -77,9 +77,9 @@ def paged_decode_attention(
 
     GQA by giving each KV head its group of query heads as a group of query rows: one SDPA call
     over [batch, kv_heads, group, d] queries and [batch, kv_heads, len, d] keys, with the keys past
-    each context masked. On CPU that reaches SDPA's fused kernel; the former pair of batched matmuls
-    around a softmax took 3x as long in bf16 at batch 1 (1.5x in fp32) on a 2-core Intel Xeon
-    (AVX-512 BF16, AMX), and SDPA with `enable_gqa` and one query row per head was slower still.
+    each context masked. On CPU that reaches SDPA's fused kernel: two batched matmuls around a
+    softmax take 3x as long in bf16 at batch 1 (1.5x in fp32) on a 2-core Intel Xeon (AVX-512 BF16,
+    AMX), and SDPA with `enable_gqa` and one query row per head longer still.
     """
     batch, num_q_heads, head_dim = q.shape
     keys = gather_kv(k_pages, page_table)  # [batch, kv_heads, max_len, d]

@@ -174,9 +174,10 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
     configure_logging(ns.log_level)
     presets = dict(ns.depth_preset or [])
+    engine_args = engine_args_from(ns)
     try:  # what can be checked without the model, before it loads
         resolve_model(ns.model)
-        engine_args_from(ns).validate()
+        engine_args.validate()
         for name, settings in presets.items():
             DepthParams.from_dict(settings)
     except DepthServeError as exc:
@@ -185,7 +186,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     if problem:
         return fail(problem)
     try:
-        llm = AsyncLLM.from_engine_args(engine_args_from(ns), max_waiting_requests=ns.max_waiting_requests)
+        llm = AsyncLLM.from_engine_args(engine_args, max_waiting_requests=ns.max_waiting_requests)
         for name, settings in presets.items():  # the knobs' ranges are the model's
             DepthParams.from_dict(settings).validate(llm.engine.model.depth_knobs(), llm.model_name)
     except DepthServeError as exc:
