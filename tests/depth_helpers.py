@@ -90,8 +90,12 @@ def kernel_test_device() -> str:
 
 def generate_on_both_backends(model: str, prompts, params, depths=None, **llm_kwargs) -> tuple[list, list, LLM]:
     """The same requests through an fp32 engine on the torch kernels and one on the Triton kernels
-    (kernel_test_device): (torch outputs, Triton outputs, the Triton engine)."""
+    (kernel_test_device): (torch outputs, Triton outputs, the Triton engine). Eager unless asked
+    otherwise: on CUDA the default compiles and captures every graph bucket of every depth level
+    (minutes per engine on the H100), which the kernels under test do not need; the CUDA-graph
+    tests (tests/test_cuda.py) cover the compiled steps."""
     outputs = []
+    llm_kwargs = {"enforce_eager": True, **llm_kwargs}
     for backend in ("torch", "triton"):
         llm = LLM(model, device=kernel_test_device(), dtype="float32", load_progress=False, kernel_backend=backend,
                   **llm_kwargs)

@@ -190,3 +190,26 @@ def test_the_start_up_line_names_the_depth_policy_and_its_settings():
     assert _policy_summary(EngineArgs(model="m", depth_policy="slo", tpot_slo_ms=60.0)) == "slo (TPOT target 60 ms)"
     assert (_policy_summary(EngineArgs(model="m", depth_policy="confidence", confidence_threshold=0.99))
             == "confidence (exit at top-1 probability 0.99)")
+
+
+def test_warm_up_runs_a_request_and_leaves_no_trace(llm):
+    """`serve` warms a GPU engine up before it reports ready: the warm-up runs prefill and decode
+    steps, and afterwards the counters, the prefix cache and the pages are as if it never ran."""
+    engine = llm.engine
+    ids = _chat(llm, "Name a colour.")
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    before = llm.generate([ids], params)[0]
+    steps_run = []
+    execute = engine.runner.execute
+    engine.runner.execute = lambda scheduled: steps_run.append(len(scheduled)) or execute(scheduled)
+    try:
+        engine.warm_up()
+    finally:
+        engine.runner.execute = execute
+    assert len(steps_run) == 2  # the prompt's step, which samples the first token, and one decode step
+    stats = engine.stats()
+    assert stats["tokens_generated"] == stats["prompt_tokens_computed"] == 0
+    assert stats["prefix_cache_queries"] == stats["prefix_cache_hits"] == stats["num_preemptions"] == 0
+    assert stats["depth_levels_run"] == {} and engine.block_manager.num_used_pages == 0
+    after = llm.generate([ids], params)[0]
+    assert after.token_ids == before.token_ids and after.num_cached_tokens == 0  # the prefix cache was reset

@@ -48,8 +48,10 @@ KERNEL_TESTS=(tests/test_cuda.py::test_paged_decode_kernel_in_half_precision_mat
 ENGINE_TESTS=(tests/test_cuda.py::test_engine_on_cuda_generates_the_cpu_engines_tokens_in_fp32
               tests/test_cuda.py::test_cuda_graphs_equal_the_eager_engine_on_a_mixed_depth_batch_with_preemption
               tests/test_triton_engine.py tests/test_depth_triton.py)
-# Imports the tree's depthserve first: pytest's rootdir insertion then cannot shadow it.
-PYTEST_WITH_TREE='import sys, depthserve, pytest; sys.exit(pytest.main(sys.argv[1:]))'
+# Imports the tree's depthserve first: pytest's rootdir insertion then cannot shadow it. Leaves with
+# os._exit once pytest has written its report: inductor's exit handler waits up to 300 s for its
+# compile workers, which on the H100 host kept a passed run alive until the stage's time ran out.
+PYTEST_WITH_TREE='import os, sys, depthserve, pytest; status = pytest.main(sys.argv[1:]); sys.stdout.flush(); sys.stderr.flush(); os._exit(int(status))'
 
 dry() { [ "$DRY_RUN" = 1 ]; }
 say() { echo "$*" | tee -a "$OUT/run.log"; }
@@ -226,9 +228,10 @@ stage_serve() {  # the server on the GPU (eager: start-up stays short): starts, 
     model=$(smollm2_shaped llama)
     if dry; then "$PY" -m depthserve serve --help >/dev/null; return; fi
     "$PY" -m depthserve serve --model "$model" --device cuda --enforce-eager --port "${SERVE_PORT:-8765}" \
-        --log-level warning > "$OUT/serve.log" 2>&1 &
+        --log-level info > "$OUT/serve.log" 2>&1 &
     server=$!
-    trap 'kill "$server" 2>/dev/null; wait "$server" 2>/dev/null' EXIT
+    # the stage's status is the client's: stopping the server (143 from its wait) must not replace it
+    trap 'status=$?; kill "$server" 2>/dev/null; wait "$server" 2>/dev/null || :; exit $status' EXIT
     limited "$PY" - "${SERVE_PORT:-8765}" "$server" <<'PY' 2>&1 | tee "$OUT/serve-client.log"
 import http.client, json, os, sys, time, urllib.request
 

@@ -271,6 +271,24 @@ class LLMEngine:
             self.scheduler.finish(seq, "abort")
         return self._output(request)
 
+    def warm_up(self, prompt_tokens: int = 8, new_tokens: int = 2) -> None:
+        """Run one short request to its end and forget it: kernels that compile on first use (Triton's
+        JIT on a fresh GPU host takes seconds per kernel) compile here, not in the first client's
+        request. Counters, the prefix cache and the depth policy start from zero afterwards."""
+        request_id = "depthserve-warm-up"
+        prompt = [token for token in range(self.vocab_size) if token not in self.eos_token_ids][:1] * prompt_tokens
+        self.add_request(request_id, prompt, SamplingParams(max_tokens=new_tokens, ignore_eos=True))
+        while self.has_unfinished_requests():
+            self.step()
+        self.reset_prefix_cache()
+        self.block_manager.prefix_queries = self.block_manager.prefix_hits = 0
+        self.scheduler.num_preemptions = 0
+        self.prompt_tokens_computed = self.tokens_generated = self.depth_shed_tokens = 0
+        self.depth_levels_run = {}
+        self._busy_step_end = None
+        # the warm-up's steps paid for compilation: a latency policy must not learn from them
+        self.depth_policy = make_policy(self.args.depth_policy, self.args.tpot_slo_ms, self.args.confidence_threshold)
+
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix block that no sequence holds (benchmarks start cold with it)."""
         self.block_manager.reset_prefix_cache()

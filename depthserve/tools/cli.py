@@ -7,12 +7,15 @@ import errno
 import functools
 import importlib
 import json
+import logging
 import socket
 import sys
 from dataclasses import fields
 
 from depthserve.config import EngineArgs
 from depthserve.loading.registry import BUILTIN_MODELS, DEFAULT_MODEL, resolve_model
+
+log = logging.getLogger(__name__)
 
 
 class CLIParser(argparse.ArgumentParser):
@@ -169,6 +172,7 @@ def _depth_preset(text: str) -> tuple[str, dict]:
 def cmd_serve(ns: argparse.Namespace) -> int:
     from depthserve.depth import DepthParams
     from depthserve.engine.async_llm import AsyncLLM
+    from depthserve.engine.llm_engine import LLMEngine
     from depthserve.errors import DepthServeError
     from depthserve.server.app import configure_logging, run_server
 
@@ -186,7 +190,11 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     if problem:
         return fail(problem)
     try:
-        llm = AsyncLLM.from_engine_args(engine_args, max_waiting_requests=ns.max_waiting_requests)
+        engine = LLMEngine(engine_args)
+        if engine.device.type != "cpu":  # kernels compile now, not in the first client's request
+            log.info("warming up on %s (kernels compile on first use)", engine.device)
+            engine.warm_up()
+        llm = AsyncLLM(engine, max_waiting_requests=ns.max_waiting_requests)
         for name, settings in presets.items():  # the knobs' ranges are the model's
             DepthParams.from_dict(settings).validate(llm.engine.model.depth_knobs(), llm.model_name)
     except DepthServeError as exc:
