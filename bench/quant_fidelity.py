@@ -8,7 +8,8 @@ Formats (each one `LLM(model, dtype=..., quantization=...)`, loaded one after th
 
   fp32     dtype float32,  quantization none   the reference: weights dequantized from the file to fp32
   default  dtype auto,     quantization auto   the new CPU default (bf16 activations + the GGUF's own
-                                               Q4_1 codes, its Q8_0 table in bf16, on AVX-512 BF16 / AMX)
+                                               Q4_1 codes and its Q8_0 table, on the native kernels where
+                                               they load, else torch's with the table in bf16)
   bf16     dtype bfloat16, quantization none   bf16 activations, dense bf16 weights
   int8     dtype bfloat16, quantization int8   bf16 activations, int8 per-row weights quantized at load
   int4     dtype bfloat16, quantization int4   (optional) int4 groups of 32 re-rounded at load

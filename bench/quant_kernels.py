@@ -4,7 +4,8 @@
 
 For every distinct linear shape of a model (SmolLM2-135M's by default: the qkv, o, gate_up and down
 projections and the 49152-row LM head), at each row count, the time of one call of:
-    kernel         the weight-only kernel on the codes (int4 groups of 32; int8 rows for the head)
+    kernel         the weight-only kernel on the codes (int4 groups of 32; int8 rows for the head): the
+                   native one (kernels/cpu_native.py) where it loads, else torch's
     dequant+gemm   the codes dequantized into a reused buffer, then a bf16 GEMM (oneDNN)
     bf16 dense     a bf16 GEMM on a resident bf16 weight (what dequant+gemm would be without the
                    dequantization; needs 4x the memory of int4)
@@ -29,6 +30,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
+from depthserve.kernels import cpu_native  # noqa: E402
 from depthserve.layers.linear import CpuLinear  # noqa: E402
 from depthserve.layers.quantized import DequantScratch, QuantLinear, QuantPolicy, quantize_rtn  # noqa: E402
 from depthserve.loading.quantization import cpu_features  # noqa: E402
@@ -75,7 +77,7 @@ def time_shape(out_features: int, in_features: int, bits: int, rows_list: list[i
     codes = quantize_rtn(weight, bits)
     scratch = DequantScratch()
     n = _copies(out_features * in_features * bits // 8)
-    never, always = QuantPolicy(kernel_max_rows=0), QuantPolicy(kernel_max_rows=1 << 30)
+    never, always = QuantPolicy(kernel_max_rows=0, native_max_rows=0), QuantPolicy(1 << 30, 1 << 30)
     kernel = [QuantLinear(codes, None, torch.bfloat16, scratch, always) for _ in range(n)]
     dequant = [QuantLinear(codes, None, torch.bfloat16, scratch, never) for _ in range(n)]
     dense_bf16 = [weight.bfloat16().clone() for _ in range(min(n, _copies(out_features * in_features * 2)))]
@@ -122,6 +124,7 @@ def main(argv: list[str] | None = None) -> dict:
         "benchmark": "quant_kernels",
         **common.environment("cpu", ns.threads),
         "cpu_features": cpu_features(),
+        "kernel": "native" if cpu_native.unavailable_reason() is None else f"torch ({cpu_native.unavailable_reason()})",
         "shapes": {name: {"out": o, "in": i, "bits": b} for name, (o, i, b) in SMOLLM2_SHAPES.items()},
         "ms": shapes,
         "decoder_layer_ms": per_layer,

@@ -29,7 +29,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from depthserve import LLM, SamplingParams, reference
-from depthserve.layers.quantized import (INT4_GROUP, QuantEmbedding, QuantLinear, QuantPolicy, dequantize_int4_kernel_form,
+from depthserve.layers.quantized import (QuantEmbedding, QuantLinear, QuantPolicy,
                                          quantize_rtn)
 from depthserve.loading.weights import parameter_name
 from depthserve.tiny import make_tiny
@@ -166,9 +166,9 @@ class PathCounter:
     def __init__(self, monkeypatch):
         from depthserve.loading import quantization
 
-        monkeypatch.setattr(quantization, "QuantPolicy", lambda: QuantPolicy(kernel_max_rows=4))
+        monkeypatch.setattr(quantization, "QuantPolicy", lambda: QuantPolicy(kernel_max_rows=4, native_max_rows=4))
         self.kernel_calls = self.gemm_calls = 0
-        kernel, gemm = QuantLinear._kernel, QuantLinear._dequantized_into_scratch
+        kernel, gemm = QuantLinear._kernel, QuantLinear._dequantized_for_gemm
 
         def counted_kernel(layer, rows):
             self.kernel_calls += 1
@@ -179,7 +179,7 @@ class PathCounter:
             return gemm(layer)
 
         monkeypatch.setattr(QuantLinear, "_kernel", counted_kernel)
-        monkeypatch.setattr(QuantLinear, "_dequantized_into_scratch", counted_gemm)
+        monkeypatch.setattr(QuantLinear, "_dequantized_for_gemm", counted_gemm)
 
 
 def assert_report(name: str, bits: int, llm: LLM, covered: set[str]) -> None:
@@ -266,16 +266,6 @@ def test_quantized_engine_equals_the_reference_of_its_codes(name, bits, dtype, c
 
 
 # ---- the codes ---------------------------------------------------------------------------------------
-def served_codes(layer: QuantLinear) -> torch.Tensor:
-    """The integer codes [out, in] a layer multiplies by (int4: 0..15, int8: -127..127)."""
-    if layer.bits == 8:
-        return layer.packed.to(torch.int32)
-    groups, padded_out = layer.in_features // INT4_GROUP, layer.padded_out
-    unit = torch.stack([torch.ones(groups, padded_out), torch.full((groups, padded_out), 8.0)], dim=-1)  # code = q
-    codes = dequantize_int4_kernel_form(layer.packed, unit, torch.empty(layer.in_features, padded_out))
-    return codes.t()[: layer.out_features].to(torch.int32)
-
-
 def checkpoint_rtn_codes(path: Path, model: torch.nn.Module, quantized: list[str], bits: int,
                          tied: bool) -> dict[str, torch.Tensor]:
     """Each quantized parameter's RTN codes of the checkpoint's own tensors, shards stacked in order."""
@@ -301,7 +291,7 @@ def test_served_codes_are_the_rtn_codes_of_the_checkpoint(bits, dtype, checkpoin
     assert set(expected) == set(quantized)
     differing = {}  # parameter -> the fraction of its codes that are not the checkpoint's RTN codes
     for parameter in quantized:
-        served = served_codes(model.get_submodule(parameter.removesuffix(".weight")))
+        served = model.get_submodule(parameter.removesuffix(".weight")).integer_codes()
         fraction = (served != expected[parameter]).float().mean().item()
         if fraction:
             differing[parameter] = f"{fraction:.2%}"

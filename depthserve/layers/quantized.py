@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from depthserve.kernels import cpu_native
+
 INT4_GROUP = 32
 _INT4_BLOCK_ROWS = 64  # the CPU int4 packing interleaves output rows n and n + 32 of each 64-row block
 
@@ -35,20 +37,36 @@ class QuantizedWeight:
 
     bits: int  # 4 or 8
     codes: torch.Tensor  # int4: uint8 [out, in], 0..15; int8: int8 [out, in]
-    scale: torch.Tensor  # fp32; int4: [out, in / group]; int8: [out]
+    scale: torch.Tensor  # fp32; int4: [out, in / group]; int8: [out] per row, or [out, in / group] (GGUF Q8_0)
     low: torch.Tensor | None = None  # int4 only: fp32 [out, in / group]
 
     @property
     def shape(self) -> tuple[int, int]:
         return tuple(self.codes.shape)
 
+    @property
+    def grouped(self) -> bool:
+        """One scale per group of 32 inputs (int4, and int8 read from GGUF Q8_0), not per row."""
+        return self.scale.dim() == 2
+
     def dequantize(self) -> torch.Tensor:
         """The fp32 weight [out, in] the codes stand for."""
-        if self.bits == 8:
+        if self.bits == 8 and not self.grouped:
             return self.codes.float() * self.scale[:, None]
         out, width = self.shape
-        grouped = self.codes.float().view(out, -1, INT4_GROUP) * self.scale[..., None] + self.low[..., None]
+        grouped = self.codes.float().view(out, -1, INT4_GROUP) * self.scale[..., None]
+        if self.low is not None:
+            grouped = grouped + self.low[..., None]
         return grouped.view(out, width)
+
+    def unsigned_form(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(unsigned codes [out, in], scale, low [out, in / group]) with weight = scale * code + low:
+        the native kernel's form (an int8 code q is stored as q + 128, with low = -128 * scale)."""
+        if self.bits == 4:
+            return self.codes, self.scale, self.low
+        out, width = self.shape
+        scale = self.scale if self.grouped else self.scale[:, None].expand(out, width // INT4_GROUP)
+        return (self.codes.to(torch.int16) + 128).to(torch.uint8), scale, -128 * scale
 
     def rows(self, index: torch.Tensor) -> "QuantizedWeight":
         """The same weight with its output rows reordered (the GGUF rotary un-permutation)."""
@@ -87,15 +105,19 @@ def quantizable(weight_shape: tuple[int, int], bits: int) -> bool:
 
 @dataclass(frozen=True)
 class QuantPolicy:
-    """Up to `kernel_max_rows` activation rows the weight-only kernel runs; above, dequantize + GEMM.
+    """Up to `kernel_max_rows` (torch's kernels) or `native_max_rows` (the native kernel) activation
+    rows the weight-only kernel runs; above, dequantize + GEMM.
 
     The kernel's time grows with the rows and the dequantization's does not, so the crossover is
     where one dequantization costs what the kernel's extra rows do. On a quiet 2-core Intel Xeon
-    (AMX; bench/results/quant-kernels-cpu-xeon-2core.json), SmolLM2's 3072x576 layer: kernel 0.14 ms
-    at 1 row, 1.31 at 32, 2.52 at 64, 5.05 at 128; dequantization + bf16 GEMM 2.1-2.7 ms up to 128
-    rows. The kernel wins up to 48 rows on every layer shape of the model."""
+    (AMX; bench/results/quant-kernels-cpu-xeon-2core.json), SmolLM2's 3072x576 layer: the native
+    kernel 0.05 ms at 1 row, 0.60 at 32, 1.22 at 64, 1.84 at 96, 2.42 at 128, against dequantization
+    + bf16 GEMM 1.5-2.2 ms: it wins up to 96 rows on every layer shape of the model (the 49152-row
+    head: 2.1 ms at 1 row, against 7.3 for a resident bf16 copy). torch's int4 kernel (0.14 ms at
+    1 row, 1.31 at 32, 2.52 at 64) won up to 48 rows in the same benchmark before."""
 
     kernel_max_rows: int = 48
+    native_max_rows: int = 96
 
 
 class DequantScratch:
@@ -112,6 +134,12 @@ class DequantScratch:
         return buffer[:numel]
 
 
+def uses_native_kernel(dtype: torch.dtype) -> bool:
+    """bf16 activations on a CPU where the native kernels load. With fp32 activations the layers stay
+    on torch's kernels, which multiply the activations as they are (no int8 rounding of them)."""
+    return dtype == torch.bfloat16 and cpu_native.available()
+
+
 class QuantLinear(nn.Module):
     """y = x W^T (+ b) with W held as int4 or int8 codes (module docstring)."""
 
@@ -120,8 +148,19 @@ class QuantLinear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.bits = weight.bits
+        self.activation_dtype = dtype
         self.policy, self.scratch = policy, scratch
-        if weight.bits == 4:
+        self.native: cpu_native.PackedWeight | None = None
+        if uses_native_kernel(dtype):
+            self.native = cpu_native.pack(*weight.unsigned_form(), weight.bits)
+            # registered so that the model's buffers (resident bytes, .to) include them
+            self.register_buffer("packed", self.native.codes)
+            self.register_buffer("scales", self.native.scale)
+            self.register_buffer("lows", self.native.low)
+            self.padded_out = self.out_features
+        elif weight.grouped and weight.bits == 8:
+            raise ValueError("int8 codes with a scale per group (GGUF Q8_0) run only on the native kernels")
+        elif weight.bits == 4:
             packed, scales_and_zeros = _int4_kernel_form(weight, dtype)
             self.register_buffer("packed", packed)
             self.register_buffer("scales_and_zeros", scales_and_zeros)
@@ -132,32 +171,37 @@ class QuantLinear(nn.Module):
             self.padded_out = self.out_features
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype), requires_grad=False)
 
+    @property
+    def max_kernel_rows(self) -> int:
+        return self.policy.native_max_rows if self.native is not None else self.policy.kernel_max_rows
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if rows.dtype != self.activation_dtype:
             rows = rows.to(self.activation_dtype)
-        if rows.shape[0] <= self.policy.kernel_max_rows:
+        if rows.shape[0] <= self.max_kernel_rows:
             out = self._kernel(rows)
         elif torch.compiler.is_compiling():
             out = F.linear(rows, self.dequantize())  # the compiler fuses the dequantization; no shared buffer
         else:
-            out = F.linear(rows, self._dequantized_into_scratch())
+            out = F.linear(rows, self._dequantized_for_gemm())
         if self.padded_out != self.out_features:
             out = out[:, : self.out_features]
         if self.bias is not None:
             out = out + self.bias
         return out.view(*x.shape[:-1], self.out_features)
 
-    @property
-    def activation_dtype(self) -> torch.dtype:
-        return (self.scales_and_zeros if self.bits == 4 else self.scales).dtype
-
     def _kernel(self, rows: torch.Tensor) -> torch.Tensor:
+        if self.native is not None:
+            return cpu_native.group_gemm(rows, self.native)
         if self.bits == 4:
             return torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, INT4_GROUP, self.scales_and_zeros)
         return torch.ops.aten._weight_int8pack_mm(rows, self.packed, self.scales)
 
-    def _dequantized_into_scratch(self) -> torch.Tensor:
+    def _dequantized_for_gemm(self) -> torch.Tensor:
+        """The weight [padded out, in] for a many-row GEMM (the torch forms write it into the shared scratch)."""
+        if self.native is not None:
+            return cpu_native.group_dequantize(self.native, self.activation_dtype)
         out = self.scratch.take(self.padded_out * self.in_features, self.activation_dtype)
         if self.bits == 8:
             return torch.mul(self.packed, self.scales[:, None], out=out.view(self.padded_out, self.in_features))
@@ -165,13 +209,28 @@ class QuantLinear(nn.Module):
 
     def dequantize(self) -> torch.Tensor:
         """The weight [out, in] in the activation dtype (a fresh tensor)."""
+        if self.native is not None:
+            return cpu_native.group_dequantize(self.native, self.activation_dtype)
         if self.bits == 8:
             return self.packed.to(self.activation_dtype) * self.scales[:, None]
         full = torch.empty(self.in_features, self.padded_out, dtype=self.activation_dtype)
         return dequantize_int4_kernel_form(self.packed, self.scales_and_zeros, full).t()[: self.out_features]
 
+    def integer_codes(self) -> torch.Tensor:
+        """The codes [out, in] the layer multiplies by, as int32 (int4: 0..15, int8: -127..127)."""
+        if self.native is not None:
+            codes, _, _ = cpu_native.unpack_rows(self.native, torch.arange(self.out_features))
+            return codes.to(torch.int32) - (128 if self.bits == 8 else 0)
+        if self.bits == 8:
+            return self.packed.to(torch.int32)
+        groups = self.in_features // INT4_GROUP
+        unit = torch.stack([torch.ones(groups, self.padded_out), torch.full((groups, self.padded_out), 8.0)], dim=-1)
+        codes = dequantize_int4_kernel_form(self.packed, unit, torch.empty(self.in_features, self.padded_out))
+        return codes.t()[: self.out_features].to(torch.int32)
+
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int{self.bits}"
+        kernel = "native" if self.native is not None else "torch"
+        return f"in_features={self.in_features}, out_features={self.out_features}, int{self.bits}, {kernel} kernel"
 
 
 def served_weight(layer: nn.Module) -> torch.Tensor:
@@ -191,6 +250,9 @@ class QuantEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         head = self.head[0]
+        if head.native is not None:
+            flat = cpu_native.dequantize_rows(head.native, input_ids.reshape(-1))
+            return flat.to(head.activation_dtype).view(*input_ids.shape, head.in_features)
         return head.packed[input_ids].to(head.activation_dtype) * head.scales[input_ids, None]
 
 

@@ -74,9 +74,10 @@ def _hf_name(gguf_name: str) -> str:
     return f"model.layers.{layer}.{_LAYER_NAMES[kind]}.{suffix}"
 
 
-# Block layouts (ggml's): an fp16 scale d, for Q4_1 an fp16 minimum m, then the codes of 32 weights,
-# two to a byte, weights 0..15 in the low nibbles and 16..31 in the high ones.
-_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}
+# Block layouts (ggml's): an fp16 scale d, for Q4_1 an fp16 minimum m, then the codes of 32 weights:
+# Q4_0/Q4_1 two to a byte, weights 0..15 in the low nibbles and 16..31 in the high ones; Q8_0 one
+# signed byte each (w = d * q).
+_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 KEPT_TYPES = tuple(_BLOCK_BYTES)
 
 
@@ -92,7 +93,7 @@ class GGUFWeights:
 
 
 def load_gguf(path: Path, progress: bool = True, keep_codes: bool = False) -> GGUFWeights:
-    """The config and fp32 weights; with `keep_codes`, also the stored codes of Q4_0/Q4_1 tensors."""
+    """The config and fp32 weights; with `keep_codes`, also the stored codes of Q4_0/Q4_1/Q8_0 tensors."""
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
@@ -130,6 +131,9 @@ def _block_codes(data: np.ndarray, kind: str, shape: tuple[int, int]) -> Quantiz
     rows, width = shape
     blocks = data.reshape(rows, width // INT4_GROUP, _BLOCK_BYTES[kind])
     scale = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32))
+    if kind == "Q8_0":
+        codes = torch.from_numpy(blocks[..., 2:].copy().view(np.int8).reshape(rows, width))
+        return QuantizedWeight(8, codes, scale)
     start = 4 if kind == "Q4_1" else 2
     packed = blocks[..., start:]
     nibbles = np.concatenate([packed & 15, packed >> 4], axis=-1)  # weights 0..15, then 16..31

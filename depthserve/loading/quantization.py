@@ -2,11 +2,11 @@
 
 `--quantization` (EngineArgs.quantization):
 - `auto`: on a CPU running bf16 activations, a GGUF is served from its own codes where a CPU
-  kernel reproduces its weights exactly (Q4_0 / Q4_1: int4 groups of 32), every other tensor
-  dequantized (named in a warning; Q8_0's scale per 32 weights has no such kernel, and a tied
-  embedding table stays as the file has it, the lookup and the head reading the same values); with
-  fp32 activations, on CUDA, and for other checkpoints: nothing quantized (the weight-only kernels
-  are slower than fp32 GEMMs with fp32 activations).
+  kernel reproduces its weights exactly (Q4_0 / Q4_1: int4 groups of 32; Q8_0, int8 groups of 32,
+  on the native kernels, `kernels/cpu_native.py`, which also serve a tied embedding table from
+  it), every other tensor dequantized (named in a warning); with fp32 activations, on CUDA, and for
+  other checkpoints: nothing quantized (the weight-only kernels are slower than fp32 GEMMs with
+  fp32 activations).
 - `gguf`: a GGUF's own codes as `auto` chooses them, whatever the activation dtype (vLLM's name).
 - `none`: every weight dequantized, as stored or as the file's dtype.
 - `int4` / `int8`: every linear layer quantized at load (round-to-nearest: int4 per group of 32,
@@ -27,8 +27,9 @@ import torch
 from torch import nn
 
 from depthserve.errors import ConfigurationError
+from depthserve.kernels import cpu_native
 from depthserve.layers.quantized import (DequantScratch, QuantEmbedding, QuantizedWeight, QuantLinear, QuantPolicy,
-                                         concat_rows, quantizable, quantize_rtn)
+                                         concat_rows, quantizable, quantize_rtn, uses_native_kernel)
 from depthserve.loading.weights import parameter_name
 
 log = logging.getLogger(__name__)
@@ -84,11 +85,13 @@ class QuantizationReport:
     dense: list[str] = field(default_factory=list)  # linear weights left dequantized, and why
     weight_error: float | None = None  # relative Frobenius error of the re-rounded weights (RTN)
     resident_bytes: int = 0  # every parameter and buffer of the served model (set by the loader after the cast)
+    kernel: str = ""  # which kernels the quantized layers run, set when any is quantized
 
     def summary(self) -> str:
         error = "" if self.weight_error is None else f", relative weight error {self.weight_error:.4f}"
-        return (f"quantization {self.mode}: {len(self.quantized)} linear weights quantized, {len(self.dense)} dense"
-                f"{error}; weights resident {self.resident_bytes / 2**20:.1f} MiB")
+        kernel = f" ({self.kernel})" if self.kernel else ""
+        return (f"quantization {self.mode}: {len(self.quantized)} linear weights quantized{kernel}, "
+                f"{len(self.dense)} dense{error}; weights resident {self.resident_bytes / 2**20:.1f} MiB")
 
 
 def checkpoint_codes(model: nn.Module, codes: dict[str, QuantizedWeight]) -> dict[str, QuantizedWeight]:
@@ -121,7 +124,7 @@ def quantize_model(model: nn.Module, mode: str, codes: dict[str, QuantizedWeight
         quantized_tables: dict[int, QuantLinear] = {}
         for parent, child_name, linear, name in _linears(model):
             copied = name in keep_dense and len(aliases.get(name, [name])) == 1  # a tie is no copy
-            weight = None if copied else _weight_codes(linear, name, aliases, codes, mode, errors)
+            weight = None if copied else _weight_codes(linear, name, aliases, codes, mode, errors, uses_native_kernel(dtype))
             if weight is None:
                 report.dense.append(name)
                 continue
@@ -130,9 +133,17 @@ def quantize_model(model: nn.Module, mode: str, codes: dict[str, QuantizedWeight
             quantized_tables[id(linear.weight)] = layer
             report.quantized.append(name)
         _share_embedding_tables(model, quantized_tables)
+        if report.quantized:
+            report.kernel = ("native kernels, AVX-512 VNNI" if uses_native_kernel(dtype)
+                             else f"torch's kernels: native ones {_why_not_native(dtype)}")
         if errors:
             report.weight_error = (sum(e for e, _ in errors) / sum(n for _, n in errors)) ** 0.5
     return report
+
+
+def _why_not_native(dtype: torch.dtype) -> str:
+    reason = cpu_native.unavailable_reason()
+    return f"unavailable, {reason}" if reason else f"not used with {str(dtype).removeprefix('torch.')} activations"
 
 
 def _linears(model: nn.Module):
@@ -153,11 +164,11 @@ def _parameter_aliases(model: nn.Module) -> dict[str, list[str]]:
 
 
 def _weight_codes(linear: nn.Linear, name: str, aliases: dict[str, list[str]], codes: dict[str, QuantizedWeight],
-                  mode: str, errors: list[tuple[float, float]]) -> QuantizedWeight | None:
+                  mode: str, errors: list[tuple[float, float]], native: bool) -> QuantizedWeight | None:
     """The codes a linear layer is served from, or None to keep it dense."""
     names = aliases.get(name, [name])
     stored = next((codes[alias] for alias in names if alias in codes), None)
-    bits = _wanted_bits(mode, tied=len(names) > 1, stored=stored)
+    bits = _wanted_bits(mode, tied=len(names) > 1, stored=stored, native=native)
     if bits is None:
         return None
     if stored is not None and stored.bits == bits:
@@ -171,10 +182,14 @@ def _weight_codes(linear: nn.Linear, name: str, aliases: dict[str, list[str]], c
     return rounded
 
 
-def _wanted_bits(mode: str, tied: bool, stored: QuantizedWeight | None) -> int | None:
+def _wanted_bits(mode: str, tied: bool, stored: QuantizedWeight | None, native: bool) -> int | None:
     if mode == "gguf":
-        # Codes only where the kernel reproduces the file; a tied table as the file has it.
-        return None if stored is None or tied else stored.bits
+        # Codes only where a kernel reproduces the file. Q8_0 (a scale per group of 32) only the
+        # native kernel takes, and that also serves a tied table from it; torch's kernels leave a
+        # tied table dense (its int8 kernel scales whole rows).
+        if stored is None or (stored.bits == 8 and stored.grouped and not native):
+            return None
+        return stored.bits if native or not tied else None
     return HEAD_BITS if tied else {"int4": 4, "int8": 8}[mode]
 
 

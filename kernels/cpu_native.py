@@ -1,0 +1,156 @@
+"""The native CPU kernels (`csrc/group_gemm.cpp`): group-quantized weights times int8-quantized
+activations with AVX-512 VNNI dot products, and the same weights dequantized for prefill GEMMs.
+
+Built on first use with torch's extension builder (g++ and ninja, ~1 minute; the build is cached
+under `TORCH_EXTENSIONS_DIR`, `make test` and `make serve` build it once at install) and loaded as
+the torch ops `depthserve_cpu::group_gemm` and `depthserve_cpu::group_dequantize`. Only on CPUs
+with AVX-512 F/BW/VL and AVX-512 VNNI: elsewhere, or where the build fails, `available()` is False
+and the quantized layers use torch's weight-only kernels (the reason is logged once).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "group_gemm.cpp"
+CFLAGS = ["-O3", "-fopenmp", "-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
+          "-mavx512vnni"]
+DISABLE_ENV = "DEPTHSERVE_NO_NATIVE_KERNELS"  # set to 1: never build or use them (torch's kernels instead)
+
+
+def cpu_has_vnni() -> bool:
+    """AVX-512 (torch checks F, BW, VL and DQ) and AVX-512 VNNI."""
+    return bool(torch.cpu._is_avx512_supported() and torch.cpu._is_vnni_supported())
+
+
+@functools.cache
+def unavailable_reason() -> str | None:
+    """Why the native kernels cannot run here (None: they are loaded)."""
+    if os.environ.get(DISABLE_ENV) == "1":
+        return f"{DISABLE_ENV}=1"
+    if not cpu_has_vnni():
+        return "the CPU lacks AVX-512 VNNI"
+    try:
+        from torch.utils import cpp_extension
+
+        _put_venv_ninja_on_path()
+
+        cpp_extension.load(name="depthserve_group_gemm", sources=[str(SOURCE)], extra_cflags=CFLAGS,
+                           extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+    except Exception as exc:  # noqa: BLE001 - a missing compiler, ninja or header: fall back, say why
+        return f"the build failed: {type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
+    _register_fakes()
+    return None
+
+
+def _put_venv_ninja_on_path() -> None:
+    """torch's builder runs `ninja` from PATH; the `ninja` package installs it beside this Python,
+    which is not on PATH when a virtual environment's python runs without being activated."""
+    here = Path(sys.executable).parent
+    if shutil.which("ninja") is None and (here / "ninja").exists():
+        os.environ["PATH"] = f"{here}{os.pathsep}{os.environ.get('PATH', '')}"
+
+
+def available() -> bool:
+    reason = unavailable_reason()
+    if reason is not None:
+        _log_once(reason)
+    return reason is None
+
+
+@functools.cache
+def _log_once(reason: str) -> None:
+    log.info("native CPU kernels not used (%s): quantized layers run torch's weight-only kernels", reason)
+
+
+def _register_fakes() -> None:
+    """Shapes for torch.compile, which calls each op as one opaque node."""
+
+    @torch.library.register_fake("depthserve_cpu::group_gemm")
+    def _(x, codes, scale, low, bits, out_features):
+        return x.new_empty(x.shape[0], out_features)
+
+    @torch.library.register_fake("depthserve_cpu::group_dequantize")
+    def _(codes, scale, low, bits, out_features, dtype):
+        return codes.new_empty(out_features, codes.shape[1] * GROUP, dtype=dtype)
+
+
+GROUP = 32  # inputs per group
+BLOCK = 16  # output rows side by side in the packed layout
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A [out, in] weight in the kernel's layout (csrc/group_gemm.cpp): w = scale * code + low."""
+
+    bits: int
+    out_features: int
+    codes: torch.Tensor  # uint8 [blocks, groups, 16 * 32 * bits / 8]
+    scale: torch.Tensor  # fp16 [blocks, groups, 16]
+    low: torch.Tensor  # fp16 [blocks, groups, 16]
+
+
+def pack(codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, bits: int) -> PackedWeight:
+    """Unsigned codes [out, in] (0..15 or 0..255) with scale and low [out, in / 32] into the kernel's
+    layout; scale and low are rounded to fp16 (exact for GGUF's own fp16 values)."""
+    out_features, width = codes.shape
+    blocks, groups = -(-out_features // BLOCK), width // GROUP
+    if width % GROUP:
+        raise ValueError(f"the input width {width} is not a multiple of {GROUP}")
+    padding = blocks * BLOCK - out_features
+    if padding:
+        codes = torch.cat([codes, codes.new_zeros(padding, width)])
+        scale, low = (torch.cat([t, t.new_zeros(padding, groups)]) for t in (scale, low))
+    # [block, row i, group, step t, input j] -> [block, group, step t, row i, input j]
+    steps = codes.view(blocks, BLOCK, groups, 8, 4).permute(0, 2, 3, 1, 4)
+    if bits == 4:
+        steps = steps[:, :, :4] | (steps[:, :, 4:] << 4)
+    packed = steps.contiguous().view(blocks, groups, BLOCK * GROUP * bits // 8)
+
+    def per_block(t: torch.Tensor) -> torch.Tensor:
+        return t.view(blocks, BLOCK, groups).transpose(1, 2).to(torch.float16).contiguous()
+
+    return PackedWeight(bits, out_features, packed, per_block(scale), per_block(low))
+
+
+def group_gemm(x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
+    """x [n, in] (fp32 or bf16) times the weight [out, in] transposed: [n, out] in x's dtype."""
+    return torch.ops.depthserve_cpu.group_gemm(x, weight.codes, weight.scale, weight.low, weight.bits,
+                                               weight.out_features)
+
+
+def group_dequantize(weight: PackedWeight, dtype: torch.dtype) -> torch.Tensor:
+    """The weight [out, in] = scale * code + low, in dtype (fp32 or bf16)."""
+    return torch.ops.depthserve_cpu.group_dequantize(weight.codes, weight.scale, weight.low, weight.bits,
+                                                     weight.out_features, dtype)
+
+
+def unpack_rows(weight: PackedWeight, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(unsigned codes [n, in], scale [n, in / 32], low [n, in / 32]) of the weight's rows `index`."""
+    blocks, groups = weight.codes.shape[:2]
+    block, row = index // BLOCK, index % BLOCK
+    if weight.bits == 8:
+        steps = weight.codes.view(blocks, groups, 8, BLOCK, 4)[block, :, :, row, :]  # [n, groups, 8, 4]
+    else:
+        nibbles = weight.codes.view(blocks, groups, 4, BLOCK, 4)[block, :, :, row, :]
+        steps = torch.cat([nibbles & 15, nibbles >> 4], dim=2)
+    codes = steps.reshape(len(index), groups * GROUP)
+    return codes, weight.scale[block, :, row].float(), weight.low[block, :, row].float()
+
+
+def dequantize_rows(weight: PackedWeight, index: torch.Tensor) -> torch.Tensor:
+    """Rows `index` of the weight in fp32 (an embedding lookup in a tied head's table). scale * code
+    is exact in fp32 (at most 8 + 11 significant bits), so adding low rounds once, as the kernel does."""
+    codes, scale, low = unpack_rows(weight, index)
+    grouped = codes.view(len(index), -1, GROUP).float() * scale[..., None] + low[..., None]
+    return grouped.view(len(index), -1)

@@ -1,0 +1,105 @@
+"""The native CPU kernels (kernels/csrc/group_gemm.cpp): group-quantized weights times activations
+quantized to int8 per group of 32, against the same arithmetic written in torch, and against the
+unquantized activations within the bound the activation rounding allows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from depthserve.kernels import cpu_native
+from depthserve.layers.quantized import DequantScratch, QuantEmbedding, QuantLinear, QuantPolicy, quantize_rtn
+
+if cpu_native.unavailable_reason() is not None:
+    pytest.skip(f"native CPU kernels unavailable: {cpu_native.unavailable_reason()}", allow_module_level=True)
+
+# (out, in): SmolLM2's qkv, outputs that are no whole block of 16 rows, one group of inputs
+SHAPES = [(960, 576), (100, 64), (33, 96), (16, 32)]
+ROWS = [1, 3, 4, 5, 8, 9, 17]  # the kernel's row tiles are 8, 4 and 1
+
+
+def _weight(shape: tuple[int, int], bits: int, seed: int):
+    """Random unsigned codes with fp16-exact scales and offsets, and the fp64 weight they stand for."""
+    generator = torch.Generator().manual_seed(seed)
+    out, width = shape
+    codes = torch.randint(0, 1 << bits, (out, width), generator=generator, dtype=torch.uint8)
+    scale = (torch.rand(out, width // 32, generator=generator) * 0.02 + 1e-3).half().float()
+    low = (-torch.rand(out, width // 32, generator=generator) * 0.1).half().float()
+    if bits == 8:  # GGUF Q8_0: code q + 128, low = -128 scale
+        low = -128 * scale
+    weight = codes.double().view(out, -1, 32) * scale.double()[..., None] + low.double()[..., None]
+    return cpu_native.pack(codes, scale, low, bits), codes, weight.view(out, width)
+
+
+def _quantized_activations(x: torch.Tensor) -> torch.Tensor:
+    """The kernel's rounding of x, in torch: per group of 32, q = round(x * (127 / max|x|)), x ~ q * max|x| / 127."""
+    groups = x.float().view(x.shape[0], -1, 32)
+    peak = groups.abs().amax(dim=-1, keepdim=True)
+    inverse = torch.where(peak > 0, 127.0 / peak, torch.zeros_like(peak))
+    q = torch.round(groups * inverse)  # half to even, as the kernel's conversion
+    return (q.double() * (peak.double() / 127)).view_as(x)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_group_gemm_is_the_int8_activation_arithmetic(bits, shape):
+    packed, _, weight = _weight(shape, bits, seed=shape[0] + bits)
+    for rows in ROWS:
+        x = torch.randn(rows, shape[1], generator=torch.Generator().manual_seed(rows))
+        x[0, :32] = 0.0  # an all-zero group
+        got = cpu_native.group_gemm(x, packed).double()
+        want = _quantized_activations(x) @ weight.t()
+        # the same products, summed in fp32 in another order
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max(), (rows, (got - want).abs().max())
+        # and against x itself: each activation moves by at most half a step, max|x_g| / 254
+        half_steps = x.double().view(rows, -1, 32).abs().amax(dim=-1) / 254  # [rows, groups]
+        weight_mass = weight.abs().view(shape[0], -1, 32).sum(dim=-1)  # [out, groups]
+        bound = half_steps @ weight_mass.t() + 1e-5 * want.abs().max()
+        assert ((got - x.double() @ weight.t()).abs() <= bound).all()
+        bf16 = cpu_native.group_gemm(x.bfloat16(), packed)
+        assert bf16.dtype == torch.bfloat16
+        exact_bf16 = (_quantized_activations(x.bfloat16()) @ weight.t()).bfloat16()
+        assert (bf16.float() - exact_bf16.float()).abs().max() <= 8e-3 * exact_bf16.float().abs().max()
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_dequantize_and_row_reads_give_the_weight(bits, shape):
+    packed, codes, weight = _weight(shape, bits, seed=7 * shape[0] + bits)
+    assert torch.equal(cpu_native.group_dequantize(packed, torch.float32).double(), weight)
+    assert torch.equal(cpu_native.group_dequantize(packed, torch.bfloat16), weight.float().bfloat16())
+    index = torch.tensor([0, shape[0] - 1, shape[0] // 2, 0])
+    assert torch.equal(cpu_native.dequantize_rows(packed, index).double(), weight[index])
+    assert torch.equal(cpu_native.unpack_rows(packed, index)[0], codes[index])
+
+
+def test_quant_linear_and_tied_embedding_on_the_native_kernel():
+    """bf16 activations take the native kernel up to native_max_rows and dequantize + GEMM above;
+    the int8 head's table serves the embedding lookup."""
+    torch.manual_seed(5)
+    weight, bias = torch.randn(96, 64), torch.randn(96)
+    layer = QuantLinear(quantize_rtn(weight, 8), bias, torch.bfloat16, DequantScratch(),
+                        QuantPolicy(kernel_max_rows=4, native_max_rows=4))
+    assert layer.native is not None and "native" in layer.extra_repr()
+    served = layer.dequantize().double()
+    for rows in (1, 4, 5, 40):
+        x = torch.randn(rows, 64).bfloat16()
+        want = _quantized_activations(x) @ served.t() if rows <= 4 else x.double() @ served.t()
+        got = layer(x).double() - bias.bfloat16().double()
+        assert (got - want).abs().max() <= 2e-2 * want.abs().max(), rows
+    assert torch.equal(layer.integer_codes(), quantize_rtn(weight, 8).codes.to(torch.int32))
+    ids = torch.tensor([[3, 0], [95, 3]])
+    assert torch.equal(QuantEmbedding(layer)(ids), served.float().bfloat16()[ids])
+    fp32_layer = QuantLinear(quantize_rtn(weight, 4), None, torch.float32, DequantScratch(), QuantPolicy())
+    assert fp32_layer.native is None  # fp32 activations stay unrounded, on torch's kernels
+
+
+def test_the_op_compiles_in_a_full_graph():
+    packed, _, weight = _weight((48, 64), 4, seed=1)
+
+    def step(x):
+        return torch.relu(cpu_native.group_gemm(x * 2, packed)) + 1
+
+    x = torch.randn(3, 64)
+    compiled = torch.compile(step, fullgraph=True, dynamic=False)
+    assert torch.allclose(compiled(x), step(x), rtol=1e-6, atol=1e-6)
