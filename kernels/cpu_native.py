@@ -1,9 +1,11 @@
-"""The native CPU kernels (`csrc/group_gemm.cpp`): group-quantized weights times int8-quantized
-activations with AVX-512 VNNI dot products, and the same weights dequantized for prefill GEMMs.
+"""The native CPU kernels: group-quantized weights times int8-quantized activations with AVX-512
+VNNI dot products, and the same weights dequantized for prefill GEMMs (`csrc/group_gemm.cpp`); the
+decode step's paged attention and KV store (`csrc/paged_attention.cpp`); RMSNorm (`csrc/norm.cpp`).
 
 Built on first use with torch's extension builder (g++ and ninja, ~1 minute; the build is cached
 under `TORCH_EXTENSIONS_DIR`, `make test` and `make serve` build it once at install) and loaded as
-the torch ops `depthserve_cpu::group_gemm` and `depthserve_cpu::group_dequantize`. Only on CPUs
+the torch ops `depthserve_cpu::group_gemm`, `group_dequantize`, `paged_decode_attention`,
+`store_kv` and `rms_norm`. Only on CPUs
 with AVX-512 F/BW/VL and AVX-512 VNNI: elsewhere, or where the build fails, `available()` is False
 and the quantized layers use torch's weight-only kernels (the reason is logged once).
 """
@@ -22,7 +24,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "group_gemm.cpp"
+SOURCES = [Path(__file__).resolve().parent / "csrc" / name for name in ("group_gemm.cpp", "paged_attention.cpp", "norm.cpp")]
 CFLAGS = ["-O3", "-fopenmp", "-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
           "-mavx512vnni"]
 DISABLE_ENV = "DEPTHSERVE_NO_NATIVE_KERNELS"  # set to 1: never build or use them (torch's kernels instead)
@@ -45,7 +47,8 @@ def unavailable_reason() -> str | None:
 
         _put_venv_ninja_on_path()
 
-        cpp_extension.load(name="depthserve_group_gemm", sources=[str(SOURCE)], extra_cflags=CFLAGS,
+        cpp_extension.load(name="depthserve_cpu_kernels", sources=[str(source) for source in SOURCES], extra_cflags=CFLAGS,
+                           extra_include_paths=[str(SOURCES[0].parent)],
                            extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     except Exception as exc:  # noqa: BLE001 - a missing compiler, ninja or header: fall back, say why
         return f"the build failed: {type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
@@ -77,8 +80,20 @@ def _register_fakes() -> None:
     """Shapes for torch.compile, which calls each op as one opaque node."""
 
     @torch.library.register_fake("depthserve_cpu::group_gemm")
-    def _(x, codes, scale, low, bits, out_features):
+    def _(x, codes, scale, low, bits, out_features, refine):
         return x.new_empty(x.shape[0], out_features)
+
+    @torch.library.register_fake("depthserve_cpu::paged_decode_attention")
+    def _(q, k_pages, v_pages, page_table, context_lens, scale):
+        return torch.empty_like(q)
+
+    @torch.library.register_fake("depthserve_cpu::rms_norm")
+    def _(x, weight, eps):
+        return torch.empty_like(x)
+
+    @torch.library.register_fake("depthserve_cpu::store_kv")
+    def _(k, v, k_pages, v_pages, slot_index):
+        return None
 
     @torch.library.register_fake("depthserve_cpu::group_dequantize")
     def _(codes, scale, low, bits, out_features, dtype):
@@ -123,10 +138,12 @@ def pack(codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, bits: int)
     return PackedWeight(bits, out_features, packed, per_block(scale), per_block(low))
 
 
-def group_gemm(x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
-    """x [n, in] (fp32 or bf16) times the weight [out, in] transposed: [n, out] in x's dtype."""
+def group_gemm(x: torch.Tensor, weight: PackedWeight, refine: bool = False) -> torch.Tensor:
+    """x [n, in] (fp32 or bf16) times the weight [out, in] transposed: [n, out] in x's dtype. The
+    activations are rounded to int8 per group of 32 (within max|x_g| / 254); with `refine`, to
+    16-bit precision (within max|x_g| / 64516) at twice the integer work (csrc/group_gemm.cpp)."""
     return torch.ops.depthserve_cpu.group_gemm(x, weight.codes, weight.scale, weight.low, weight.bits,
-                                               weight.out_features)
+                                               weight.out_features, refine)
 
 
 def group_dequantize(weight: PackedWeight, dtype: torch.dtype) -> torch.Tensor:
@@ -154,3 +171,43 @@ def dequantize_rows(weight: PackedWeight, index: torch.Tensor) -> torch.Tensor:
     codes, scale, low = unpack_rows(weight, index)
     grouped = codes.view(len(index), -1, GROUP).float() * scale[..., None] + low[..., None]
     return grouped.view(len(index), -1)
+
+
+# ---- paged attention: kernels/paged.py's decode ops, where the shapes fit the native kernel ----------
+MAX_HEAD_DIM, MAX_GROUP = 256, 8
+
+
+def attention_fits(head_dim: int, num_q_heads: int, num_kv_heads: int, *tensors: torch.Tensor) -> bool:
+    return (head_dim % 16 == 0 and head_dim <= MAX_HEAD_DIM and num_q_heads % num_kv_heads == 0
+            and num_q_heads // num_kv_heads <= MAX_GROUP
+            and all(t.dtype in (torch.float32, torch.bfloat16) and t.device.type == "cpu" for t in tensors))
+
+
+def paged_decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, page_table: torch.Tensor,
+                           context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """kernels/paged.py's `paged_decode_attention` as one native call (there where the shapes fit)."""
+    if not attention_fits(q.shape[-1], q.shape[1], page_table.shape[1], q, k_pages, v_pages) or q.stride(-1) != 1:
+        from depthserve.kernels import paged
+
+        return paged.paged_decode_attention(q, k_pages, v_pages, page_table, context_lens, scale)
+    return torch.ops.depthserve_cpu.paged_decode_attention(q, k_pages, v_pages, page_table, context_lens, scale)
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
+             slot_index: torch.Tensor) -> None:
+    """kernels/paged.py's `store_kv` as one native call (there where the shapes fit)."""
+    if (not attention_fits(k.shape[-1], 1, 1, k, v, k_pages, v_pages) or k.dtype != v.dtype
+            or k.stride(-1) != 1 or v.stride(-1) != 1):
+        from depthserve.kernels import paged
+
+        paged.store_kv(k, v, k_pages, v_pages, slot_index)
+        return
+    torch.ops.depthserve_cpu.store_kv(k, v, k_pages, v_pages, slot_index)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """F.rms_norm over the last dimension as one native call (x fp32 or bf16, on the CPU)."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    return torch.ops.depthserve_cpu.rms_norm(rows, weight, eps).view(x.shape)

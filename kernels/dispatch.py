@@ -5,7 +5,8 @@ reference) and, for the hot ones, a Triton kernel of the same signature and mean
 (`kernels/triton/<family>.py`). A `Kernels` object binds every op once, by its backend:
 
 - "auto": the Triton kernel when the op's first tensor lives on a CUDA device (and triton
-  imports), else the torch implementation;
+  imports); on the CPU, the decode step's KV store and attention (`NATIVE_CPU_OPS`) as native
+  kernels where they load (kernels/cpu_native.py), else the torch implementation;
 - "torch": always torch;
 - "triton": the Triton kernel on any device (on CPU that needs `TRITON_INTERPRET=1` set before
   the first kernel runs: the tests' Triton variants).
@@ -40,6 +41,14 @@ OP_NAMES = tuple(name for names in FAMILIES.values() for name in names)
 # paged_prefill_attention: the varlen kernel covers single prompts; saobp_prefill_attention: torch only
 TRITON_OPS = frozenset(OP_NAMES) - {"paged_prefill_attention", "saobp_prefill_attention"}
 BACKENDS = ("auto", "torch", "triton")
+NATIVE_CPU_OPS = frozenset({"store_kv", "paged_decode_attention"})  # kernels/csrc/paged_attention.cpp
+
+
+def native_cpu_op(name: str) -> Callable | None:
+    """The native CPU kernel of an op, where it has one and the kernels load here."""
+    from depthserve.kernels import cpu_native
+
+    return getattr(cpu_native, name) if name in NATIVE_CPU_OPS and cpu_native.available() else None
 
 
 @functools.cache
@@ -83,6 +92,8 @@ class Kernels:
 
     def _bind(self, family: str, name: str) -> Callable:
         fallback = getattr(module(family, False), name)
+        if self.backend == "auto":
+            fallback = native_cpu_op(name) or fallback
         kernels = module(family, True) if name in TRITON_OPS and self.backend != "torch" else None
         if kernels is None:
             return fallback

@@ -109,5 +109,7 @@ def custom_op(backend: str, name: str) -> Callable:
                                  schema=spec.schema)
     if backend == "auto" and triton_impl is not None:
         op.register_kernel("cuda", on_op(triton_impl))
+    if backend == "auto" and (native := dispatch.native_cpu_op(name)) is not None:
+        op.register_kernel("cpu", on_op(native))
     op.register_fake(spec.outputs or (lambda *args: None))
     return spec.calling(op) if spec.calling is not None else op

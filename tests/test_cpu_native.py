@@ -103,3 +103,92 @@ def test_the_op_compiles_in_a_full_graph():
     x = torch.randn(3, 64)
     compiled = torch.compile(step, fullgraph=True, dynamic=False)
     assert torch.allclose(compiled(x), step(x), rtol=1e-6, atol=1e-6)
+
+
+# ---- the decode step's paged attention and KV store -------------------------------------------------
+def _pool(num_pages: int, block_size: int, head_dim: int, dtype: torch.dtype, seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(num_pages, block_size, head_dim, generator=generator).to(dtype) for _ in range(2))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads", [(9, 3, 64), (4, 4, 32), (16, 2, 128)])
+def test_paged_decode_attention_equals_the_torch_version(dtype, heads):
+    from depthserve.kernels import paged
+
+    num_q, num_kv, dim = heads
+    block_size, batch, blocks = 8, 4, 6
+    k_pages, v_pages = _pool(40, block_size, dim, dtype, seed=dim)
+    generator = torch.Generator().manual_seed(num_q)
+    table = torch.randint(0, 40, (batch, num_kv, blocks), generator=generator, dtype=torch.int32)
+    lengths = torch.tensor([1, 17, blocks * block_size, 0])  # one block, mid-block, every block, a padding row
+    wide = torch.randn(batch, num_q, dim + 16, generator=generator).to(dtype)
+    q = wide[..., :dim]  # not contiguous: a view, as the qkv split gives
+    got = cpu_native.paged_decode_attention(q, k_pages, v_pages, table.transpose(1, 2).contiguous().transpose(1, 2),
+                                            lengths, 0.125)
+    want = paged.paged_decode_attention(q, k_pages, v_pages, table, lengths.clamp(min=1), 0.125)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the output rounded once, the torch path rounds P too
+    assert got.dtype == dtype
+    assert (got[:3].float() - want[:3].float()).abs().max() <= tol * want.float().abs().max()
+    assert torch.equal(got[3], torch.zeros_like(got[3]))
+
+
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                    (torch.float32, torch.bfloat16)])
+def test_store_kv_equals_the_torch_version(dtypes):
+    from depthserve.kernels import paged
+
+    source_dtype, page_dtype = dtypes
+    k_pages, v_pages = _pool(6, 4, 32, page_dtype, seed=2)
+    generator = torch.Generator().manual_seed(3)
+    k = torch.randn(3, 2, 48, generator=generator).to(source_dtype)[..., :32]
+    v = torch.randn(3, 2, 32, generator=generator).to(source_dtype)
+    slots = torch.tensor([[0, 5], [-1, 23], [9, -1]])
+    expected_k, expected_v = k_pages.clone(), v_pages.clone()
+    paged.store_kv(k, v, expected_k, expected_v, slots)
+    cpu_native.store_kv(k, v, k_pages, v_pages, slots)
+    assert torch.equal(k_pages, expected_k) and torch.equal(v_pages, expected_v)
+
+
+def test_the_auto_backend_runs_the_native_decode_ops_on_cpu():
+    from depthserve.kernels import Kernels, paged
+
+    def cpu_implementation(op):  # under a by-device wrapper where triton imports
+        return getattr(op, "__wrapped__", op)
+
+    auto, reference = Kernels("auto"), Kernels("torch")
+    assert cpu_implementation(auto.paged_decode_attention) is cpu_native.paged_decode_attention
+    assert cpu_implementation(auto.store_kv) is cpu_native.store_kv
+    assert reference.paged_decode_attention is paged.paged_decode_attention
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [576, 40, 16])
+def test_rms_norm_equals_torch(dtype, width):
+    import torch.nn.functional as F
+
+    generator = torch.Generator().manual_seed(width)
+    x = (torch.randn(5, 3, width, generator=generator) * 3).to(dtype)
+    weight = torch.randn(width, generator=generator).to(dtype)
+    got = cpu_native.rms_norm(x, weight, 1e-5)
+    want = F.rms_norm(x.double(), (width,), weight.double(), 1e-5)
+    assert got.shape == x.shape and got.dtype == dtype
+    # fp32: summation order; bf16: one rounding of the result (2^-8 relative)
+    tol = 1e-6 if dtype == torch.float32 else 2 ** -8
+    assert ((got.double() - want).abs() <= tol * want.abs() + 1e-6).all()
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_refined_activations_reach_16_bit_precision(bits):
+    """`refine` rounds each activation twice (the second time its rounding error, with a step 254x
+    finer): within max|x_g| / 64516 of x, where one rounding is within max|x_g| / 254."""
+    shape = (100, 96)
+    packed, _, weight = _weight(shape, bits, seed=11)
+    x = torch.randn(9, shape[1], generator=torch.Generator().manual_seed(4)) * 5
+    weight_mass = weight.abs().view(shape[0], -1, 32).sum(dim=-1)  # [out, groups]
+    peaks = x.double().view(9, -1, 32).abs().amax(dim=-1)  # [rows, groups]
+    exact = x.double() @ weight.t()
+    coarse = (cpu_native.group_gemm(x, packed).double() - exact).abs()
+    fine = (cpu_native.group_gemm(x, packed, refine=True).double() - exact).abs()
+    assert (fine <= peaks / 64516 @ weight_mass.t() + 1e-5 * exact.abs().max()).all()
+    assert fine.max() < coarse.max() / 50

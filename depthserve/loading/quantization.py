@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 
 QUANTIZATION_MODES = ("auto", "none", "gguf", "int8", "int4")
 HEAD_BITS = 8  # the tied head / embedding table: int8 rows serve both the lookup and the head
+OUTPUT_HEAD = "lm_head.weight"  # every architecture's output projection, by the checkpoint format's name
 
 
 def cpu_supports_bf16() -> bool:
@@ -128,7 +129,7 @@ def quantize_model(model: nn.Module, mode: str, codes: dict[str, QuantizedWeight
             if weight is None:
                 report.dense.append(name)
                 continue
-            layer = QuantLinear(weight, linear.bias, dtype, scratch, policy)
+            layer = QuantLinear(weight, linear.bias, dtype, scratch, policy, refine_activations=name == OUTPUT_HEAD)
             setattr(parent, child_name, layer)
             quantized_tables[id(linear.weight)] = layer
             report.quantized.append(name)

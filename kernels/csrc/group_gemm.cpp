@@ -23,6 +23,8 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include "simd.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -30,41 +32,75 @@
 
 namespace {
 
+using depthserve_simd::load16;
+using depthserve_simd::store16;
+
 constexpr int64_t kGroup = 32;
 constexpr int64_t kBlock = 16;     // output rows side by side in the packed layout
 constexpr int64_t kSteps = 8;      // 4-input steps in a group
 constexpr int64_t kRowTile = 8;    // activation rows that share one unpacked weight block-group
 
-// Activations quantized per group: codes [n, k], the step s [n, G] and s * sum(q) [n, G].
+// Activations quantized per group: codes [n, k], the step s [n, G] and s * sum(q) [n, G]. Refined
+// (`refine`, for the LM head, whose logits are compared across the vocabulary): the rounding error
+// of each value quantized once more, with the step s / 254, into `residual` codes, so that
+// x ~ s q + (s / 254) q' within s / 508 (16-bit precision instead of 8); step_times_sum then holds
+// s sum(q) + (s / 254) sum(q').
 struct QuantizedActivations {
   int64_t rows, width, groups;
-  std::vector<int8_t> codes;
+  bool refined;
+  std::vector<int8_t> codes, residual;
   std::vector<float> step;
   std::vector<float> step_times_sum;
 };
 
-QuantizedActivations quantize_activations(const at::Tensor& x) {
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
-  QuantizedActivations q{xf.size(0), xf.size(1), xf.size(1) / kGroup, {}, {}, {}};
+constexpr float kResidualSteps = 254.0f;
+
+inline void store_codes(int8_t* dst, __m512i a, __m512i b) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtsepi32_epi8(a));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm512_cvtsepi32_epi8(b));
+}
+
+template <typename T>
+QuantizedActivations quantize_activations(const at::Tensor& x, bool refine) {
+  QuantizedActivations q{x.size(0), x.size(1), x.size(1) / kGroup, refine, {}, {}, {}, {}};
   q.codes.resize(q.rows * q.width);
+  if (refine) q.residual.resize(q.rows * q.width);
   q.step.resize(q.rows * q.groups);
   q.step_times_sum.resize(q.rows * q.groups);
-  const float* src = xf.data_ptr<float>();
+  const T* src = x.data_ptr<T>();
   for (int64_t i = 0; i < q.rows * q.groups; ++i) {
-    const float* v = src + i * kGroup;
-    const __m512 a = _mm512_loadu_ps(v), b = _mm512_loadu_ps(v + 16);
+    const T* v = src + (i / q.groups) * x.stride(0) + (i % q.groups) * kGroup;
+    const __m512 a = load16(v), b = load16(v + 16);
     const float peak = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
     const float inverse = peak > 0.0f ? 127.0f / peak : 0.0f;
     // rounds to nearest (even on ties), the MXCSR default
     const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(inverse)));
     const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(inverse)));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q.codes.data() + i * kGroup), _mm512_cvtsepi32_epi8(qa));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q.codes.data() + i * kGroup + 16), _mm512_cvtsepi32_epi8(qb));
+    store_codes(q.codes.data() + i * kGroup, qa, qb);
     const float step = peak / 127.0f;
     q.step[i] = step;
-    q.step_times_sum[i] = step * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb)));
+    float sums = step * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb)));
+    if (refine) {
+      const __m512 s = _mm512_set1_ps(step), fine = _mm512_set1_ps(peak > 0.0f ? kResidualSteps / step : 0.0f);
+      const __m512i ra = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_fnmadd_ps(_mm512_cvtepi32_ps(qa), s, a), fine));
+      const __m512i rb = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_fnmadd_ps(_mm512_cvtepi32_ps(qb), s, b), fine));
+      store_codes(q.residual.data() + i * kGroup, ra, rb);
+      sums += step / kResidualSteps * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(ra, rb)));
+    }
+    q.step_times_sum[i] = sums;
   }
   return q;
+}
+
+// One group's integer dot products of 16 weight rows with 32 activation codes.
+inline __m512 group_dot(const __m512i w[], const int8_t* codes) {
+  const int32_t* q = reinterpret_cast<const int32_t*>(codes);
+  __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
+  for (int64_t t = 0; t < kSteps; t += 2) {
+    even = _mm512_dpbusd_epi32(even, w[t], _mm512_set1_epi32(q[t]));
+    odd = _mm512_dpbusd_epi32(odd, w[t + 1], _mm512_set1_epi32(q[t + 1]));
+  }
+  return _mm512_cvtepi32_ps(_mm512_add_epi32(even, odd));
 }
 
 // The 8 steps of one block-group: w[t] byte 4 i + j = u[row i of the block, input 4 t + j of the group].
@@ -95,9 +131,9 @@ void check_weight(const at::Tensor& codes, const at::Tensor& scale, const at::Te
   }
 }
 
-template <int64_t Rows>
+template <int64_t Rows, typename T>
 void block_rows(const uint8_t* codes, const c10::Half* scale, const c10::Half* low, const QuantizedActivations& x,
-                int64_t first_row, int64_t bits, float* y, int64_t out_stride) {
+                int64_t first_row, int64_t bits, T* y, int64_t out_stride) {
   __m512 acc[Rows];
   for (int64_t r = 0; r < Rows; ++r) acc[r] = _mm512_setzero_ps();
   __m512i w[kSteps];
@@ -107,35 +143,25 @@ void block_rows(const uint8_t* codes, const c10::Half* scale, const c10::Half* l
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scale + g * kBlock)));
     const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(low + g * kBlock)));
     for (int64_t r = 0; r < Rows; ++r) {
-      const int64_t row = first_row + r;
-      const int32_t* q = reinterpret_cast<const int32_t*>(x.codes.data() + row * x.width + g * kGroup);
-      __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
-      for (int64_t t = 0; t < kSteps; t += 2) {
-        even = _mm512_dpbusd_epi32(even, w[t], _mm512_set1_epi32(q[t]));
-        odd = _mm512_dpbusd_epi32(odd, w[t + 1], _mm512_set1_epi32(q[t + 1]));
+      const int64_t row = first_row + r, at = row * x.width + g * kGroup;
+      const float step = x.step[row * x.groups + g];
+      acc[r] = _mm512_fmadd_ps(group_dot(w, x.codes.data() + at), _mm512_mul_ps(d, _mm512_set1_ps(step)), acc[r]);
+      if (x.refined) {
+        const __m512 fine = _mm512_mul_ps(d, _mm512_set1_ps(step / kResidualSteps));
+        acc[r] = _mm512_fmadd_ps(group_dot(w, x.residual.data() + at), fine, acc[r]);
       }
-      const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(even, odd));
-      acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(d, _mm512_set1_ps(x.step[row * x.groups + g])), acc[r]);
       acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(x.step_times_sum[row * x.groups + g]), acc[r]);
     }
   }
-  for (int64_t r = 0; r < Rows; ++r) _mm512_storeu_ps(y + (first_row + r) * out_stride, acc[r]);
+  for (int64_t r = 0; r < Rows; ++r) store16(y + (first_row + r) * out_stride, acc[r]);
 }
 
-// y [n, out] = x [n, in] times the weight's transpose, in x's dtype (fp32 accumulation); `out` is
-// the unpadded number of output rows.
-at::Tensor group_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& low,
-                      int64_t bits, int64_t out_features) {
-  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "group_gemm: x must be a 2-D CPU tensor");
-  check_weight(codes, scale, low, bits);
-  TORCH_CHECK(x.size(1) == codes.size(1) * kGroup, "group_gemm: x has ", x.size(1), " inputs, the weight ",
-              codes.size(1) * kGroup);
-  const int64_t blocks = codes.size(0), rows = x.size(0), padded = blocks * kBlock;
-  TORCH_CHECK(out_features <= padded && out_features > padded - kBlock, "group_gemm: out_features ", out_features,
-              " does not match ", blocks, " blocks of 16 rows");
-  const QuantizedActivations q = quantize_activations(x);
-  at::Tensor out = at::empty({rows, padded}, x.options().dtype(at::kFloat));
-  float* y = out.data_ptr<float>();
+template <typename T>
+void multiply(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& low,
+              int64_t bits, bool refine, at::Tensor& out) {
+  const QuantizedActivations q = quantize_activations<T>(x, refine);
+  const int64_t blocks = codes.size(0), rows = x.size(0), padded = out.size(1);
+  T* y = out.data_ptr<T>();
   const uint8_t* all_codes = codes.data_ptr<uint8_t>();
   const c10::Half* all_scales = scale.data_ptr<c10::Half>();
   const c10::Half* all_lows = low.data_ptr<c10::Half>();
@@ -145,23 +171,31 @@ at::Tensor group_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Te
       const uint8_t* c = all_codes + b * codes_per_block;
       const c10::Half* d = all_scales + b * scales_per_block;
       const c10::Half* m = all_lows + b * scales_per_block;
-      float* column = y + b * kBlock;
+      T* column = y + b * kBlock;
       int64_t r = 0;
       for (; r + kRowTile <= rows; r += kRowTile) block_rows<kRowTile>(c, d, m, q, r, bits, column, padded);
       for (; r + 4 <= rows; r += 4) block_rows<4>(c, d, m, q, r, bits, column, padded);
       for (; r < rows; ++r) block_rows<1>(c, d, m, q, r, bits, column, padded);
     }
   });
-  if (out_features != padded) out = out.narrow(1, 0, out_features).contiguous();
-  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
 }
 
-// fp32 -> bf16 rounding to nearest even (finite values: the weights are finite).
-inline __m256i to_bf16(__m512 v) {
-  const __m512i bits32 = _mm512_castps_si512(v);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits32, 16), _mm512_set1_epi32(1));
-  return _mm512_cvtepi32_epi16(
-      _mm512_srli_epi32(_mm512_add_epi32(bits32, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16));
+// y [n, out] = x [n, in] times the weight's transpose, in x's dtype (fp32 accumulation, rounded once);
+// `out_features` is the unpadded number of output rows.
+at::Tensor group_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& low,
+                      int64_t bits, int64_t out_features, bool refine) {
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && x.stride(1) == 1, "group_gemm: x must be a 2-D CPU tensor, rows contiguous");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "group_gemm: x must be fp32 or bf16");
+  check_weight(codes, scale, low, bits);
+  TORCH_CHECK(x.size(1) == codes.size(1) * kGroup, "group_gemm: x has ", x.size(1), " inputs, the weight ",
+              codes.size(1) * kGroup);
+  const int64_t padded = codes.size(0) * kBlock;
+  TORCH_CHECK(out_features <= padded && out_features > padded - kBlock, "group_gemm: out_features ", out_features,
+              " does not match ", codes.size(0), " blocks of 16 rows");
+  at::Tensor out = at::empty({x.size(0), padded}, x.options());
+  if (x.scalar_type() == at::kFloat) multiply<float>(x, codes, scale, low, bits, refine, out);
+  else multiply<at::BFloat16>(x, codes, scale, low, bits, refine, out);
+  return out_features == padded ? out : out.narrow(1, 0, out_features).contiguous();
 }
 
 // The weight [out, in] = d * u + low in `dtype` (fp32 or bf16), for the prefill path's GEMM.
@@ -199,8 +233,8 @@ at::Tensor group_dequantize(const at::Tensor& codes, const at::Tensor& scale, co
           _mm512_storeu_ps(out_float + at, lo);
           _mm512_storeu_ps(out_float + at + 16, hi);
         } else {
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(out_bf16 + at), to_bf16(lo));
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(out_bf16 + at + 16), to_bf16(hi));
+          store16(out_bf16 + at, lo);
+          store16(out_bf16 + at + 16, hi);
         }
       }
     }
@@ -211,7 +245,7 @@ at::Tensor group_dequantize(const at::Tensor& codes, const at::Tensor& scale, co
 }  // namespace
 
 TORCH_LIBRARY(depthserve_cpu, m) {
-  m.def("group_gemm(Tensor x, Tensor codes, Tensor scale, Tensor low, int bits, int out_features) -> Tensor");
+  m.def("group_gemm(Tensor x, Tensor codes, Tensor scale, Tensor low, int bits, int out_features, bool refine) -> Tensor");
   m.def("group_dequantize(Tensor codes, Tensor scale, Tensor low, int bits, int out_features, "
         "ScalarType dtype) -> Tensor");
 }

@@ -1,0 +1,176 @@
+// Decode-step attention over the paged KV cache on the CPU, and the store of a step's keys and
+// values into it: the same ops as kernels/paged.py (`store_kv`, `paged_decode_attention`), each
+// one call instead of the dozen torch ops (gathers, masks, SDPA) the torch version dispatches per
+// layer. kernels/cpu_native.py builds and loads this file with group_gemm.cpp.
+//
+// Layout (kernels/paged.py): k_pages, v_pages [num_pages, block_size, head_dim], one KV head of one
+// slot per page; a table row lists, per block of block_size tokens, the page of each KV head.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include "simd.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+namespace {
+
+using depthserve_simd::load16;
+using depthserve_simd::store16;
+
+constexpr int64_t kMaxDim = 256;  // head_dim up to 256, a multiple of 16
+
+// One (sequence, KV head): its group of query heads over its keys, softmax in fp32 in two passes
+// (scores, then the weighted sum of values).
+template <typename Q, typename P>
+void attend_one(const Q* q, int64_t q_head_stride, int64_t group, const P* k_pages, const P* v_pages,
+                const int64_t* pages, int64_t length, int64_t block_size, int64_t dim, float scale,
+                Q* out, int64_t out_head_stride, std::vector<float>& scores) {
+  const int64_t chunks = dim / 16;
+  if (length <= 0) {  // nothing visible (a padding row): zeros, as a fully masked row has no weights
+    for (int64_t g = 0; g < group; ++g)
+      for (int64_t c = 0; c < chunks; ++c) store16(out + g * out_head_stride + 16 * c, _mm512_setzero_ps());
+    return;
+  }
+  scores.resize(group * length);
+  __m512 query[8][kMaxDim / 16];
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t c = 0; c < chunks; ++c)
+      query[g][c] = _mm512_mul_ps(load16(q + g * q_head_stride + 16 * c), _mm512_set1_ps(scale));
+  for (int64_t t = 0; t < length; ++t) {
+    const P* key = k_pages + (pages[t / block_size] * block_size + t % block_size) * dim;
+    __m512 k[kMaxDim / 16];
+    for (int64_t c = 0; c < chunks; ++c) k[c] = load16(key + 16 * c);
+    for (int64_t g = 0; g < group; ++g) {
+      __m512 acc = _mm512_mul_ps(query[g][0], k[0]);
+      for (int64_t c = 1; c < chunks; ++c) acc = _mm512_fmadd_ps(query[g][c], k[c], acc);
+      scores[g * length + t] = _mm512_reduce_add_ps(acc);
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    float* s = scores.data() + g * length;
+    const float peak = *std::max_element(s, s + length);
+    float total = 0.0f;
+    for (int64_t t = 0; t < length; ++t) total += (s[t] = std::exp(s[t] - peak));
+    const float inverse = 1.0f / total;
+    for (int64_t t = 0; t < length; ++t) s[t] *= inverse;
+  }
+  __m512 acc[8][kMaxDim / 16];
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t c = 0; c < chunks; ++c) acc[g][c] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < length; ++t) {
+    const P* value = v_pages + (pages[t / block_size] * block_size + t % block_size) * dim;
+    __m512 v[kMaxDim / 16];
+    for (int64_t c = 0; c < chunks; ++c) v[c] = load16(value + 16 * c);
+    for (int64_t g = 0; g < group; ++g) {
+      const __m512 p = _mm512_set1_ps(scores[g * length + t]);
+      for (int64_t c = 0; c < chunks; ++c) acc[g][c] = _mm512_fmadd_ps(p, v[c], acc[g][c]);
+    }
+  }
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t c = 0; c < chunks; ++c) store16(out + g * out_head_stride + 16 * c, acc[g][c]);
+}
+
+template <typename Q, typename P>
+void decode_attention(const at::Tensor& q, const at::Tensor& k_pages, const at::Tensor& v_pages,
+                      const at::Tensor& table, const at::Tensor& lengths, double scale, at::Tensor& out) {
+  const int64_t batch = q.size(0), q_heads = q.size(1), dim = q.size(2), kv_heads = table.size(1);
+  const int64_t blocks = table.size(2), block_size = k_pages.size(1), group = q_heads / kv_heads;
+  const Q* q_data = q.data_ptr<Q>();
+  Q* out_data = out.data_ptr<Q>();
+  const P* k_data = k_pages.data_ptr<P>();
+  const P* v_data = v_pages.data_ptr<P>();
+  const int64_t* table_data = table.data_ptr<int64_t>();
+  const int64_t* length_data = lengths.data_ptr<int64_t>();
+  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = i / kv_heads, h = i % kv_heads;
+      const int64_t length = std::min(length_data[b], blocks * block_size);
+      const int64_t first_head = h * group;
+      attend_one<Q, P>(q_data + b * q.stride(0) + first_head * q.stride(1), q.stride(1), group, k_data, v_data,
+                       table_data + (b * kv_heads + h) * blocks, length, block_size, dim, static_cast<float>(scale),
+                       out_data + (b * q_heads + first_head) * dim, dim, scores);
+    }
+  });
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pages, const at::Tensor& v_pages,
+                                  const at::Tensor& page_table, const at::Tensor& context_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "paged_decode_attention: q must be [batch, heads, dim], dim contiguous");
+  TORCH_CHECK(k_pages.is_contiguous() && v_pages.is_contiguous() && k_pages.dtype() == v_pages.dtype(),
+              "paged_decode_attention: contiguous K and V pages of one dtype");
+  const int64_t dim = q.size(2), kv_heads = page_table.size(1);
+  TORCH_CHECK(dim % 16 == 0 && dim <= kMaxDim, "paged_decode_attention: head_dim must be a multiple of 16, at most 256");
+  TORCH_CHECK(q.size(1) % kv_heads == 0 && q.size(1) / kv_heads <= 8,
+              "paged_decode_attention: at most 8 query heads per KV head");
+  TORCH_CHECK(k_pages.size(2) == dim, "paged_decode_attention: pages of head_dim ", k_pages.size(2));
+  const at::Tensor table = page_table.to(at::kLong).contiguous();
+  const at::Tensor lengths = context_lens.to(at::kLong).contiguous();
+  at::Tensor out = at::empty({q.size(0), q.size(1), dim}, q.options());
+  const bool bf16_pages = k_pages.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(bf16_pages || k_pages.scalar_type() == at::kFloat, "paged_decode_attention: fp32 or bf16 pages");
+  if (q.scalar_type() == at::kBFloat16) {
+    if (bf16_pages) decode_attention<at::BFloat16, at::BFloat16>(q, k_pages, v_pages, table, lengths, scale, out);
+    else decode_attention<at::BFloat16, float>(q, k_pages, v_pages, table, lengths, scale, out);
+  } else {
+    TORCH_CHECK(q.scalar_type() == at::kFloat, "paged_decode_attention: fp32 or bf16 queries");
+    if (bf16_pages) decode_attention<float, at::BFloat16>(q, k_pages, v_pages, table, lengths, scale, out);
+    else decode_attention<float, float>(q, k_pages, v_pages, table, lengths, scale, out);
+  }
+  return out;
+}
+
+// k, v [tokens, kv_heads, dim] into the pages at slot_index [tokens, kv_heads] (page * block_size +
+// offset; -1: a padding row, not stored), converted to the pages' dtype.
+template <typename S, typename P>
+void store_rows(const at::Tensor& source, at::Tensor& pages, const at::Tensor& index) {
+  const int64_t tokens = source.size(0), heads = source.size(1), dim = source.size(2);
+  const S* src = source.data_ptr<S>();
+  P* dst = pages.data_ptr<P>();
+  const int64_t* slots = index.data_ptr<int64_t>();
+  for (int64_t i = 0; i < tokens * heads; ++i) {
+    if (slots[i] < 0) continue;
+    const S* row = src + (i / heads) * source.stride(0) + (i % heads) * source.stride(1);
+    P* target = dst + slots[i] * dim;
+    for (int64_t c = 0; c < dim; c += 16) store16(target + c, load16(row + c));
+  }
+}
+
+void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_pages, at::Tensor& v_pages,
+              const at::Tensor& slot_index) {
+  TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.stride(2) == 1 && v.stride(2) == 1,
+              "store_kv: k and v must be [tokens, heads, dim], dim contiguous");
+  TORCH_CHECK(k_pages.is_contiguous() && v_pages.is_contiguous(), "store_kv: contiguous pages");
+  TORCH_CHECK(k.size(2) % 16 == 0 && k_pages.size(2) == k.size(2), "store_kv: head_dim a multiple of 16");
+  TORCH_CHECK(k.dtype() == v.dtype() && k_pages.dtype() == v_pages.dtype(), "store_kv: one dtype for k and v");
+  const at::Tensor index = slot_index.to(at::kLong).contiguous();
+  TORCH_CHECK(index.numel() == k.size(0) * k.size(1), "store_kv: one slot per token and head");
+  const bool bf16_source = k.scalar_type() == at::kBFloat16, bf16_pages = k_pages.scalar_type() == at::kBFloat16;
+  TORCH_CHECK((bf16_source || k.scalar_type() == at::kFloat) && (bf16_pages || k_pages.scalar_type() == at::kFloat),
+              "store_kv: fp32 or bf16");
+  for (auto [source, pages] : {std::pair<const at::Tensor*, at::Tensor*>{&k, &k_pages}, {&v, &v_pages}}) {
+    if (bf16_source && bf16_pages) store_rows<at::BFloat16, at::BFloat16>(*source, *pages, index);
+    else if (bf16_source) store_rows<at::BFloat16, float>(*source, *pages, index);
+    else if (bf16_pages) store_rows<float, at::BFloat16>(*source, *pages, index);
+    else store_rows<float, float>(*source, *pages, index);
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(depthserve_cpu, m) {
+  m.def("paged_decode_attention(Tensor q, Tensor k_pages, Tensor v_pages, Tensor page_table, Tensor context_lens, "
+        "float scale) -> Tensor");
+  m.def("store_kv(Tensor k, Tensor v, Tensor(a!) k_pages, Tensor(b!) v_pages, Tensor slot_index) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(depthserve_cpu, CPU, m) {
+  m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("store_kv", &store_kv);
+}

@@ -1,0 +1,37 @@
+// 16 fp32 lanes loaded from and stored to fp32 or bf16 memory (AVX-512), shared by the native CPU
+// kernels. bf16 stores round to nearest even (finite values: what these kernels store is finite).
+#pragma once
+
+#include <ATen/ATen.h>
+#include <immintrin.h>
+
+#include <cstdint>
+
+namespace depthserve_simd {
+
+inline __m512 load16(const float* p, __mmask16 m = 0xFFFF) { return _mm512_maskz_loadu_ps(m, p); }
+
+inline __m512 load16(const at::BFloat16* p, __mmask16 m = 0xFFFF) {
+  const __m256i raw = _mm256_maskz_loadu_epi16(m, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+inline __m256i round_to_bf16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  return _mm512_cvtepi32_epi16(
+      _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16));
+}
+
+inline void store16(float* p, __m512 v, __mmask16 m = 0xFFFF) { _mm512_mask_storeu_ps(p, m, v); }
+
+inline void store16(at::BFloat16* p, __m512 v, __mmask16 m = 0xFFFF) {
+  _mm256_mask_storeu_epi16(p, m, round_to_bf16(v));
+}
+
+// the lanes of the last 16-wide chunk of a row that `left` values remain in
+inline __mmask16 tail_mask(int64_t left) {
+  return left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
+}
+
+}  // namespace depthserve_simd
