@@ -1,11 +1,12 @@
 """The native CPU kernels: group-quantized weights times int8-quantized activations with AVX-512
 VNNI dot products, and the same weights dequantized for prefill GEMMs (`csrc/group_gemm.cpp`); the
-decode step's paged attention and KV store (`csrc/paged_attention.cpp`); RMSNorm (`csrc/norm.cpp`).
+decode step's paged attention and KV store (`csrc/paged_attention.cpp`); RMSNorm (`csrc/norm.cpp`)
+and the rotary embedding (`csrc/rotary.cpp`).
 
 Built on first use with torch's extension builder (g++ and ninja, ~1 minute; the build is cached
 under `TORCH_EXTENSIONS_DIR`, `make test` and `make serve` build it once at install) and loaded as
 the torch ops `depthserve_cpu::group_gemm`, `group_dequantize`, `paged_decode_attention`,
-`store_kv` and `rms_norm`. Only on CPUs
+`store_kv`, `rms_norm` and `apply_rope`. Only on CPUs
 with AVX-512 F/BW/VL and AVX-512 VNNI: elsewhere, or where the build fails, `available()` is False
 and the quantized layers use torch's weight-only kernels (the reason is logged once).
 """
@@ -24,7 +25,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).resolve().parent / "csrc" / name for name in ("group_gemm.cpp", "paged_attention.cpp", "norm.cpp")]
+SOURCES = [Path(__file__).resolve().parent / "csrc" / name for name in ("group_gemm.cpp", "paged_attention.cpp", "norm.cpp", "rotary.cpp")]
 CFLAGS = ["-O3", "-fopenmp", "-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
           "-mavx512vnni"]
 DISABLE_ENV = "DEPTHSERVE_NO_NATIVE_KERNELS"  # set to 1: never build or use them (torch's kernels instead)
@@ -90,6 +91,10 @@ def _register_fakes() -> None:
     @torch.library.register_fake("depthserve_cpu::rms_norm")
     def _(x, weight, eps):
         return torch.empty_like(x)
+
+    @torch.library.register_fake("depthserve_cpu::apply_rope")
+    def _(x, cos, sin):
+        return x.new_empty(x.shape)
 
     @torch.library.register_fake("depthserve_cpu::store_kv")
     def _(k, v, k_pages, v_pages, slot_index):
@@ -211,3 +216,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     return torch.ops.depthserve_cpu.rms_norm(rows, weight, eps).view(x.shape)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """layers/rotary.py's `apply_rope` (x [tokens, heads, head_dim]; cos, sin [tokens, head_dim / 2])
+    as one native call, in fp32 and rounded once to x's dtype."""
+    return torch.ops.depthserve_cpu.apply_rope(x, cos, sin)

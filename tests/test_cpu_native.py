@@ -192,3 +192,24 @@ def test_refined_activations_reach_16_bit_precision(bits):
     fine = (cpu_native.group_gemm(x, packed, refine=True).double() - exact).abs()
     assert (fine <= peaks / 64516 @ weight_mass.t() + 1e-5 * exact.abs().max()).all()
     assert fine.max() < coarse.max() / 50
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 40, 128])
+def test_apply_rope_equals_the_torch_form(dtype, head_dim):
+    from depthserve.layers import rotary
+
+    cos, sin = rotary.rope_tables(head_dim, 64, 10000.0)
+    positions = torch.tensor([0, 5, 63, 17])
+    generator = torch.Generator().manual_seed(head_dim)
+    wide = torch.randn(4, 5, head_dim + 8, generator=generator).to(dtype)
+    x = wide[..., :head_dim]  # a view with a row stride, as the qkv split gives
+    got = cpu_native.apply_rope(x, cos[positions], sin[positions])
+    # the torch form in float64, which the native kernel approaches within one rounding to x's dtype
+    x64 = x.double()
+    half = head_dim // 2
+    c, s = cos[positions].double()[:, None], sin[positions].double()[:, None]
+    want = torch.cat((x64[..., :half] * c - x64[..., half:] * s, x64[..., half:] * c + x64[..., :half] * s), dim=-1)
+    tol = 1e-6 if dtype == torch.float32 else 2 ** -8
+    assert got.dtype == dtype and got.is_contiguous()
+    assert ((got.double() - want).abs() <= tol * (x64.abs().amax(dim=-1, keepdim=True) * 2) + 1e-7).all()

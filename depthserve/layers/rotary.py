@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from depthserve.kernels import cpu_native
+
+NATIVE_DTYPES = (torch.float32, torch.bfloat16)
+
 
 def rope_tables(head_dim: int, max_positions: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin of shape [max_positions, head_dim // 2], computed in fp32."""
@@ -14,6 +18,10 @@ def rope_tables(head_dim: int, max_positions: int, theta: float, device=None) ->
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [tokens, heads, head_dim]; cos/sin: [tokens, head_dim // 2] at each token's position."""
+    if (x.device.type == "cpu" and x.dim() == 3 and x.dtype in NATIVE_DTYPES and cos.dtype in NATIVE_DTYPES
+            and x.stride(-1) == 1 and not torch.compiler.is_compiling() and cpu_native.available()):
+        # one native call, in fp32 (the torch form below dispatches a dozen ops, rounding each in x's dtype)
+        return cpu_native.apply_rope(x, cos.contiguous(), sin.contiguous())
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     if cos.dtype != x.dtype:

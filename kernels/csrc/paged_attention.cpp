@@ -27,9 +27,9 @@ constexpr int64_t kMaxDim = 256;  // head_dim up to 256, a multiple of 16
 
 // One (sequence, KV head): its group of query heads over its keys, softmax in fp32 in two passes
 // (scores, then the weighted sum of values).
-template <typename Q, typename P>
+template <typename Q, typename P, typename I>
 void attend_one(const Q* q, int64_t q_head_stride, int64_t group, const P* k_pages, const P* v_pages,
-                const int64_t* pages, int64_t length, int64_t block_size, int64_t dim, float scale,
+                const I* pages, int64_t page_stride, int64_t length, int64_t block_size, int64_t dim, float scale,
                 Q* out, int64_t out_head_stride, std::vector<float>& scores) {
   const int64_t chunks = dim / 16;
   if (length <= 0) {  // nothing visible (a padding row): zeros, as a fully masked row has no weights
@@ -43,7 +43,7 @@ void attend_one(const Q* q, int64_t q_head_stride, int64_t group, const P* k_pag
     for (int64_t c = 0; c < chunks; ++c)
       query[g][c] = _mm512_mul_ps(load16(q + g * q_head_stride + 16 * c), _mm512_set1_ps(scale));
   for (int64_t t = 0; t < length; ++t) {
-    const P* key = k_pages + (pages[t / block_size] * block_size + t % block_size) * dim;
+    const P* key = k_pages + (static_cast<int64_t>(pages[(t / block_size) * page_stride]) * block_size + t % block_size) * dim;
     __m512 k[kMaxDim / 16];
     for (int64_t c = 0; c < chunks; ++c) k[c] = load16(key + 16 * c);
     for (int64_t g = 0; g < group; ++g) {
@@ -64,7 +64,7 @@ void attend_one(const Q* q, int64_t q_head_stride, int64_t group, const P* k_pag
   for (int64_t g = 0; g < group; ++g)
     for (int64_t c = 0; c < chunks; ++c) acc[g][c] = _mm512_setzero_ps();
   for (int64_t t = 0; t < length; ++t) {
-    const P* value = v_pages + (pages[t / block_size] * block_size + t % block_size) * dim;
+    const P* value = v_pages + (static_cast<int64_t>(pages[(t / block_size) * page_stride]) * block_size + t % block_size) * dim;
     __m512 v[kMaxDim / 16];
     for (int64_t c = 0; c < chunks; ++c) v[c] = load16(value + 16 * c);
     for (int64_t g = 0; g < group; ++g) {
@@ -76,28 +76,47 @@ void attend_one(const Q* q, int64_t q_head_stride, int64_t group, const P* k_pag
     for (int64_t c = 0; c < chunks; ++c) store16(out + g * out_head_stride + 16 * c, acc[g][c]);
 }
 
-template <typename Q, typename P>
+template <typename Q, typename P, typename I>
 void decode_attention(const at::Tensor& q, const at::Tensor& k_pages, const at::Tensor& v_pages,
-                      const at::Tensor& table, const at::Tensor& lengths, double scale, at::Tensor& out) {
+                      const at::Tensor& table, const std::vector<int64_t>& lengths, double scale, at::Tensor& out) {
   const int64_t batch = q.size(0), q_heads = q.size(1), dim = q.size(2), kv_heads = table.size(1);
   const int64_t blocks = table.size(2), block_size = k_pages.size(1), group = q_heads / kv_heads;
   const Q* q_data = q.data_ptr<Q>();
   Q* out_data = out.data_ptr<Q>();
   const P* k_data = k_pages.data_ptr<P>();
   const P* v_data = v_pages.data_ptr<P>();
-  const int64_t* table_data = table.data_ptr<int64_t>();
-  const int64_t* length_data = lengths.data_ptr<int64_t>();
+  const I* table_data = table.data_ptr<I>();  // read through its strides: the caller's view is transposed
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i / kv_heads, h = i % kv_heads;
-      const int64_t length = std::min(length_data[b], blocks * block_size);
+      const int64_t length = std::min(lengths[b], blocks * block_size);
       const int64_t first_head = h * group;
-      attend_one<Q, P>(q_data + b * q.stride(0) + first_head * q.stride(1), q.stride(1), group, k_data, v_data,
-                       table_data + (b * kv_heads + h) * blocks, length, block_size, dim, static_cast<float>(scale),
-                       out_data + (b * q_heads + first_head) * dim, dim, scores);
+      attend_one<Q, P, I>(q_data + b * q.stride(0) + first_head * q.stride(1), q.stride(1), group, k_data, v_data,
+                          table_data + b * table.stride(0) + h * table.stride(1), table.stride(2), length, block_size,
+                          dim, static_cast<float>(scale), out_data + (b * q_heads + first_head) * dim, dim, scores);
     }
   });
+}
+
+template <typename Q, typename P>
+void decode_attention_indexed(const at::Tensor& q, const at::Tensor& k_pages, const at::Tensor& v_pages,
+                              const at::Tensor& table, const std::vector<int64_t>& lengths, double scale,
+                              at::Tensor& out) {
+  if (table.scalar_type() == at::kInt) decode_attention<Q, P, int32_t>(q, k_pages, v_pages, table, lengths, scale, out);
+  else decode_attention<Q, P, int64_t>(q, k_pages, v_pages, table, lengths, scale, out);
+}
+
+std::vector<int64_t> as_lengths(const at::Tensor& context_lens) {
+  std::vector<int64_t> lengths(context_lens.numel());
+  if (context_lens.scalar_type() == at::kInt) {
+    const auto values = context_lens.accessor<int32_t, 1>();
+    for (int64_t i = 0; i < context_lens.numel(); ++i) lengths[i] = values[i];
+  } else {
+    const auto values = context_lens.accessor<int64_t, 1>();
+    for (int64_t i = 0; i < context_lens.numel(); ++i) lengths[i] = values[i];
+  }
+  return lengths;
 }
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pages, const at::Tensor& v_pages,
@@ -110,36 +129,47 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pages
   TORCH_CHECK(q.size(1) % kv_heads == 0 && q.size(1) / kv_heads <= 8,
               "paged_decode_attention: at most 8 query heads per KV head");
   TORCH_CHECK(k_pages.size(2) == dim, "paged_decode_attention: pages of head_dim ", k_pages.size(2));
-  const at::Tensor table = page_table.to(at::kLong).contiguous();
-  const at::Tensor lengths = context_lens.to(at::kLong).contiguous();
+  TORCH_CHECK(page_table.dim() == 3 && (page_table.scalar_type() == at::kInt || page_table.scalar_type() == at::kLong),
+              "paged_decode_attention: an int32 or int64 page table [batch, kv_heads, blocks]");
+  TORCH_CHECK(context_lens.dim() == 1 && (context_lens.scalar_type() == at::kInt || context_lens.scalar_type() == at::kLong),
+              "paged_decode_attention: int32 or int64 context lengths [batch]");
+  const std::vector<int64_t> lengths = as_lengths(context_lens);
   at::Tensor out = at::empty({q.size(0), q.size(1), dim}, q.options());
   const bool bf16_pages = k_pages.scalar_type() == at::kBFloat16;
   TORCH_CHECK(bf16_pages || k_pages.scalar_type() == at::kFloat, "paged_decode_attention: fp32 or bf16 pages");
   if (q.scalar_type() == at::kBFloat16) {
-    if (bf16_pages) decode_attention<at::BFloat16, at::BFloat16>(q, k_pages, v_pages, table, lengths, scale, out);
-    else decode_attention<at::BFloat16, float>(q, k_pages, v_pages, table, lengths, scale, out);
+    if (bf16_pages) decode_attention_indexed<at::BFloat16, at::BFloat16>(q, k_pages, v_pages, page_table, lengths, scale, out);
+    else decode_attention_indexed<at::BFloat16, float>(q, k_pages, v_pages, page_table, lengths, scale, out);
   } else {
     TORCH_CHECK(q.scalar_type() == at::kFloat, "paged_decode_attention: fp32 or bf16 queries");
-    if (bf16_pages) decode_attention<float, at::BFloat16>(q, k_pages, v_pages, table, lengths, scale, out);
-    else decode_attention<float, float>(q, k_pages, v_pages, table, lengths, scale, out);
+    if (bf16_pages) decode_attention_indexed<float, at::BFloat16>(q, k_pages, v_pages, page_table, lengths, scale, out);
+    else decode_attention_indexed<float, float>(q, k_pages, v_pages, page_table, lengths, scale, out);
   }
   return out;
 }
 
 // k, v [tokens, kv_heads, dim] into the pages at slot_index [tokens, kv_heads] (page * block_size +
 // offset; -1: a padding row, not stored), converted to the pages' dtype.
-template <typename S, typename P>
+template <typename S, typename P, typename I>
 void store_rows(const at::Tensor& source, at::Tensor& pages, const at::Tensor& index) {
   const int64_t tokens = source.size(0), heads = source.size(1), dim = source.size(2);
   const S* src = source.data_ptr<S>();
   P* dst = pages.data_ptr<P>();
-  const int64_t* slots = index.data_ptr<int64_t>();
+  const I* slots = index.data_ptr<I>();  // [tokens, heads] through its strides: a column slice of the step's index
   for (int64_t i = 0; i < tokens * heads; ++i) {
-    if (slots[i] < 0) continue;
-    const S* row = src + (i / heads) * source.stride(0) + (i % heads) * source.stride(1);
-    P* target = dst + slots[i] * dim;
+    const int64_t token = i / heads, head = i % heads;
+    const int64_t slot = slots[token * index.stride(0) + head * index.stride(1)];
+    if (slot < 0) continue;
+    const S* row = src + token * source.stride(0) + head * source.stride(1);
+    P* target = dst + slot * dim;
     for (int64_t c = 0; c < dim; c += 16) store16(target + c, load16(row + c));
   }
+}
+
+template <typename S, typename P>
+void store_rows_indexed(const at::Tensor& source, at::Tensor& pages, const at::Tensor& index) {
+  if (index.scalar_type() == at::kInt) store_rows<S, P, int32_t>(source, pages, index);
+  else store_rows<S, P, int64_t>(source, pages, index);
 }
 
 void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_pages, at::Tensor& v_pages,
@@ -149,16 +179,18 @@ void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_pages, at:
   TORCH_CHECK(k_pages.is_contiguous() && v_pages.is_contiguous(), "store_kv: contiguous pages");
   TORCH_CHECK(k.size(2) % 16 == 0 && k_pages.size(2) == k.size(2), "store_kv: head_dim a multiple of 16");
   TORCH_CHECK(k.dtype() == v.dtype() && k_pages.dtype() == v_pages.dtype(), "store_kv: one dtype for k and v");
-  const at::Tensor index = slot_index.to(at::kLong).contiguous();
-  TORCH_CHECK(index.numel() == k.size(0) * k.size(1), "store_kv: one slot per token and head");
+  const at::Tensor index = slot_index.dim() == 2 ? slot_index : slot_index.view({k.size(0), k.size(1)});
+  TORCH_CHECK(index.size(0) == k.size(0) && index.size(1) == k.size(1) &&
+                  (index.scalar_type() == at::kInt || index.scalar_type() == at::kLong),
+              "store_kv: an int32 or int64 slot index [tokens, heads]");
   const bool bf16_source = k.scalar_type() == at::kBFloat16, bf16_pages = k_pages.scalar_type() == at::kBFloat16;
   TORCH_CHECK((bf16_source || k.scalar_type() == at::kFloat) && (bf16_pages || k_pages.scalar_type() == at::kFloat),
               "store_kv: fp32 or bf16");
   for (auto [source, pages] : {std::pair<const at::Tensor*, at::Tensor*>{&k, &k_pages}, {&v, &v_pages}}) {
-    if (bf16_source && bf16_pages) store_rows<at::BFloat16, at::BFloat16>(*source, *pages, index);
-    else if (bf16_source) store_rows<at::BFloat16, float>(*source, *pages, index);
-    else if (bf16_pages) store_rows<float, at::BFloat16>(*source, *pages, index);
-    else store_rows<float, float>(*source, *pages, index);
+    if (bf16_source && bf16_pages) store_rows_indexed<at::BFloat16, at::BFloat16>(*source, *pages, index);
+    else if (bf16_source) store_rows_indexed<at::BFloat16, float>(*source, *pages, index);
+    else if (bf16_pages) store_rows_indexed<float, at::BFloat16>(*source, *pages, index);
+    else store_rows_indexed<float, float>(*source, *pages, index);
   }
 }
 
