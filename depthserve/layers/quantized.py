@@ -111,10 +111,11 @@ class QuantPolicy:
     The kernel's time grows with the rows and the dequantization's does not, so the crossover is
     where one dequantization costs what the kernel's extra rows do. On a quiet 2-core Intel Xeon
     (AMX; bench/results/quant-kernels-cpu-xeon-2core.json), SmolLM2's 3072x576 layer: the native
-    kernel 0.05 ms at 1 row, 0.60 at 32, 1.22 at 64, 1.84 at 96, 2.42 at 128, against dequantization
+    kernel 0.13 ms at 1 row, 0.60 at 32, 1.22 at 64, 1.84 at 96, 2.42 at 128, against dequantization
     + bf16 GEMM 1.5-2.2 ms: it wins up to 96 rows on every layer shape of the model (the 49152-row
     head: 2.1 ms at 1 row, against 7.3 for a resident bf16 copy). torch's int4 kernel (0.14 ms at
-    1 row, 1.31 at 32, 2.52 at 64) won up to 48 rows in the same benchmark before."""
+    1 row, 1.31 at 32, 2.52 at 64) won up to 48 rows in the same benchmark before: at one row both
+    read the codes at memory speed, with more rows the native kernel is ~2x faster."""
 
     kernel_max_rows: int = 48
     native_max_rows: int = 96
