@@ -47,7 +47,7 @@ browser:
 	fi
 
 test: $(STAMP) browser
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q --durations=15 $(PYTEST_ARGS)
 
 # The tests not marked slow (parity with transformers, the mixed-batch engine = reference runs, the
 # soak and the other long ones are): a few minutes on 2 CPU cores.

@@ -108,14 +108,20 @@ def cmd_models(_: argparse.Namespace) -> int:
 
 
 def cmd_generate(ns: argparse.Namespace) -> int:
-    from depthserve.api import LLM
     from depthserve.depth import DepthParams
     from depthserve.errors import DepthServeError
     from depthserve.sampling_params import SamplingParams
 
+    engine_args = engine_args_from(ns)
+    try:  # a wrong name, path or option fails here, before torch is imported or anything loads
+        resolve_model(ns.model)
+        engine_args.validate()
+    except DepthServeError as exc:
+        return fail(str(exc))
+    from depthserve.api import LLM
+
     try:
-        resolve_model(ns.model)  # a wrong name or path fails here, before anything loads
-        llm = LLM(**vars(engine_args_from(ns)))
+        llm = LLM(**vars(engine_args))
         params = SamplingParams(
             temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k, max_tokens=ns.max_tokens,
             seed=ns.sampling_seed, stop=ns.stop or None,
@@ -171,15 +177,11 @@ def _depth_preset(text: str) -> tuple[str, dict]:
 
 def cmd_serve(ns: argparse.Namespace) -> int:
     from depthserve.depth import DepthParams
-    from depthserve.engine.async_llm import AsyncLLM
-    from depthserve.engine.llm_engine import LLMEngine
     from depthserve.errors import DepthServeError
-    from depthserve.server.app import configure_logging, run_server
 
-    configure_logging(ns.log_level)
     presets = dict(ns.depth_preset or [])
     engine_args = engine_args_from(ns)
-    try:  # what can be checked without the model, before it loads
+    try:  # what can be checked without the model, before torch is imported or the model loads
         resolve_model(ns.model)
         engine_args.validate()
         for name, settings in presets.items():
@@ -189,6 +191,11 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     problem = _serve_option_problem(ns) or _listen_problem(ns.host, ns.port)
     if problem:
         return fail(problem)
+    from depthserve.engine.async_llm import AsyncLLM
+    from depthserve.engine.llm_engine import LLMEngine
+    from depthserve.server.app import configure_logging, run_server
+
+    configure_logging(ns.log_level)
     try:
         engine = LLMEngine(engine_args)
         if engine.device.type != "cpu":  # kernels compile now, not in the first client's request
