@@ -95,8 +95,8 @@ class Sampler:
         A row with no finite score gets a SamplingFault instead of a token."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must be [len(rows), V], got {tuple(logits.shape)} for {len(rows)} rows")
-        logits = finite_logits(logits.float()[:, : self.vocab_size])
-        log_z = self._log_normalizer(logits)  # before the scratch buffer is reused below
+        logits, peak = finite_logits(logits.float()[:, : self.vocab_size])
+        log_z = self._log_normalizer(logits, peak)  # before the scratch buffer is reused below
         token_ids = torch.empty(len(rows), dtype=torch.long, device=logits.device)
         sampled_ok = torch.empty(len(rows), dtype=torch.bool, device=logits.device)
         greedy = [i for i, row in enumerate(rows) if row.params.greedy]
@@ -202,9 +202,8 @@ class Sampler:
         return chosen, probs.gather(1, chosen.unsqueeze(1)).squeeze(1) > 0
 
     # ---- logprobs ----------------------------------------------------------------------------
-    def _log_normalizer(self, logits: torch.Tensor) -> torch.Tensor:
-        """logsumexp over each row [B], through the scratch buffer instead of a fresh [B, V]."""
-        peak = logits.amax(dim=-1, keepdim=True)
+    def _log_normalizer(self, logits: torch.Tensor, peak: torch.Tensor) -> torch.Tensor:
+        """logsumexp over each row [B] given its maximum [B, 1], through the scratch buffer instead of a fresh [B, V]."""
         shifted = self._scratch(logits.shape[0], logits)
         torch.sub(logits, peak, out=shifted).clamp_(min=EXP_FLOOR).exp_()
         return shifted.sum(dim=-1).log_().add_(peak.squeeze(1))
@@ -407,12 +406,15 @@ def prompt_logprobs(logits: torch.Tensor, target_ids: torch.Tensor,
 
 
 # ---- helpers -------------------------------------------------------------------------------------
-def finite_logits(logits: torch.Tensor) -> torch.Tensor:
-    """logits with NaN as -inf (never sampled) and +inf as the largest float; the same tensor when
-    every entry is already finite or -inf (the common case: one cheap check, no copy)."""
-    if bool(torch.isfinite(logits).all()):
-        return logits
-    return torch.nan_to_num(logits, nan=float("-inf"), posinf=_FLOAT_MAX, neginf=float("-inf"))
+def finite_logits(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits with NaN as -inf (never sampled) and +inf as the largest float, each row's maximum
+    [B, 1]); the same tensor when every entry is already finite or -inf. A row's maximum is NaN
+    where the row holds a NaN and +inf where it holds a +inf, so the common case costs one pass."""
+    peak = logits.amax(dim=-1, keepdim=True)
+    if bool(torch.isfinite(peak).all()):
+        return logits, peak
+    logits = torch.nan_to_num(logits, nan=float("-inf"), posinf=_FLOAT_MAX, neginf=float("-inf"))
+    return logits, logits.amax(dim=-1, keepdim=True)
 
 
 def _unnormalized_softmax_(x: torch.Tensor) -> None:

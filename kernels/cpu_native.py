@@ -1,12 +1,13 @@
 """The native CPU kernels: group-quantized weights times int8-quantized activations with AVX-512
 VNNI dot products, and the same weights dequantized for prefill GEMMs (`csrc/group_gemm.cpp`); the
 decode step's paged attention and KV store (`csrc/paged_attention.cpp`); RMSNorm (`csrc/norm.cpp`)
-and the rotary embedding (`csrc/rotary.cpp`).
+and the rotary embedding (`csrc/rotary.cpp`); a Llama decoder layer's decode step made of those
+(`csrc/decode_layer.cpp`).
 
 Built on first use with torch's extension builder (g++ and ninja, ~1 minute; the build is cached
 under `TORCH_EXTENSIONS_DIR`, `make test` and `make serve` build it once at install) and loaded as
 the torch ops `depthserve_cpu::group_gemm`, `group_dequantize`, `paged_decode_attention`,
-`store_kv`, `rms_norm` and `apply_rope`. Only on CPUs
+`store_kv`, `rms_norm`, `apply_rope` and `llama_decode_layer`. Only on CPUs
 with AVX-512 F/BW/VL and AVX-512 VNNI: elsewhere, or where the build fails, `available()` is False
 and the quantized layers use torch's weight-only kernels (the reason is logged once).
 """
@@ -25,7 +26,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).resolve().parent / "csrc" / name for name in ("group_gemm.cpp", "paged_attention.cpp", "norm.cpp", "rotary.cpp")]
+SOURCES = [Path(__file__).resolve().parent / "csrc" / name
+           for name in ("group_gemm.cpp", "paged_attention.cpp", "norm.cpp", "rotary.cpp", "decode_layer.cpp")]
 CFLAGS = ["-O3", "-fopenmp", "-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
           "-mavx512vnni"]
 DISABLE_ENV = "DEPTHSERVE_NO_NATIVE_KERNELS"  # set to 1: never build or use them (torch's kernels instead)
@@ -222,3 +224,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """layers/rotary.py's `apply_rope` (x [tokens, heads, head_dim]; cos, sin [tokens, head_dim / 2])
     as one native call, in fp32 and rounded once to x's dtype."""
     return torch.ops.depthserve_cpu.apply_rope(x, cos, sin)
+
+
+def llama_decode_layer(x: torch.Tensor, input_norm: torch.Tensor, post_norm: torch.Tensor, eps: float,
+                       weights: tuple[torch.Tensor, ...], bits: tuple[int, ...], out_features: tuple[int, ...],
+                       cos: torch.Tensor, sin: torch.Tensor, num_heads: int, k_pages: torch.Tensor,
+                       v_pages: torch.Tensor, slot_index: torch.Tensor, page_table: torch.Tensor,
+                       context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """One Llama decoder layer's decode step (depthserve/archs/llama/native_decode.py): x [rows, hidden]
+    bf16, the step's keys and values stored at slot_index [rows, kv_heads], attention over page_table
+    [rows, kv_heads, blocks]; the four projections' (codes, scale, low) in `weights`."""
+    return torch.ops.depthserve_cpu.llama_decode_layer(x, input_norm, post_norm, eps, list(weights), list(bits),
+                                                       list(out_features), cos, sin, num_heads, k_pages, v_pages,
+                                                       slot_index, page_table, context_lens, scale)

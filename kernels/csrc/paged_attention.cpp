@@ -25,8 +25,39 @@ using depthserve_simd::store16;
 
 constexpr int64_t kMaxDim = 256;  // head_dim up to 256, a multiple of 16
 
+// Lane i of the result: the sum of v[i]'s 16 lanes (16 horizontal sums in 43 shuffles and adds
+// instead of 16 separate reductions).
+inline __m512 sum_each(__m512 v[16]) {
+  __m512 pairs[8], quads[4], halves[2];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [v0[0]+v0[2], v1[0]+v1[2], v0[1]+v0[3], v1[1]+v1[3]]
+    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)  // per 128-bit lane: the lane's sums of v[4i] .. v[4i + 3]
+    quads[i] = _mm512_add_ps(_mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], 0x44),
+                             _mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], 0xEE));
+  for (int i = 0; i < 2; ++i)  // lanes: [v8i..+3 over lanes 0-1, over lanes 2-3, v8i+4..+7 over 0-1, over 2-3]
+    halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], 0x88),
+                              _mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(halves[0], halves[1], 0x88),
+                       _mm512_shuffle_f32x4(halves[0], halves[1], 0xDD));
+}
+
+// exp(x) for x <= 0 (scores minus their maximum), 16 lanes: x = n ln2 + r with |r| <= ln2 / 2, e^r by
+// its Taylor series to r^7 (truncation below 6e-9, a tenth of an fp32 ulp), times 2^n. Below -87 the
+// result is 0 instead of a denormal.
+inline __m512 exp_nonpositive(__m512 x) {
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);  // ln2's high part: n * it is exact
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
+  for (const float c : {1.0f / 720.0f, 1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f, 1.0f})
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  const __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
+  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~tiny), _mm512_scalef_ps(p, n));
+}
+
 // One (sequence, KV head): its group of query heads over its keys, softmax in fp32 in two passes
-// (scores, then the weighted sum of values).
+// (scores, then the weighted sum of values). Scores are computed 16 keys at a time.
 template <typename Q, typename P, typename I>
 void attend_one(const Q* q, int64_t q_head_stride, int64_t group, const P* k_pages, const P* v_pages,
                 const I* pages, int64_t page_stride, int64_t length, int64_t block_size, int64_t dim, float scale,
@@ -37,38 +68,58 @@ void attend_one(const Q* q, int64_t q_head_stride, int64_t group, const P* k_pag
       for (int64_t c = 0; c < chunks; ++c) store16(out + g * out_head_stride + 16 * c, _mm512_setzero_ps());
     return;
   }
-  scores.resize(group * length);
+  const int64_t padded = (length + 15) / 16 * 16;
+  scores.resize(group * padded);
   __m512 query[8][kMaxDim / 16];
   for (int64_t g = 0; g < group; ++g)
     for (int64_t c = 0; c < chunks; ++c)
       query[g][c] = _mm512_mul_ps(load16(q + g * q_head_stride + 16 * c), _mm512_set1_ps(scale));
-  for (int64_t t = 0; t < length; ++t) {
-    const P* key = k_pages + (static_cast<int64_t>(pages[(t / block_size) * page_stride]) * block_size + t % block_size) * dim;
-    __m512 k[kMaxDim / 16];
-    for (int64_t c = 0; c < chunks; ++c) k[c] = load16(key + 16 * c);
-    for (int64_t g = 0; g < group; ++g) {
-      __m512 acc = _mm512_mul_ps(query[g][0], k[0]);
-      for (int64_t c = 1; c < chunks; ++c) acc = _mm512_fmadd_ps(query[g][c], k[c], acc);
-      scores[g * length + t] = _mm512_reduce_add_ps(acc);
+  auto row = [&](const P* base, int64_t t) {
+    return base + (static_cast<int64_t>(pages[(t / block_size) * page_stride]) * block_size + t % block_size) * dim;
+  };
+  for (int64_t t0 = 0; t0 < length; t0 += 16) {
+    __m512 products[8][16];
+    for (int64_t j = 0; j < 16; ++j) {
+      if (t0 + j >= length) {  // past the last key: a score of 0, masked out below
+        for (int64_t g = 0; g < group; ++g) products[g][j] = _mm512_setzero_ps();
+        continue;
+      }
+      const P* key = row(k_pages, t0 + j);
+      __m512 k[kMaxDim / 16];
+      for (int64_t c = 0; c < chunks; ++c) k[c] = load16(key + 16 * c);
+      for (int64_t g = 0; g < group; ++g) {
+        __m512 acc = _mm512_mul_ps(query[g][0], k[0]);
+        for (int64_t c = 1; c < chunks; ++c) acc = _mm512_fmadd_ps(query[g][c], k[c], acc);
+        products[g][j] = acc;
+      }
     }
+    for (int64_t g = 0; g < group; ++g) _mm512_storeu_ps(scores.data() + g * padded + t0, sum_each(products[g]));
   }
   for (int64_t g = 0; g < group; ++g) {
-    float* s = scores.data() + g * length;
-    const float peak = *std::max_element(s, s + length);
-    float total = 0.0f;
-    for (int64_t t = 0; t < length; ++t) total += (s[t] = std::exp(s[t] - peak));
-    const float inverse = 1.0f / total;
-    for (int64_t t = 0; t < length; ++t) s[t] *= inverse;
+    float* s = scores.data() + g * padded;
+    __m512 peaks = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t t = 0; t < length; t += 16)
+      peaks = _mm512_mask_max_ps(peaks, depthserve_simd::tail_mask(length - t), peaks, _mm512_loadu_ps(s + t));
+    const __m512 peak = _mm512_set1_ps(_mm512_reduce_max_ps(peaks));
+    __m512 totals = _mm512_setzero_ps();
+    for (int64_t t = 0; t < length; t += 16) {
+      const __mmask16 m = depthserve_simd::tail_mask(length - t);
+      const __m512 e = _mm512_maskz_mov_ps(m, exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + t), peak)));
+      _mm512_storeu_ps(s + t, e);
+      totals = _mm512_add_ps(totals, e);
+    }
+    const __m512 inverse = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(totals));
+    for (int64_t t = 0; t < length; t += 16) _mm512_storeu_ps(s + t, _mm512_mul_ps(_mm512_loadu_ps(s + t), inverse));
   }
   __m512 acc[8][kMaxDim / 16];
   for (int64_t g = 0; g < group; ++g)
     for (int64_t c = 0; c < chunks; ++c) acc[g][c] = _mm512_setzero_ps();
   for (int64_t t = 0; t < length; ++t) {
-    const P* value = v_pages + (static_cast<int64_t>(pages[(t / block_size) * page_stride]) * block_size + t % block_size) * dim;
+    const P* value = row(v_pages, t);
     __m512 v[kMaxDim / 16];
     for (int64_t c = 0; c < chunks; ++c) v[c] = load16(value + 16 * c);
     for (int64_t g = 0; g < group; ++g) {
-      const __m512 p = _mm512_set1_ps(scores[g * length + t]);
+      const __m512 p = _mm512_set1_ps(scores[g * padded + t]);
       for (int64_t c = 0; c < chunks; ++c) acc[g][c] = _mm512_fmadd_ps(p, v[c], acc[g][c]);
     }
   }

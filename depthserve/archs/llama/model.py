@@ -12,6 +12,7 @@ from torch import nn
 
 from depthserve.archs.base import BuildOptions, DepthModel, StaticDecodeSpec
 from depthserve.archs.llama.format import PACKED_MODULES, LlamaConfig, plain_plan
+from depthserve.archs.llama.native_decode import NativeDecodeLayer
 from depthserve.depth import DepthParams, DepthPlan
 from depthserve.layers.attention import AttentionMetadata, KVPool, paged_attention
 from depthserve.layers.norm import RMSNorm
@@ -62,8 +63,11 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(cfg, slot=index)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg)
+        self.native_decode: NativeDecodeLayer | None = None  # set after loading (finish_load), where it applies
 
     def forward(self, x, cos, sin, pool, meta, columns) -> torch.Tensor:
+        if self.native_decode is not None and self.native_decode.applies(x, meta):
+            return self.native_decode(x, cos, sin, pool, meta, columns)  # the lines below as one native call
         h = x + self.self_attn(self.input_layernorm(x), cos, sin, pool, meta, columns)
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -110,6 +114,8 @@ class LlamaForCausalLM(nn.Module, DepthModel):
 
     def finish_load(self, device: torch.device) -> None:
         fp32_rope_tables(self, device)
+        for layer in self.layers:
+            layer.native_decode = NativeDecodeLayer.of(layer) if torch.device(device).type == "cpu" else None
 
 
 def tie_lm_head(model: nn.Module, loaded: set[str]) -> set[str]:

@@ -1,0 +1,73 @@
+"""A Llama decoder layer's decode step as one native call (depthserve/archs/llama/native_decode.py)
+computes what the eager layer computes, bit for bit: the same engine generates the same tokens with
+the same log-probabilities with the native step and without it, on mixed batches (prefill chunks
+and decode rows in one step, decode-only steps of several rows) of the plain model and of the depth
+models whose plain layers are Llama layers, at mixed depth."""
+
+from __future__ import annotations
+
+import pytest
+
+from depthserve import LLM, SamplingParams
+from depthserve.archs.llama.native_decode import NativeDecodeLayer
+from depthserve.kernels import cpu_native
+from depthserve.tiny import make_tiny
+from tests.depth_helpers import depth_params, stream_prompts
+
+if cpu_native.unavailable_reason() is not None:
+    pytest.skip(f"native CPU kernels unavailable: {cpu_native.unavailable_reason()}", allow_module_level=True)
+
+LENGTHS = [3, 17, 33, 51]
+MAX_TOKENS = [9, 4, 7, 6]
+CASES = {
+    "llama": ("llama", {}, [None] * 4),
+    "sgt": ("sgt", dict(num_kv_heads=2), [{"loops": {1: 0, 2: 3}}, {"loops": 1}, None, {"loops": 3}]),
+    "itt": ("itt", dict(num_kv_heads=2), [{"selection_ratios": [0.3, 0.7]}, {"selection_ratios": [1.0, 0.0]}, None,
+                                          {"selection_ratios": [0.7, 0.3], "thinking_steps": 1}]),
+}
+
+
+def _generate(llm: LLM, depths: list[dict | None]) -> list:
+    prompts = stream_prompts(LENGTHS, seed=43)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=3) for n in MAX_TOKENS]
+    return llm.generate(prompts, params, depth=[depth_params(d) for d in depths])
+
+
+def _trace(outputs) -> list:
+    return [(o.token_ids, [sorted(entry.items()) for entry in o.logprobs]) for o in outputs]
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("name", list(CASES))
+def test_native_decode_layer_is_the_eager_layer_bit_for_bit(name, bits, tmp_path, smollm_tokenizer, monkeypatch):
+    arch, options, depths = CASES[name]
+    path = make_tiny(arch, tmp_path / name, seed=3, tokenizer=smollm_tokenizer, **options)
+    llm = LLM(str(path), device="cpu", dtype="bfloat16", quantization=f"int{bits}", load_progress=False,
+              max_model_len=96, block_size=8, max_num_batched_tokens=24, enable_prefix_caching=False)
+    layers = [m for m in llm.engine.model.modules() if isinstance(getattr(m, "native_decode", None), NativeDecodeLayer)]
+    assert layers, "no layer took the native decode step"
+    rows_seen: list[int] = []
+    native_step = cpu_native.llama_decode_layer
+
+    def counted(x, *args):
+        rows_seen.append(x.shape[0])
+        return native_step(x, *args)
+
+    monkeypatch.setattr(cpu_native, "llama_decode_layer", counted)
+    native = _trace(_generate(llm, depths))
+    assert rows_seen and max(rows_seen) > 1, "the native step never ran on a decode batch of several rows"
+    for layer in layers:
+        layer.native_decode = None
+    calls = len(rows_seen)
+    eager = _trace(_generate(llm, depths))
+    assert len(rows_seen) == calls
+    assert native == eager
+    assert llm.engine.block_manager.num_used_pages == 0
+
+
+def test_only_plain_layers_on_native_weights_take_it(tmp_path, smollm_tokenizer):
+    path = make_tiny("llama", tmp_path / "llama", seed=3, tokenizer=smollm_tokenizer)
+    fp32 = LLM(str(path), device="cpu", dtype="float32", quantization="int4", load_progress=False, max_model_len=64)
+    assert all(layer.native_decode is None for layer in fp32.engine.model.layers)  # fp32 activations: torch's kernels
+    dense = LLM(str(path), device="cpu", dtype="bfloat16", quantization="none", load_progress=False, max_model_len=64)
+    assert all(layer.native_decode is None for layer in dense.engine.model.layers)
