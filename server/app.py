@@ -10,6 +10,7 @@ traceback; the connection stays usable).
 from __future__ import annotations
 
 import asyncio
+import importlib.resources
 import hmac
 import json
 import logging
@@ -102,7 +103,7 @@ def build_app(llm: AsyncLLM, served_model_name: str | None = None, api_key: str 
         await llm.shutdown()
         worker.shutdown()
 
-    app = FastAPI(title="depthserve", lifespan=lifespan)
+    app = FastAPI(title="depthserve", lifespan=lifespan, docs_url=None, redoc_url=None)
     # A plain ASGI middleware: unlike @app.middleware("http") it leaves the client's disconnect
     # visible to the route, which must abort a non-streaming request whose client went away.
     app.add_middleware(RequestIdAuthAndLimit, api_key=api_key, max_body_bytes=max_body_bytes)
@@ -139,6 +140,7 @@ def build_app(llm: AsyncLLM, served_model_name: str | None = None, api_key: str 
         return FileResponse(STATIC_DIR / "index.html")
 
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
+    add_api_docs(app)
 
     @app.get("/health")
     async def health():
@@ -256,6 +258,24 @@ class RequestIdAuthAndLimit:
                    f": {reason[0]}" if reason and reason[0] else "")
 
 
+def add_api_docs(app: FastAPI) -> None:
+    """Swagger UI 5 at /docs from the assets the `swagger-ui-py` package ships, served by this server:
+    FastAPI's default page loads them from a CDN and is blank offline. No validator badge either
+    (Swagger UI would send the schema to validator.swagger.io)."""
+    from fastapi.openapi.docs import get_swagger_ui_html
+
+    assets = importlib.resources.files("swagger_ui") / "static"
+    app.mount(DOCS_ASSETS, StaticFiles(directory=str(assets)), name="docs-assets")
+
+    @app.get("/docs", include_in_schema=False)
+    async def api_docs():
+        return get_swagger_ui_html(
+            openapi_url=app.openapi_url, title=f"{app.title} API",
+            swagger_js_url=f"{DOCS_ASSETS}/swagger-ui-bundle.js", swagger_css_url=f"{DOCS_ASSETS}/swagger-ui.css",
+            swagger_favicon_url=f"{DOCS_ASSETS}/favicon-32x32.png", swagger_ui_parameters={"validatorUrl": None})
+
+
+DOCS_ASSETS = "/docs-assets"
 QUIET_PATHS = ("/health", "/metrics")
 
 

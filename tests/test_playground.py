@@ -203,9 +203,28 @@ def test_the_page_needs_no_key_and_nothing_from_elsewhere(demo):
         answer = client.get(f"/static/{asset}")
         assert answer.status_code == 200 and "http://" not in answer.text and "https://" not in answer.text
     assert "http://" not in page.text and "https://" not in page.text
+    docs = client.get("/docs")  # the API docs too: their assets are this server's
+    assert docs.status_code == 200 and "http://" not in docs.text and "https://" not in docs.text
+    assert client.get("/docs-assets/swagger-ui-bundle.js").status_code == 200
     assert client.get("/v1/models").status_code == 401
     missing = client.get("/static/missing.js")
     assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error"
+
+
+def test_the_api_docs_render_from_this_server_alone(browser, demo):
+    """/docs is Swagger UI on the swagger-ui-py package's assets, served by this server: it lists
+    the API's routes with every resource it loads coming from this server (no CDN: it works offline),
+    and sends the schema to no validator."""
+    base, _ = demo
+    browser.get(f"{base}/docs")
+    _wait(browser, lambda p: p.find_elements(*_by(".opblock-summary-path")))
+    paths = {element.get_attribute("data-path") for element in browser.find_elements(*_by(".opblock-summary-path"))}
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/models"} <= paths
+    assert "depthserve" in browser.find_element(*_by(".info .title")).text
+    loaded = browser.execute_script("return performance.getEntriesByType('resource').map(entry => entry.name)")
+    assert f"{base}/openapi.json" in loaded and f"{base}/docs-assets/swagger-ui-bundle.js" in loaded
+    assert all(url.startswith(base + "/") for url in loaded), loaded
+    assert not browser.find_elements(*_by(".errors-wrapper"))
 
 
 def test_streamed_tokens_and_their_depth_colours_equal_the_api(browser, demo):
