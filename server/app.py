@@ -367,13 +367,15 @@ def run_server(llm: AsyncLLM, host: str, port: int, served_model_name: str | Non
                log_level: str = "info", max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
     import uvicorn
 
+    from depthserve.server.connections import uvicorn_config
+
     configure_logging(log_level)
     app = build_app(llm, served_model_name, api_key, depth_presets, max_body_bytes)
     names = [served_model_name or llm.model_name]
     names += [f"{names[0]}:{preset}" for preset in depth_presets or {}]
     logger.info("serving %s at http://%s:%d (OpenAI API under /v1, API docs at /docs)%s", ", ".join(names),
                 host, port, "; API key required" if api_key else "")
-    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False)  # ours is the access line
+    uvicorn.Server(uvicorn_config(app, host, port, log_level)).run()
 
 
 def configure_logging(log_level: str) -> None:

@@ -11,6 +11,8 @@ from collections.abc import Iterator
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from depthserve.server.connections import ConnectionLimits, uvicorn_config
+
 
 def free_port() -> int:
     with socket.socket() as sock:
@@ -19,12 +21,12 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def live_server(app) -> Iterator[str]:
-    """Serve `app` until the block ends; yields the base URL once /health answers."""
+def live_server(app, limits: ConnectionLimits = ConnectionLimits()) -> Iterator[str]:
+    """Serve `app` as `depthserve serve` does until the block ends; yields the base URL once /health answers."""
     import uvicorn
 
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", port, "warning", limits))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     base = f"http://127.0.0.1:{port}"
