@@ -79,6 +79,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--itt-steps", type=int, default=3)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto")
+    p.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"],
+                   help="the engine's weight format (int4 with --dtype bfloat16: the CPU default's format)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (CPU)")
     p.add_argument("--kv-cache-memory-gib", type=float, default=1.0, help="per engine (one engine per setting)")
     p.add_argument("--seed", type=int, default=0)
@@ -247,7 +249,7 @@ def engine_llm(path: Path | str, ns: argparse.Namespace, enforce_eager: bool | N
     return LLM(str(path), dtype=ns.dtype, device=ns.device, num_threads=ns.threads, max_num_seqs=ns.concurrency,
                enable_prefix_caching=False, kv_cache_memory_gib=ns.kv_cache_memory_gib,
                max_num_batched_tokens=STEP_TOKEN_BUDGET, max_model_len=ns.input_len + max_new_tokens(ns) + 16,
-               load_progress=False, enforce_eager=enforce_eager)
+               load_progress=False, enforce_eager=enforce_eager, quantization=ns.quantization)
 
 
 def depth_settings(arch: str, model, ns: argparse.Namespace) -> list[Setting]:
@@ -298,6 +300,7 @@ def sweep_checkpoint(arch: str, ns: argparse.Namespace) -> dict[str, Any]:
         "num_layers": getattr(cfg, "num_layers", None),
         "device": str(engine.device),
         "dtype": str(engine.dtype).replace("torch.", ""),
+        "quantization": engine.quantization.summary(),
         "method": "lockstep: one engine per setting, timed decode steps of all settings taken in turn",
         "rows": rows["eager"],
         "derived": derived["eager"],

@@ -357,6 +357,7 @@ class ModelCard(ResponseModel):
     max_model_len: int
     depth_knobs: dict[str, dict[str, Any]]  # knob name -> KnobSpec fields (name, description, range, default)
     depth_preset: dict[str, Any] | None = None
+    supports_chat: bool  # the tokenizer has a chat template: /v1/chat/completions serves this model
 
 
 class ModelList(ResponseModel):

@@ -83,8 +83,10 @@ class OpenAIServing:
     def list_models(self) -> ModelList:
         knobs = {name: spec.as_dict() for name, spec in self.info.depth_knobs.items()}
         created = int(time.time())
+        chat = self.info.tokenizer.chat_template is not None
         return ModelList(data=[ModelCard(id=model_id, created=created, max_model_len=self.max_model_len,
-                                         depth_knobs=knobs, depth_preset=self.preset_depth(model_id) or None)
+                                         depth_knobs=knobs, depth_preset=self.preset_depth(model_id) or None,
+                                         supports_chat=chat)
                                for model_id in self.model_ids()])
 
     def retrieve_model(self, model_id: str) -> ModelCard:

@@ -272,7 +272,18 @@ def test_streamed_tokens_and_their_depth_colours_equal_the_api(browser, demo):
     shown = re.search(r"logprob (-?\d+\.\d+)", tip.text)
     assert shown and float(shown.group(1)) == pytest.approx(choice["logprobs"]["token_logprobs"][index], abs=1e-3)
     assert "top alternatives" in tip.text
-    _wait(browser, lambda p: p.find_element(*_by("#m-target")).text.endswith("(policy confidence)"))  # the panel
+    _wait(browser, lambda p: p.find_element(*_by("#m-target")).text.startswith("confidence: each token stops"))
+    assert re.search(r"now run at most \d+ levels", browser.find_element(*_by("#m-target")).text)  # the panel
+
+
+def test_chat_is_offered_only_for_a_model_with_a_chat_template(browser, demo):
+    base, _ = demo
+    card = httpx.get(f"{base}/v1/models").json()["data"][0]
+    assert card["id"] == "demo-dreamer" and card["supports_chat"] is False  # its tokenizer has no chat template
+    _open(browser, base, "demo-dreamer")
+    assert not browser.find_element(*_by("input[name=mode][value=chat]")).is_enabled()
+    assert browser.find_element(*_by("input[name=mode][value=completion]")).is_selected()
+    assert "no chat template" in browser.find_element(*_by("#mode-note")).text
 
 
 def test_a_bad_knob_value_shows_the_servers_message(browser, demo):
@@ -346,7 +357,9 @@ def test_plain_smollm2_behind_an_api_key_has_no_depth_knobs(browser):
         assert "No depth knobs" in browser.find_element(*_by("#legend")).text
         assert not browser.find_element(*_by("#error")).is_displayed()
 
-        browser.find_element(*_by("input[name=mode][value=chat]")).click()
+        chat = browser.find_element(*_by("input[name=mode][value=chat]"))
+        assert chat.is_enabled() and not browser.find_element(*_by("#mode-note")).is_displayed()
+        chat.click()
         _fill(browser, prompt="What is the capital of France?", max_tokens=6, seed=3)
         assert _generate(browser) == "done"
         body = _sent_body(browser)

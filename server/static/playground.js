@@ -96,7 +96,19 @@ async function loadModels() {
   select.replaceChildren(...state.models.map((m) => new Option(m.id, m.id)));
   if (state.models.some((m) => m.id === previous)) select.value = previous;
   if (!$("prompt").value) $("prompt").value = select.value.startsWith("demo-") ? EXAMPLES.demo : EXAMPLES.chat;
+  renderModes();
   renderKnobs();
+}
+
+/** Chat only for a model with a chat template (the server would answer 400). */
+function renderModes() {
+  const model = currentModel();
+  const chat = document.querySelector("input[name=mode][value=chat]");
+  const supported = !model || model.supports_chat;
+  chat.disabled = !supported;
+  if (!supported && chat.checked) document.querySelector("input[name=mode][value=completion]").checked = true;
+  $("mode-note").hidden = supported;
+  $("mode-note").textContent = supported ? "" : "This model has no chat template: completions only.";
 }
 
 const currentModel = () => state.models.find((m) => m.id === $("model").value);
@@ -510,6 +522,18 @@ function showTip(span) {
 }
 
 // ---- the metrics panel ------------------------------------------------------------------------------
+const POLICIES = {
+  fixed: "fixed: every token runs the deepest level its request allows",
+  slo: "slo: the deepest level that keeps each step within the time-per-token target",
+  confidence: "confidence: each token stops at the first level whose prediction is sure enough",
+};
+
+/** The depth policy and the level it currently lets tokens of depth ranges reach (0: not set yet). */
+function policyText(policy, target) {
+  const cap = target ? `tokens of a depth range now run at most ${target} levels` : "no token of a depth range has run yet";
+  return `${POLICIES[policy] || policy}; ${cap}`;
+}
+
 /** Samples of the Prometheus text format: [{name, labels, value}]. */
 function parseMetrics(text) {
   const samples = [];
@@ -536,7 +560,7 @@ async function pollMetrics() {
     $("m-kv").textContent = `${used} / ${pages} pages (${fmt(pages ? 100 * used / pages : 0, 1)}%)`;
     $("m-kv-meter").value = pages ? used / pages : 0;
     const target = samples.find((s) => s.name === "depthserve_depth_policy_target");
-    $("m-target").textContent = target ? `${target.value || "none yet"} (policy ${target.labels.policy})` : "–";
+    $("m-target").textContent = target ? policyText(target.labels.policy, target.value) : "–";
     $("m-shed").textContent = total("depthserve_depth_shed_tokens_total");
     $("m-note").textContent = `Polled from /metrics every second; last at ${new Date().toLocaleTimeString()}.`;
   } catch (err) {
@@ -547,7 +571,7 @@ async function pollMetrics() {
 
 // ---- wiring ------------------------------------------------------------------------------------------
 function init() {
-  $("model").addEventListener("change", () => { renderKnobs(); });
+  $("model").addEventListener("change", () => { renderModes(); renderKnobs(); });
   $("connect").addEventListener("click", loadModels);
   $("api-key").addEventListener("keydown", (e) => { if (e.key === "Enter") { e.preventDefault(); loadModels(); } });
   $("generate").addEventListener("click", generate);
