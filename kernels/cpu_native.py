@@ -30,6 +30,7 @@ SOURCES = [Path(__file__).resolve().parent / "csrc" / name
            for name in ("group_gemm.cpp", "paged_attention.cpp", "norm.cpp", "rotary.cpp", "decode_layer.cpp")]
 CFLAGS = ["-O3", "-fopenmp", "-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
           "-mavx512vnni"]
+FLOAT_DTYPES = (torch.float32, torch.bfloat16)  # the activations, norms, tables and pages the kernels take
 DISABLE_ENV = "DEPTHSERVE_NO_NATIVE_KERNELS"  # set to 1: never build or use them (torch's kernels instead)
 
 
@@ -187,7 +188,7 @@ MAX_HEAD_DIM, MAX_GROUP = 256, 8
 def attention_fits(head_dim: int, num_q_heads: int, num_kv_heads: int, *tensors: torch.Tensor) -> bool:
     return (head_dim % 16 == 0 and head_dim <= MAX_HEAD_DIM and num_q_heads % num_kv_heads == 0
             and num_q_heads // num_kv_heads <= MAX_GROUP
-            and all(t.dtype in (torch.float32, torch.bfloat16) and t.device.type == "cpu" for t in tensors))
+            and all(t.dtype in FLOAT_DTYPES and t.device.type == "cpu" for t in tensors))
 
 
 def paged_decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, page_table: torch.Tensor,

@@ -6,8 +6,6 @@ import torch
 
 from depthserve.kernels import cpu_native
 
-NATIVE_DTYPES = (torch.float32, torch.bfloat16)
-
 
 def rope_tables(head_dim: int, max_positions: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin of shape [max_positions, head_dim // 2], computed in fp32."""
@@ -18,8 +16,9 @@ def rope_tables(head_dim: int, max_positions: int, theta: float, device=None) ->
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [tokens, heads, head_dim]; cos/sin: [tokens, head_dim // 2] at each token's position."""
-    if (x.device.type == "cpu" and x.dim() == 3 and x.dtype in NATIVE_DTYPES and cos.dtype in NATIVE_DTYPES
-            and x.stride(-1) == 1 and not torch.compiler.is_compiling() and cpu_native.available()):
+    native = cpu_native.FLOAT_DTYPES
+    if (x.device.type == "cpu" and x.dim() == 3 and x.dtype in native and cos.dtype in native and x.stride(-1) == 1
+            and not torch.compiler.is_compiling() and cpu_native.available()):
         # one native call, in fp32 (the torch form below dispatches a dozen ops, rounding each in x's dtype)
         return cpu_native.apply_rope(x, cos.contiguous(), sin.contiguous())
     half = x.shape[-1] // 2

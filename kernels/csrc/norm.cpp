@@ -47,13 +47,9 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "rms_norm: x must be [rows, width], rows contiguous");
   TORCH_CHECK(weight.dim() == 1 && weight.is_contiguous() && weight.size(0) == x.size(1), "rms_norm: weight [width]");
   at::Tensor out = at::empty({x.size(0), x.size(1)}, x.options());
-  const bool bf16 = x.scalar_type() == at::kBFloat16, bf16_weight = weight.scalar_type() == at::kBFloat16;
-  TORCH_CHECK((bf16 || x.scalar_type() == at::kFloat) && (bf16_weight || weight.scalar_type() == at::kFloat),
-              "rms_norm: fp32 or bf16");
-  if (bf16 && bf16_weight) normalize<at::BFloat16, at::BFloat16>(x, weight, eps, out);
-  else if (bf16) normalize<at::BFloat16, float>(x, weight, eps, out);
-  else if (bf16_weight) normalize<float, at::BFloat16>(x, weight, eps, out);
-  else normalize<float, float>(x, weight, eps, out);
+  depthserve_simd::with_float_types(x.scalar_type(), weight.scalar_type(), "rms_norm", [&](auto t, auto w) {
+    normalize<decltype(t), decltype(w)>(x, weight, eps, out);
+  });
   return out;
 }
 

@@ -186,16 +186,10 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pages
               "paged_decode_attention: int32 or int64 context lengths [batch]");
   const std::vector<int64_t> lengths = as_lengths(context_lens);
   at::Tensor out = at::empty({q.size(0), q.size(1), dim}, q.options());
-  const bool bf16_pages = k_pages.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(bf16_pages || k_pages.scalar_type() == at::kFloat, "paged_decode_attention: fp32 or bf16 pages");
-  if (q.scalar_type() == at::kBFloat16) {
-    if (bf16_pages) decode_attention_indexed<at::BFloat16, at::BFloat16>(q, k_pages, v_pages, page_table, lengths, scale, out);
-    else decode_attention_indexed<at::BFloat16, float>(q, k_pages, v_pages, page_table, lengths, scale, out);
-  } else {
-    TORCH_CHECK(q.scalar_type() == at::kFloat, "paged_decode_attention: fp32 or bf16 queries");
-    if (bf16_pages) decode_attention_indexed<float, at::BFloat16>(q, k_pages, v_pages, page_table, lengths, scale, out);
-    else decode_attention_indexed<float, float>(q, k_pages, v_pages, page_table, lengths, scale, out);
-  }
+  depthserve_simd::with_float_types(q.scalar_type(), k_pages.scalar_type(), "paged_decode_attention",
+                                    [&](auto query, auto page) {
+    decode_attention_indexed<decltype(query), decltype(page)>(q, k_pages, v_pages, page_table, lengths, scale, out);
+  });
   return out;
 }
 
@@ -234,15 +228,10 @@ void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_pages, at:
   TORCH_CHECK(index.size(0) == k.size(0) && index.size(1) == k.size(1) &&
                   (index.scalar_type() == at::kInt || index.scalar_type() == at::kLong),
               "store_kv: an int32 or int64 slot index [tokens, heads]");
-  const bool bf16_source = k.scalar_type() == at::kBFloat16, bf16_pages = k_pages.scalar_type() == at::kBFloat16;
-  TORCH_CHECK((bf16_source || k.scalar_type() == at::kFloat) && (bf16_pages || k_pages.scalar_type() == at::kFloat),
-              "store_kv: fp32 or bf16");
-  for (auto [source, pages] : {std::pair<const at::Tensor*, at::Tensor*>{&k, &k_pages}, {&v, &v_pages}}) {
-    if (bf16_source && bf16_pages) store_rows_indexed<at::BFloat16, at::BFloat16>(*source, *pages, index);
-    else if (bf16_source) store_rows_indexed<at::BFloat16, float>(*source, *pages, index);
-    else if (bf16_pages) store_rows_indexed<float, at::BFloat16>(*source, *pages, index);
-    else store_rows_indexed<float, float>(*source, *pages, index);
-  }
+  depthserve_simd::with_float_types(k.scalar_type(), k_pages.scalar_type(), "store_kv", [&](auto row, auto page) {
+    store_rows_indexed<decltype(row), decltype(page)>(k, k_pages, index);
+    store_rows_indexed<decltype(row), decltype(page)>(v, v_pages, index);
+  });
 }
 
 }  // namespace

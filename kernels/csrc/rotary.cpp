@@ -52,13 +52,9 @@ at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tens
                   cos.scalar_type() == sin.scalar_type(),
               "apply_rope: cos and sin [tokens, head_dim / 2] of one dtype");
   at::Tensor out = at::empty(x.sizes(), x.options());
-  const bool bf16 = x.scalar_type() == at::kBFloat16, bf16_tables = cos.scalar_type() == at::kBFloat16;
-  TORCH_CHECK((bf16 || x.scalar_type() == at::kFloat) && (bf16_tables || cos.scalar_type() == at::kFloat),
-              "apply_rope: fp32 or bf16");
-  if (bf16 && bf16_tables) rotate<at::BFloat16, at::BFloat16>(x, cos, sin, out);
-  else if (bf16) rotate<at::BFloat16, float>(x, cos, sin, out);
-  else if (bf16_tables) rotate<float, at::BFloat16>(x, cos, sin, out);
-  else rotate<float, float>(x, cos, sin, out);
+  depthserve_simd::with_float_types(x.scalar_type(), cos.scalar_type(), "apply_rope", [&](auto t, auto c) {
+    rotate<decltype(t), decltype(c)>(x, cos, sin, out);
+  });
   return out;
 }
 

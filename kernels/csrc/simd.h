@@ -34,4 +34,18 @@ inline __mmask16 tail_mask(int64_t left) {
   return left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
 }
 
+// Calls f(A{}, B{}) with A and B each float or at::BFloat16, as `first` and `second` are fp32 or bf16
+// (the kernels' two element types); any other dtype is an error naming `op`.
+template <typename F>
+void with_float_types(at::ScalarType first, at::ScalarType second, const char* op, F&& f) {
+  for (const at::ScalarType t : {first, second})
+    TORCH_CHECK(t == at::kFloat || t == at::kBFloat16, op, ": fp32 or bf16 tensors, got ", t);
+  auto with_second = [&](auto a) {
+    if (second == at::kBFloat16) f(a, at::BFloat16{});
+    else f(a, float{});
+  };
+  if (first == at::kBFloat16) with_second(at::BFloat16{});
+  else with_second(float{});
+}
+
 }  // namespace depthserve_simd
