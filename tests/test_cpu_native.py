@@ -112,7 +112,7 @@ def _pool(num_pages: int, block_size: int, head_dim: int, dtype: torch.dtype, se
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads", [(9, 3, 64), (4, 4, 32), (16, 2, 128)])
+@pytest.mark.parametrize("heads", [(9, 3, 64), (4, 4, 32), (16, 2, 128), (8, 1, 16), (6, 2, 48), (2, 1, 256)])
 def test_paged_decode_attention_equals_the_torch_version(dtype, heads):
     from depthserve.kernels import paged
 

@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -56,75 +57,107 @@ inline __m512 exp_nonpositive(__m512 x) {
   return _mm512_maskz_mov_ps(static_cast<__mmask16>(~tiny), _mm512_scalef_ps(p, n));
 }
 
+// A key's or value's row into L1 ahead of use: rows sit on pages scattered over the pool, where the
+// hardware's stride prefetch does not follow them.
+template <typename P>
+inline void prefetch_row(const P* row, int64_t dim) {
+  const char* bytes = reinterpret_cast<const char*>(row);
+  for (int64_t at = 0; at < dim * static_cast<int64_t>(sizeof(P)); at += 64) _mm_prefetch(bytes + at, _MM_HINT_T0);
+}
+
 // One (sequence, KV head): its group of query heads over its keys, softmax in fp32 in two passes
 // (scores, then the weighted sum of values). Scores are computed 16 keys at a time.
-template <typename Q, typename P, typename I>
+//
+// Chunks is dim / 16 rounded up to a power of two (the lanes past dim masked off), a compile-time
+// count so that a key, a value and the group tile's accumulators stay in registers: with run-time
+// counts they lived on the stack, and each value's multiply-add waited on the previous one's store.
+// The query heads are taken kTile at a time (12 accumulator registers for a 64-wide head).
+template <int Chunks, typename Q, typename P>
 void attend_one(const Q* q, int64_t q_head_stride, int64_t group, const P* k_pages, const P* v_pages,
-                const I* pages, int64_t page_stride, int64_t length, int64_t block_size, int64_t dim, float scale,
-                Q* out, int64_t out_head_stride, std::vector<float>& scores) {
-  const int64_t chunks = dim / 16;
+                const int64_t* offsets, int64_t length, int64_t dim, float scale, Q* out, int64_t out_head_stride,
+                std::vector<float>& scores) {
+  constexpr int kTile = Chunks >= 8 ? 1 : 12 / Chunks > 8 ? 8 : 12 / Chunks;
+  __mmask16 lanes[Chunks];
+  for (int c = 0; c < Chunks; ++c) lanes[c] = depthserve_simd::tail_mask(std::max<int64_t>(0, dim - 16 * c));
   if (length <= 0) {  // nothing visible (a padding row): zeros, as a fully masked row has no weights
     for (int64_t g = 0; g < group; ++g)
-      for (int64_t c = 0; c < chunks; ++c) store16(out + g * out_head_stride + 16 * c, _mm512_setzero_ps());
+      for (int c = 0; c < Chunks; ++c) store16(out + g * out_head_stride + 16 * c, _mm512_setzero_ps(), lanes[c]);
     return;
   }
   const int64_t padded = (length + 15) / 16 * 16;
-  scores.resize(group * padded);
-  __m512 query[8][kMaxDim / 16];
-  for (int64_t g = 0; g < group; ++g)
-    for (int64_t c = 0; c < chunks; ++c)
-      query[g][c] = _mm512_mul_ps(load16(q + g * q_head_stride + 16 * c), _mm512_set1_ps(scale));
-  auto row = [&](const P* base, int64_t t) {
-    return base + (static_cast<int64_t>(pages[(t / block_size) * page_stride]) * block_size + t % block_size) * dim;
-  };
-  for (int64_t t0 = 0; t0 < length; t0 += 16) {
-    __m512 products[8][16];
-    for (int64_t j = 0; j < 16; ++j) {
-      if (t0 + j >= length) {  // past the last key: a score of 0, masked out below
-        for (int64_t g = 0; g < group; ++g) products[g][j] = _mm512_setzero_ps();
-        continue;
+  scores.resize(kTile * padded);
+  for (int64_t g0 = 0; g0 < group; g0 += kTile) {
+    const int tile = static_cast<int>(std::min<int64_t>(kTile, group - g0));
+    __m512 query[kTile][Chunks];
+    for (int g = 0; g < kTile; ++g)
+      for (int c = 0; c < Chunks; ++c)
+        query[g][c] = g < tile ? _mm512_mul_ps(load16(q + (g0 + g) * q_head_stride + 16 * c, lanes[c]),
+                                               _mm512_set1_ps(scale))
+                               : _mm512_setzero_ps();
+    for (int64_t t0 = 0; t0 < length; t0 += 16) {
+      __m512 products[kTile][16];
+      for (int j = 0; j < 16; ++j) {
+        if (t0 + j >= length) {  // past the last key: a score of 0, masked out below
+          for (int g = 0; g < kTile; ++g) products[g][j] = _mm512_setzero_ps();
+          continue;
+        }
+        if (t0 + j + 16 < length) prefetch_row(k_pages + offsets[t0 + j + 16], dim);
+        const P* key = k_pages + offsets[t0 + j];
+        __m512 k[Chunks];
+        for (int c = 0; c < Chunks; ++c) k[c] = load16(key + 16 * c, lanes[c]);
+        for (int g = 0; g < kTile; ++g) {
+          __m512 acc = _mm512_mul_ps(query[g][0], k[0]);
+          for (int c = 1; c < Chunks; ++c) acc = _mm512_fmadd_ps(query[g][c], k[c], acc);
+          products[g][j] = acc;
+        }
       }
-      const P* key = row(k_pages, t0 + j);
-      __m512 k[kMaxDim / 16];
-      for (int64_t c = 0; c < chunks; ++c) k[c] = load16(key + 16 * c);
-      for (int64_t g = 0; g < group; ++g) {
-        __m512 acc = _mm512_mul_ps(query[g][0], k[0]);
-        for (int64_t c = 1; c < chunks; ++c) acc = _mm512_fmadd_ps(query[g][c], k[c], acc);
-        products[g][j] = acc;
+      for (int g = 0; g < tile; ++g) _mm512_storeu_ps(scores.data() + g * padded + t0, sum_each(products[g]));
+    }
+    for (int g = 0; g < tile; ++g) {
+      float* s = scores.data() + g * padded;
+      __m512 peaks = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+      for (int64_t t = 0; t < length; t += 16)
+        peaks = _mm512_mask_max_ps(peaks, depthserve_simd::tail_mask(length - t), peaks, _mm512_loadu_ps(s + t));
+      const __m512 peak = _mm512_set1_ps(_mm512_reduce_max_ps(peaks));
+      __m512 totals = _mm512_setzero_ps();
+      for (int64_t t = 0; t < length; t += 16) {
+        const __mmask16 m = depthserve_simd::tail_mask(length - t);
+        const __m512 e = _mm512_maskz_mov_ps(m, exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + t), peak)));
+        _mm512_storeu_ps(s + t, e);
+        totals = _mm512_add_ps(totals, e);
+      }
+      const __m512 inverse = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(totals));
+      for (int64_t t = 0; t < length; t += 16) _mm512_storeu_ps(s + t, _mm512_mul_ps(_mm512_loadu_ps(s + t), inverse));
+    }
+    __m512 acc[kTile][Chunks];
+    for (int g = 0; g < kTile; ++g)
+      for (int c = 0; c < Chunks; ++c) acc[g][c] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < length; ++t) {
+      if (t + 16 < length) prefetch_row(v_pages + offsets[t + 16], dim);
+      const P* value = v_pages + offsets[t];
+      __m512 v[Chunks];
+      for (int c = 0; c < Chunks; ++c) v[c] = load16(value + 16 * c, lanes[c]);
+      for (int g = 0; g < kTile; ++g) {
+        if (g >= tile) break;
+        const __m512 p = _mm512_set1_ps(scores[g * padded + t]);
+        for (int c = 0; c < Chunks; ++c) acc[g][c] = _mm512_fmadd_ps(p, v[c], acc[g][c]);
       }
     }
-    for (int64_t g = 0; g < group; ++g) _mm512_storeu_ps(scores.data() + g * padded + t0, sum_each(products[g]));
+    for (int g = 0; g < tile; ++g)
+      for (int c = 0; c < Chunks; ++c) store16(out + (g0 + g) * out_head_stride + 16 * c, acc[g][c], lanes[c]);
   }
-  for (int64_t g = 0; g < group; ++g) {
-    float* s = scores.data() + g * padded;
-    __m512 peaks = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    for (int64_t t = 0; t < length; t += 16)
-      peaks = _mm512_mask_max_ps(peaks, depthserve_simd::tail_mask(length - t), peaks, _mm512_loadu_ps(s + t));
-    const __m512 peak = _mm512_set1_ps(_mm512_reduce_max_ps(peaks));
-    __m512 totals = _mm512_setzero_ps();
-    for (int64_t t = 0; t < length; t += 16) {
-      const __mmask16 m = depthserve_simd::tail_mask(length - t);
-      const __m512 e = _mm512_maskz_mov_ps(m, exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + t), peak)));
-      _mm512_storeu_ps(s + t, e);
-      totals = _mm512_add_ps(totals, e);
-    }
-    const __m512 inverse = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(totals));
-    for (int64_t t = 0; t < length; t += 16) _mm512_storeu_ps(s + t, _mm512_mul_ps(_mm512_loadu_ps(s + t), inverse));
+}
+
+// Each key's element offset into the pages, walked page by page (an integer division per key and
+// pass cost more than the key's arithmetic).
+template <typename I>
+void key_offsets(const I* pages, int64_t page_stride, int64_t length, int64_t block_size, int64_t dim,
+                 std::vector<int64_t>& offsets) {
+  offsets.resize(std::max<int64_t>(length, 0));
+  for (int64_t t0 = 0, b = 0; t0 < length; t0 += block_size, ++b) {
+    const int64_t first = static_cast<int64_t>(pages[b * page_stride]) * block_size * dim;
+    for (int64_t t = t0; t < std::min(length, t0 + block_size); ++t) offsets[t] = first + (t - t0) * dim;
   }
-  __m512 acc[8][kMaxDim / 16];
-  for (int64_t g = 0; g < group; ++g)
-    for (int64_t c = 0; c < chunks; ++c) acc[g][c] = _mm512_setzero_ps();
-  for (int64_t t = 0; t < length; ++t) {
-    const P* value = row(v_pages, t);
-    __m512 v[kMaxDim / 16];
-    for (int64_t c = 0; c < chunks; ++c) v[c] = load16(value + 16 * c);
-    for (int64_t g = 0; g < group; ++g) {
-      const __m512 p = _mm512_set1_ps(scores[g * padded + t]);
-      for (int64_t c = 0; c < chunks; ++c) acc[g][c] = _mm512_fmadd_ps(p, v[c], acc[g][c]);
-    }
-  }
-  for (int64_t g = 0; g < group; ++g)
-    for (int64_t c = 0; c < chunks; ++c) store16(out + g * out_head_stride + 16 * c, acc[g][c]);
 }
 
 template <typename Q, typename P, typename I>
@@ -137,15 +170,27 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_pages, const at::
   const P* k_data = k_pages.data_ptr<P>();
   const P* v_data = v_pages.data_ptr<P>();
   const I* table_data = table.data_ptr<I>();  // read through its strides: the caller's view is transposed
+  const int64_t chunks = (dim + 15) / 16;
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
+    std::vector<int64_t> offsets;
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i / kv_heads, h = i % kv_heads;
       const int64_t length = std::min(lengths[b], blocks * block_size);
       const int64_t first_head = h * group;
-      attend_one<Q, P, I>(q_data + b * q.stride(0) + first_head * q.stride(1), q.stride(1), group, k_data, v_data,
-                          table_data + b * table.stride(0) + h * table.stride(1), table.stride(2), length, block_size,
-                          dim, static_cast<float>(scale), out_data + (b * q_heads + first_head) * dim, dim, scores);
+      key_offsets(table_data + b * table.stride(0) + h * table.stride(1), table.stride(2), length, block_size, dim,
+                  offsets);
+      const Q* q_first = q_data + b * q.stride(0) + first_head * q.stride(1);
+      Q* out_first = out_data + (b * q_heads + first_head) * dim;
+      auto attend = [&](auto chunk_count) {
+        attend_one<decltype(chunk_count)::value, Q, P>(q_first, q.stride(1), group, k_data, v_data, offsets.data(),
+                                                      length, dim, static_cast<float>(scale), out_first, dim, scores);
+      };
+      if (chunks <= 1) attend(std::integral_constant<int, 1>{});
+      else if (chunks <= 2) attend(std::integral_constant<int, 2>{});
+      else if (chunks <= 4) attend(std::integral_constant<int, 4>{});
+      else if (chunks <= 8) attend(std::integral_constant<int, 8>{});
+      else attend(std::integral_constant<int, 16>{});
     }
   });
 }
