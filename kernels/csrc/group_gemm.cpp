@@ -92,15 +92,18 @@ QuantizedActivations quantize_activations(const at::Tensor& x, bool refine) {
   return q;
 }
 
-// One group's integer dot products of 16 weight rows with 32 activation codes.
-inline __m512 group_dot(const __m512i w[], const int8_t* codes) {
-  const int32_t* q = reinterpret_cast<const int32_t*>(codes);
-  __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
-  for (int64_t t = 0; t < kSteps; t += 2) {
-    even = _mm512_dpbusd_epi32(even, w[t], _mm512_set1_epi32(q[t]));
-    odd = _mm512_dpbusd_epi32(odd, w[t + 1], _mm512_set1_epi32(q[t + 1]));
-  }
-  return _mm512_cvtepi32_ps(_mm512_add_epi32(even, odd));
+// One group's integer dot products of 16 weight rows with 32 activation codes, for each of Rows
+// activation rows: step by step across the rows, so that each row's sum is its own chain of 8
+// VPDPBUSD and the rows' chains run side by side (one row at a time, the chain's latency, not the
+// instruction's throughput, set the pace).
+template <int64_t Rows>
+inline void group_dots(const __m512i w[], const int8_t* const codes[], __m512 dots[]) {
+  __m512i sums[Rows];
+  for (int64_t r = 0; r < Rows; ++r) sums[r] = _mm512_setzero_si512();
+  for (int64_t t = 0; t < kSteps; ++t)
+    for (int64_t r = 0; r < Rows; ++r)
+      sums[r] = _mm512_dpbusd_epi32(sums[r], w[t], _mm512_set1_epi32(reinterpret_cast<const int32_t*>(codes[r])[t]));
+  for (int64_t r = 0; r < Rows; ++r) dots[r] = _mm512_cvtepi32_ps(sums[r]);
 }
 
 // The 8 steps of one block-group: w[t] byte 4 i + j = u[row i of the block, input 4 t + j of the group].
@@ -131,29 +134,43 @@ void check_weight(const at::Tensor& codes, const at::Tensor& scale, const at::Te
   }
 }
 
-template <int64_t Rows, typename T>
+template <int64_t Rows, bool Refined, typename T>
 void block_rows(const uint8_t* codes, const c10::Half* scale, const c10::Half* low, const QuantizedActivations& x,
                 int64_t first_row, int64_t bits, T* y, int64_t out_stride) {
-  __m512 acc[Rows];
+  __m512 acc[Rows], dots[Rows];
   for (int64_t r = 0; r < Rows; ++r) acc[r] = _mm512_setzero_ps();
   __m512i w[kSteps];
+  const int8_t* row_codes[Rows];
   const int64_t stride = block_group_bytes(bits);
   for (int64_t g = 0; g < x.groups; ++g) {
     load_block_group(codes + g * stride, bits, w);
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scale + g * kBlock)));
     const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(low + g * kBlock)));
-    for (int64_t r = 0; r < Rows; ++r) {
-      const int64_t row = first_row + r, at = row * x.width + g * kGroup;
-      const float step = x.step[row * x.groups + g];
-      acc[r] = _mm512_fmadd_ps(group_dot(w, x.codes.data() + at), _mm512_mul_ps(d, _mm512_set1_ps(step)), acc[r]);
-      if (x.refined) {
-        const __m512 fine = _mm512_mul_ps(d, _mm512_set1_ps(step / kResidualSteps));
-        acc[r] = _mm512_fmadd_ps(group_dot(w, x.residual.data() + at), fine, acc[r]);
+    for (int64_t r = 0; r < Rows; ++r) row_codes[r] = x.codes.data() + (first_row + r) * x.width + g * kGroup;
+    group_dots<Rows>(w, row_codes, dots);
+    for (int64_t r = 0; r < Rows; ++r)
+      acc[r] = _mm512_fmadd_ps(dots[r], _mm512_mul_ps(d, _mm512_set1_ps(x.step[(first_row + r) * x.groups + g])), acc[r]);
+    if constexpr (Refined) {
+      for (int64_t r = 0; r < Rows; ++r) row_codes[r] = x.residual.data() + (first_row + r) * x.width + g * kGroup;
+      group_dots<Rows>(w, row_codes, dots);
+      for (int64_t r = 0; r < Rows; ++r) {
+        const float fine = x.step[(first_row + r) * x.groups + g] / kResidualSteps;
+        acc[r] = _mm512_fmadd_ps(dots[r], _mm512_mul_ps(d, _mm512_set1_ps(fine)), acc[r]);
       }
-      acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(x.step_times_sum[row * x.groups + g]), acc[r]);
     }
+    for (int64_t r = 0; r < Rows; ++r)
+      acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(x.step_times_sum[(first_row + r) * x.groups + g]), acc[r]);
   }
   for (int64_t r = 0; r < Rows; ++r) store16(y + (first_row + r) * out_stride, acc[r]);
+}
+
+template <bool Refined, typename T>
+void block_column(const uint8_t* c, const c10::Half* d, const c10::Half* m, const QuantizedActivations& q,
+                  int64_t bits, T* column, int64_t padded) {
+  int64_t r = 0;
+  for (; r + kRowTile <= q.rows; r += kRowTile) block_rows<kRowTile, Refined>(c, d, m, q, r, bits, column, padded);
+  for (; r + 4 <= q.rows; r += 4) block_rows<4, Refined>(c, d, m, q, r, bits, column, padded);
+  for (; r < q.rows; ++r) block_rows<1, Refined>(c, d, m, q, r, bits, column, padded);
 }
 
 template <typename T>
@@ -172,10 +189,8 @@ void multiply(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& sc
       const c10::Half* d = all_scales + b * scales_per_block;
       const c10::Half* m = all_lows + b * scales_per_block;
       T* column = y + b * kBlock;
-      int64_t r = 0;
-      for (; r + kRowTile <= rows; r += kRowTile) block_rows<kRowTile>(c, d, m, q, r, bits, column, padded);
-      for (; r + 4 <= rows; r += 4) block_rows<4>(c, d, m, q, r, bits, column, padded);
-      for (; r < rows; ++r) block_rows<1>(c, d, m, q, r, bits, column, padded);
+      if (q.refined) block_column<true>(c, d, m, q, bits, column, padded);
+      else block_column<false>(c, d, m, q, bits, column, padded);
     }
   });
 }
