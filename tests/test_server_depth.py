@@ -54,14 +54,15 @@ DEPTHS = {
     "sgt": [{"loops": 0}, {"loops": 2}, {"loops": {"1": 3, "2": 0}}],
     "itt": [{"selection_ratios": [0.0, 0.7]}, {"selection_ratios": [1.0, 0.3]}, {"thinking_steps": 1}],
 }
-COUNTERS = {"sgt": "depthserve_depth_loop_iterations_total", "itt": "depthserve_depth_itt_selected_tokens_total"}
+COUNTERS = {"sgt": "loop_iterations", "itt": "selected_tokens"}  # depthserve_depth_counter{name=...}
 
 
 def _depth_counter(base: str, arch: str) -> float:
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(f"{base}/metrics").text
-    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == COUNTERS[arch])
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == "depthserve_depth_counter_total" and s.labels.get("name") == COUNTERS[arch])
 
 
 def test_depth_over_http_equals_offline_generate(depth_server):
