@@ -149,7 +149,7 @@ def _is_number(value: Any) -> bool:
 class DepthParams(Mapping[str, Any]):
     """A request's depth knobs: knob name -> value, as sent (a knob left at None is not set).
 
-        DepthParams(loops=2) == DepthParams({"loops": 2})
+        DepthParams(passes=2) == DepthParams({"passes": 2})  # "passes": a knob of some model
 
     The names and values are the model's to check (`normalized`, against its KnobSpecs)."""
 
