@@ -47,12 +47,12 @@ def evaluate(model: str, problems, threads: int) -> dict:
     import json
 
     from depthserve import LLM, DepthParams, SamplingParams
-    from depthserve.demo.arches import DEMO_ARCHES
+    from depthserve.archs import demo_arches
     from depthserve.loading.registry import resolve_model
 
     path = resolve_model(model).path
     cfg = json.loads((path / "config.json").read_text())
-    arch = DEMO_ARCHES[cfg["depth"]["architecture"]]
+    arch = demo_arches()[cfg["depth"]["architecture"]]
     llm = LLM(model, device="cpu", dtype="float32", load_progress=False, num_threads=threads,
               max_model_len=128, max_num_seqs=256)
     greedy = SamplingParams(temperature=0.0, max_tokens=1)

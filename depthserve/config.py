@@ -29,7 +29,7 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     num_threads: int | None = None  # torch intra-op threads on CPU; default: torch's choice
     seed: int = 0  # for unseeded sampling
-    max_loops: int | None = None  # ceiling of the SGT `loops` knob; default: the checkpoint's max_loops
+    max_loops: int | None = None  # ceiling of a loop-count knob (BuildOptions.max_loops); default: the checkpoint's own
     load_progress: bool = True
     # auto: Triton kernels for tensors on CUDA (when triton imports), torch otherwise; torch: always
     # torch; triton: Triton on any device (on CPU under TRITON_INTERPRET=1, set before triton is imported)

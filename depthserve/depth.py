@@ -1,22 +1,24 @@
 """Per-request depth: the knobs a request sets, the plan a model makes of them, the report of
 what the request spent (depth-semantics.md; no torch, so the scheduler can carry plans).
 
-A model declares the knobs it accepts as `KnobSpec`s; `DepthParams.normalized` checks a request
-against them (a knob sent to a model that lacks it is an error, never ignored). The model turns
-the normalized knobs into a `DepthPlan` once per request; the engine carries it on the
-sequence. When the request finishes, the model reports a `DepthReport`: typed fields that
+An architecture declares its knobs to the registry as `KnobInfo`s (name, meaning, value shape); a
+model declares the knobs it accepts, with the checkpoint's ranges, as `KnobSpec`s.
+`DepthParams` is a mapping knob name -> value that names no knob itself; `DepthParams.normalized`
+checks a request against the model's KnobSpecs (a knob sent to a model that lacks it is an error,
+never ignored). The model turns the normalized knobs into a `DepthPlan` once per request; the
+engine carries it on the sequence. When the request finishes, the model reports a `DepthReport`: typed fields that
 metrics, `usage.depth` and multi-prompt combining read without knowing the architecture.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from collections.abc import Collection, Iterator, Mapping
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from depthserve.cache import CacheLayout
 from depthserve.errors import InvalidDepthError
 
-KNOB_NAMES = ("loops", "selection_ratios", "thinking_steps", "depth")
 AUTO = "auto"  # a range knob written as its whole range
 
 
@@ -31,6 +33,32 @@ class DepthRange:
 
     def as_json(self) -> dict[str, int]:
         return {"min": self.minimum, "max": self.maximum}
+
+
+@dataclass(frozen=True)
+class KnobInfo:
+    """A knob as its architecture declares it to the registry, before any checkpoint is read: its
+    name, what it sets, its value's shape (a `KnobSpec.kind`) and whether it takes a range. The
+    HTTP schema of `depth` and the early check of knob names are built from these; the ranges
+    are each checkpoint's own (`KnobSpec`)."""
+
+    name: str
+    description: str
+    kind: str = "int"
+    elastic: bool = False
+
+    def value_schema(self) -> dict[str, Any]:
+        """The JSON schema of one value of this knob."""
+        integer = {"type": "integer"}
+        shapes: list[dict[str, Any]] = {
+            "int": [integer],
+            "int_or_map": [integer, {"type": "object", "additionalProperties": integer}],  # layer -> count
+            "ratio_list": [{"type": "array", "items": {"type": "number"}}],
+        }[self.kind]
+        if self.elastic:
+            shapes += [{"type": "object", "properties": {"min": integer, "max": integer}, "required": ["min", "max"]},
+                       {"const": AUTO}]
+        return shapes[0] if len(shapes) == 1 else {"anyOf": shapes}
 
 
 @dataclass(frozen=True)
@@ -118,32 +146,51 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
 
 
-@dataclass
-class DepthParams:
-    loops: int | dict[int, int] | None = None
-    selection_ratios: list[float] | None = None
-    thinking_steps: int | None = None
-    depth: int | DepthRange | None = None
+class DepthParams(Mapping[str, Any]):
+    """A request's depth knobs: knob name -> value, as sent (a knob left at None is not set).
+
+        DepthParams(passes=2) == DepthParams({"passes": 2})  # "passes": a knob of some model
+
+    The names and values are the model's to check (`normalized`, against its KnobSpecs)."""
+
+    __slots__ = ("_knobs",)
+
+    def __init__(self, knobs: Mapping[str, Any] | None = None, /, **named: Any):
+        given = {**(knobs or {}), **named}
+        self._knobs: dict[str, Any] = {name: value for name, value in given.items() if value is not None}
+
+    def __getitem__(self, name: str) -> Any:
+        return self._knobs[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._knobs)
+
+    def __len__(self) -> int:
+        return len(self._knobs)
+
+    def __repr__(self) -> str:
+        return f"DepthParams({self._knobs!r})"
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any] | None) -> "DepthParams":
+    def from_dict(cls, data: dict[str, Any] | None, known: Collection[str] | None = None) -> "DepthParams":
+        """The knobs of a JSON object; with `known` (every registered architecture's knob names,
+        `depthserve.archs.knob_names`), a name outside it is refused before any model is at hand."""
         if data is None:
             return cls()
         if not isinstance(data, dict):
             raise InvalidDepthError(f"depth must be an object, got {type(data).__name__}")
-        unknown = sorted(set(data) - set(KNOB_NAMES))
-        if unknown:
-            raise InvalidDepthError(
-                f"unknown depth knob(s) {unknown}; known knobs are {list(KNOB_NAMES)}"
-            )
-        return cls(**data)
+        if known is not None:
+            unknown = sorted(set(data) - set(known))
+            if unknown:
+                raise InvalidDepthError(f"unknown depth knob(s) {unknown}; known knobs are {sorted(known)}")
+        return cls(data)
 
     def set_knobs(self) -> dict[str, Any]:
         """The knobs this request sets explicitly."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+        return dict(self._knobs)
 
     def is_default(self) -> bool:
-        return not self.set_knobs()
+        return not self._knobs
 
     def cache_key(self) -> tuple:
         """Hashable identity of the settings (part of the prefix-cache key)."""
@@ -156,7 +203,7 @@ class DepthParams:
                 return tuple(value)
             return value
 
-        return tuple((name, freeze(value)) for name, value in sorted(self.set_knobs().items()))
+        return tuple((name, freeze(value)) for name, value in sorted(self._knobs.items()))
 
     def validate(self, knobs: dict[str, KnobSpec], model_name: str = "this model") -> None:
         """Reject knobs the model does not have and values outside each knob's range."""
@@ -165,14 +212,14 @@ class DepthParams:
     def normalized(self, knobs: dict[str, KnobSpec], model_name: str = "this model") -> "DepthParams":
         """A copy with every set knob checked against its KnobSpec and in canonical form."""
         values = {}
-        for name, value in self.set_knobs().items():
+        for name, value in self._knobs.items():
             if name not in knobs:
                 accepted = sorted(knobs) or "none"
                 raise InvalidDepthError(
                     f"depth knob '{name}' is not supported by {model_name} (accepted knobs: {accepted})"
                 )
             values[name] = knobs[name].check(value, model_name)
-        return DepthParams(**values)
+        return DepthParams(values)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -218,6 +265,17 @@ class DepthPlan:
 
 
 @dataclass(frozen=True)
+class DepthCounter:
+    """One count a finished request adds to a counter, typed for metrics
+    (`depthserve_depth_counter{model,name,...labels}`): the counter's name (its key in
+    DepthReport.counters), the labels of this count (such as a layer and a step) and the count."""
+
+    name: str
+    value: float
+    labels: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True)
 class DepthReport:
     """What one finished request spent on depth (one sequence: the first of the request).
 
@@ -225,7 +283,8 @@ class DepthReport:
     of a request or dropped when combined); `counters` add up across prompts (an int, or a map
     name -> int such as loop iterations per layer); `fractions` are per-prompt shares. `decisions`
     holds per-position routing choices for inspection; like `per_token`, the room left for the
-    depth each token ran, it never goes into `usage.depth`."""
+    depth each token ran, it never goes into `usage.depth`. `counter_samples` are the counters
+    again as typed counts with labels, for metrics (so no reader parses a counter's keys)."""
 
     architecture: str
     tokens: int
@@ -237,6 +296,7 @@ class DepthReport:
     extrapolated: tuple[int, ...] | None = None
     decisions: Any = None
     per_token: Any = None
+    counter_samples: tuple[DepthCounter, ...] = ()
 
     @property
     def relative_compute(self) -> float:

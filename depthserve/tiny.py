@@ -2,9 +2,10 @@
 format, for tests and benchmarks (each architecture writes its own: `archs/<name>/tiny.py`); and
 the token streams and tokenizer those checkpoints use.
 
-    make_tiny("itt", "out/itt", seed=0, like=None, num_kv_heads=None, tokenizer=None, steps=3)
+    make_tiny(arch, "out/tiny", seed=0, like=None, num_kv_heads=None, tokenizer=None, **options)
 
-Options after the tokenizer are the architecture's own (`depthserve make-tiny --help`).
+Options after the tokenizer are the architecture's own (`depthserve make-tiny --help`; its flags
+are declared by the architecture, `Architecture.tiny_flags`).
 """
 
 from __future__ import annotations
@@ -14,85 +15,38 @@ import inspect
 import json
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from depthserve.archs import Architecture, architectures, get_architecture
+from depthserve.archs.llama.tiny import LIKE, every_other_layer, num_layers_of, synthetic_streams
 from depthserve.errors import ConfigurationError
+from depthserve.loading.tokenizer import default_tokenizer as load_default_tokenizer
+from depthserve.loading.tokenizer import tokenizer_from
 
-if TYPE_CHECKING:
-    import torch
+__all__ = ["make_tiny", "load_default_tokenizer", "tokenizer_from", "synthetic_streams", "every_other_layer",
+           "num_layers_of", "cli_options", "add_subcommands"]
 
 
 def make_tiny(arch: str, out: str | Path, seed: int = 0, like: str | None = None, num_kv_heads: int | None = None,
               tokenizer=None, **options: Any) -> Path:
     """Write a random-weight checkpoint of a registered architecture to `out`."""
-    from depthserve.archs import get_architecture
-
     architecture = get_architecture(arch)
     if architecture.make_tiny is None:
         raise ConfigurationError(f"the architecture {arch!r} has no tiny checkpoint")
-    accepted = [p.name for p in inspect.signature(architecture.make_tiny).parameters.values()
-                if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    accepted = tiny_options(architecture)
     unknown = sorted(set(options) - set(accepted))
     if unknown:
         raise ConfigurationError(f"{arch} takes no option {unknown}: an option applies to its own architecture "
                                  f"({arch}'s options: {accepted or 'none'})")
+    tokenizer = load_default_tokenizer() if tokenizer is None else tokenizer
     return architecture.make_tiny(Path(out), seed, like, num_kv_heads, tokenizer, **options)
-
-
-def load_default_tokenizer():
-    """The SmolLM2 tokenizer of the default model, or a byte-level one built with `tokenizers`."""
-    try:
-        from depthserve.loading.registry import DEFAULT_MODEL, resolve_model
-        from depthserve.loading.tokenizer import load_tokenizer
-
-        return load_tokenizer(resolve_model(DEFAULT_MODEL))
-    except Exception:  # noqa: BLE001 - the default model's package is optional here
-        return _byte_tokenizer()
-
-
-def tokenizer_from(path: str | Path):
-    """The tokenizer saved in a directory (a checkpoint's, or one written by save_pretrained), read
-    as the engine reads a checkpoint's."""
-    from depthserve.loading.registry import ModelSource
-    from depthserve.loading.tokenizer import load_tokenizer
-
-    path = Path(path)
-    if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
-        raise ConfigurationError(f"no tokenizer in {path} (tokenizer.json or tokenizer_config.json)")
-    return load_tokenizer(ModelSource(path.name, "hf", path))
-
-
-def _byte_tokenizer():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    vocab = {"<|endoftext|>": 0, **{ch: i + 1 for i, ch in enumerate(sorted(alphabet))}}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|endoftext|>")
-
-
-def synthetic_streams(vocab_size: int, windows: int, length: int, seed: int) -> torch.Tensor:
-    """Token windows [windows, length] drawn from a Zipf-like distribution over a shuffled vocabulary."""
-    import torch
-
-    gen = torch.Generator().manual_seed(seed + 1)
-    ranks = torch.arange(1, vocab_size + 1, dtype=torch.float64)
-    probs = 1.0 / ranks**1.1
-    order = torch.randperm(vocab_size, generator=gen)
-    draws = torch.multinomial(probs / probs.sum(), windows * length, replacement=True, generator=gen)
-    return order[draws].view(windows, length)
 
 
 # ---- command line ------------------------------------------------------------------------------------
 def add_subcommands(sub) -> None:
-    from depthserve.archs import architecture_names
-    from depthserve.archs.llama.tiny import LIKE
-
+    known = architectures()
     p = sub.add_parser("make-tiny", help="write a small random checkpoint of any served architecture in the native format")
-    p.add_argument("--arch", required=True, choices=architecture_names())
+    p.add_argument("--arch", required=True, choices=[architecture.name for architecture in known])
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--like", default=None, choices=sorted(LIKE), help="the real model's shapes, random weights")
@@ -100,25 +54,26 @@ def add_subcommands(sub) -> None:
     p.add_argument("--tokenizer", default=None, metavar="DIR",
                    help="the tokenizer (and so the vocabulary) of this checkpoint or tokenizer directory "
                         "(default: the built-in SmolLM2's, or a byte-level one where its package is absent)")
-    p.add_argument("--sgt-layers", type=_int_list, default=None, help="SGT looped layers, e.g. 10,15,20")
-    p.add_argument("--sgt-heads", type=_head_sets, default=None,
-                   help="SGT heads per looped layer: a count N (heads 0..N-1) or one set per layer, e.g. '0,1;0,4;1,8'")
-    p.add_argument("--sgt-loops", type=int, default=None, help="trained loop count of every looped layer")
-    p.add_argument("--itt-layers", type=_layer_selection, default=None,
-                   help="ITT layers: a list (e.g. 1,3,5), 'odd' or 'even' (every other layer)")
-    p.add_argument("--itt-steps", type=int, default=None, help="ITT extra steps T (default 2)")
+    for architecture in known:
+        for flag in architecture.tiny_flags:
+            p.add_argument(flag.flag, dest=flag.dest, type=flag.parse, default=None, help=flag.help)
+    layouts = "; ".join(f"{architecture.name} ({', '.join(options)})" for architecture in known
+                        if (options := [o for o in tiny_options(architecture) if o not in flag_options(architecture)]))
     p.add_argument("--option", dest="arch_options", type=_key_value, action="append", default=[], metavar="KEY=VALUE",
-                   help="layout option of dreamer (depth, attn_experts, da_rope, num_experts, top_k), "
-                        "put (n_prefix, n_core, n_suffix, steps, conv_kernel) or saobp (lam, variant, "
-                        "self_message, layers, max_position_embeddings); VALUE is read as JSON, else as a string")
+                   help=f"layout option of {layouts}; VALUE is read as JSON, else as a string")
     p.set_defaults(func=_cmd_make_tiny)
 
 
-def _int_list(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from exc
+def tiny_options(architecture: Architecture) -> list[str]:
+    """The keyword options of an architecture's make_tiny."""
+    if architecture.make_tiny is None:
+        return []
+    return [p.name for p in inspect.signature(architecture.make_tiny).parameters.values()
+            if p.kind is inspect.Parameter.KEYWORD_ONLY]
+
+
+def flag_options(architecture: Architecture) -> set[str]:
+    return {flag.option for flag in architecture.tiny_flags}
 
 
 def _key_value(text: str) -> tuple[str, Any]:
@@ -131,38 +86,21 @@ def _key_value(text: str) -> tuple[str, Any]:
         return key.strip(), value
 
 
-def _head_sets(text: str) -> int | list[list[int]]:
-    return int(text) if text.strip().isdigit() else [_int_list(part) for part in text.split(";")]
-
-
-def _layer_selection(text: str) -> list[int] | str:
-    return text if text in ("odd", "even") else _int_list(text)
-
-
-def every_other_layer(num_layers: int, parity: str) -> list[int]:
-    """Layers 1, 3, 5, ... ('odd') or 0, 2, 4, ... ('even') of a model with `num_layers` layers."""
-    return list(range(1 if parity == "odd" else 0, num_layers, 2))
-
-
-def num_layers_of(like: str | None) -> int:
-    from depthserve.archs.llama.tiny import LIKE, TINY
-
-    return (LIKE[like] if like else TINY)["num_hidden_layers"]
-
-
 def cli_options(ns: argparse.Namespace) -> dict[str, Any]:
-    """The architecture's own options from the command line (--sgt-*, --itt-*, --option)."""
+    """The architecture's own options from the command line (its make-tiny flags, --option)."""
     options = dict(ns.arch_options)
-    flags = {"sgt": {"layers": ns.sgt_layers, "heads": ns.sgt_heads, "loops": ns.sgt_loops},
-             "itt": {"layers": ns.itt_layers, "steps": ns.itt_steps}}
-    for arch, values in flags.items():
-        given = {k: v for k, v in values.items() if v is not None}
-        if given and arch != ns.arch:
-            raise ConfigurationError(f"--{arch}-* options apply to --arch {arch} only, not {ns.arch}")
-        if arch == ns.arch:
-            options.update(given)
-    if isinstance(options.get("layers"), str) and ns.arch == "itt":
-        options["layers"] = every_other_layer(num_layers_of(ns.like), options["layers"])
+    for architecture in architectures():
+        for flag in architecture.tiny_flags:
+            value = getattr(ns, flag.dest, None)
+            if value is None:
+                continue
+            if architecture.name != ns.arch:
+                raise ConfigurationError(f"{flag.flag} applies to --arch {architecture.name} only, not {ns.arch}")
+            options[flag.option] = value
+        if architecture.name == ns.arch:
+            for flag in architecture.tiny_flags:
+                if flag.resolve is not None and flag.option in options:
+                    options[flag.option] = flag.resolve(options[flag.option], ns.like)
     return options
 
 

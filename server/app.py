@@ -90,7 +90,7 @@ def _validation_message(exc: RequestValidationError, content_type: str) -> tuple
 
 def build_app(llm: AsyncLLM, served_model_name: str | None = None, api_key: str | None = None,
               depth_presets: dict[str, dict] | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
-    metrics = ServerMetrics(llm.stats)
+    metrics = ServerMetrics(llm.stats, served_model_name or llm.model_name, llm.model_info.depth_knobs)
     worker = TokenizerWorker(llm.model_info.tokenizer, llm.model_info.max_model_len)
     shared = (llm, served_model_name or llm.model_name, depth_presets, metrics, worker)
     serving = OpenAIServing(*shared)

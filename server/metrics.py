@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from depthserve.depth import DepthReport
+from depthserve.depth import DepthCounter, DepthReport
 from depthserve.outputs import RequestMetrics
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -75,8 +76,37 @@ def _depth_policy_metrics(stats: dict):
     yield from (histogram, shed, target)
 
 
+class _DepthCounters:
+    """`depthserve_depth_counter{model,name,...}`: the typed counts finished requests report
+    (DepthReport.counter_samples: loop iterations per layer, tokens routed per layer and step, ...),
+    summed per model, counter name and labels. The labels are the architecture's, so one family
+    carries every architecture's counters without the server knowing any of them."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: dict[tuple[str, str, tuple[tuple[str, str], ...]], float] = {}
+
+    def add(self, model: str, sample: DepthCounter) -> None:
+        key = (model, sample.name, sample.labels)
+        with self._lock:
+            self._counts[key] = self._counts.get(key, 0) + sample.value
+
+    def collect(self):
+        family = CounterMetricFamily("depthserve_depth_counter",
+                                     "Depth work of finished requests, by model, counter name and the counter's labels")
+        with self._lock:
+            counts = sorted(self._counts.items())
+        for (model, name, labels), value in counts:
+            family.add_sample("depthserve_depth_counter_total", {"model": model, "name": name, **dict(labels)}, value)
+        yield family
+
+
 class ServerMetrics:
-    def __init__(self, read_stats: Callable[[], dict]):
+    def __init__(self, read_stats: Callable[[], dict], model: str = "", knobs: Collection[str] = ()):
+        """`model`: the served model's name (the depth counters' label); `knobs`: its depth knob names
+        (requests are counted by each integer setting of one)."""
+        self.model = model
+        self.knobs = tuple(knobs)
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("depthserve_requests", "Finished requests by outcome", ["outcome"], registry=r)
@@ -90,16 +120,14 @@ class ServerMetrics:
                                buckets=_LATENCY_BUCKETS, registry=r)
         self.prompt_tokens = Counter("depthserve_prompt_tokens", "Prompt tokens processed", registry=r)
         self.generation_tokens = Counter("depthserve_generation_tokens", "Tokens generated", registry=r)
-        self.loop_iterations = Counter("depthserve_depth_loop_iterations", "SGT head-subset loop iterations run",
-                                       ["layer"], registry=r)
-        self.itt_selected = Counter("depthserve_depth_itt_selected_tokens", "Tokens routed to an ITT step",
-                                    ["layer", "step"], registry=r)
+        self.depth_counters = _DepthCounters()
+        r.register(self.depth_counters)
         self.depth_flops = Counter("depthserve_depth_flops",
                                    "FLOPs of finished requests on a depth model: spent, and what the plain model "
                                    "would spend on the same tokens (their ratio is the served relative compute)",
                                    ["kind"], registry=r)
         self.depth_settings = Counter("depthserve_depth_requests_by_setting",
-                                      "Finished requests by an integer depth setting (Dreamer depth, PUT loops)",
+                                      "Finished requests by the integer setting of a depth knob",
                                       ["knob", "value"], registry=r)
         r.register(_EngineCollector(read_stats))
 
@@ -110,14 +138,11 @@ class ServerMetrics:
         """Add a finished request's depth usage (RequestOutput.depth) to the depth counters."""
         if depth is None:
             return
-        for layer, count in depth.counters.get("loop_iterations", {}).items():
-            self.loop_iterations.labels(layer=str(layer)).inc(count)
-        for key, count in depth.counters.get("selected_tokens", {}).items():
-            layer, _, step = str(key).partition(":")
-            self.itt_selected.labels(layer=layer, step=step).inc(count)
+        for sample in depth.counter_samples:
+            self.depth_counters.add(self.model, sample)
         self.depth_flops.labels(kind="spent").inc(depth.flops)
         self.depth_flops.labels(kind="plain").inc(depth.plain_flops)
-        for knob in ("depth", "loops"):
+        for knob in self.knobs:
             value = depth.settings.get(knob)
             if isinstance(value, int) and not isinstance(value, bool):
                 self.depth_settings.labels(knob=knob, value=str(value)).inc()

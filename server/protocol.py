@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from depthserve.archs import knob_schemas
 from depthserve.errors import InvalidRequestError
 from depthserve.sampling_params import (
     MAX_TOP_K,
@@ -102,18 +103,28 @@ class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
-class DepthRequest(StrictModel):
-    """The depth extension: the knobs of depth-semantics.md. Their types and ranges are the served
-    model's (GET /v1/models lists them) and are checked by the engine, whose 400 names the knob,
-    what it accepts and what was sent (so the values are not typed here)."""
+def _registered_knobs(schema: dict[str, Any]) -> None:
+    """The documented shape of `depth`: every registered architecture's knobs (built when the
+    schema is asked for, so an architecture registered after this module loaded is in it)."""
+    schema["properties"] = knob_schemas()
+    schema["additionalProperties"] = False
 
-    loops: Any = None  # SGT, PUT: loop iterations (SGT: an integer for all looped layers, or a map per layer)
-    selection_ratios: Any = None  # ITT: fraction of tokens routed to each step
-    thinking_steps: Any = None  # ITT: how many of the trained steps run
-    depth: Any = None  # Dreamer: shared-block applications
+
+class DepthRequest(BaseModel):
+    """The depth extension: knob name -> value (depth-semantics.md). The names, types and ranges
+    are the served model's (GET /v1/models lists them; the schema lists every registered
+    architecture's) and are checked by the engine, whose 400 names the knob, what it accepts and
+    what was sent (so neither names nor values are fixed here)."""
+
+    model_config = ConfigDict(extra="allow", json_schema_extra=_registered_knobs)
+
+    @model_validator(mode="after")
+    def _valid_unicode(self) -> "DepthRequest":
+        _check_unicode(self.model_extra or {})
+        return self
 
     def knobs(self) -> dict[str, Any]:
-        return self.model_dump(exclude_none=True)
+        return {name: value for name, value in (self.model_extra or {}).items() if value is not None}
 
 
 class SamplingFields(OpenAIRequest):

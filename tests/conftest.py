@@ -34,7 +34,8 @@ def _read_each_gguf_once():
     import copy
     import dataclasses
 
-    from depthserve.loading import gguf_loader, model_loader
+    from depthserve.engine import model_loader
+    from depthserve.loading import gguf_loader
 
     original = gguf_loader.load_gguf
     cache: dict[Path, gguf_loader.GGUFWeights] = {}

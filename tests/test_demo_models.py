@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from depthserve import LLM, DepthParams, SamplingParams
-from depthserve.demo.arches import DEMO_ARCHES
+from depthserve.archs import demo_arches
 from depthserve.demo.task import problems, solve
 from depthserve.engine.model_runner import ModelRunner
 from depthserve.loading.registry import resolve_model
@@ -36,7 +36,7 @@ def mixed_batch_equals_reference(path, arch: str, tokenizer) -> dict:
     budget of one costliest request (admission waits, and decode may preempt), prefilled in chunks;
     every token's logprobs against the reference."""
     cfg = json.loads((path / "config.json").read_text())
-    settings = DEMO_ARCHES[arch].settings(cfg)
+    settings = demo_arches()[arch].settings(cfg)
     held_out = problems(7, max(6, len(settings)), "held_out", 4)
     prompts = [tokenizer.encode(p.prompt, add_special_tokens=False) for p in held_out]
     depths = [DepthParams(**settings[i % len(settings)]) for i in range(len(prompts))]
@@ -58,7 +58,7 @@ def mixed_batch_equals_reference(path, arch: str, tokenizer) -> dict:
     return stats
 
 
-@pytest.mark.parametrize("arch", sorted(DEMO_ARCHES))
+@pytest.mark.parametrize("arch", sorted(demo_arches()))
 @pytest.mark.slow
 def test_train_demo_end_to_end_on_a_reduced_recipe(tmp_path, arch):
     out = tmp_path / arch
@@ -90,7 +90,7 @@ def test_builtin_demo_model_answers_more_with_more_depth(arch):
     has the full table on 1000 problems, against the bars of 90% and 60%)."""
     source = resolve_model(DEMO_MODELS[arch])
     meta = json.loads((source.path / "train_demo.json").read_text())
-    settings = DEMO_ARCHES[arch].settings(json.loads((source.path / "config.json").read_text()))
+    settings = demo_arches()[arch].settings(json.loads((source.path / "config.json").read_text()))
     held_out = problems(99, 100, "held_out", meta["max_hops"])
     llm = LLM(DEMO_MODELS[arch], device="cpu", dtype="float32", load_progress=False, max_model_len=64)
     greedy = SamplingParams(temperature=0.0, max_tokens=4)

@@ -39,13 +39,13 @@ def _prompts() -> list[list[int]]:
 
 
 def _schedule(depth: DepthParams, per_token: list[int]) -> list[dict]:
-    ratios = {} if depth.selection_ratios is None else {"selection_ratios": depth.selection_ratios}
+    ratios = {} if depth.get("selection_ratios") is None else {"selection_ratios": depth["selection_ratios"]}
     return [{"thinking_steps": level, **ratios} for level in per_token]
 
 
 def _step_on(path, depth: DepthParams, per_token: list[int] | None, n: int, t: int) -> np.ndarray:
     """Where step t is on: its ratio is positive and the token's thinking steps reach it."""
-    knobs = depth if per_token is None else DepthParams(selection_ratios=depth.selection_ratios)
+    knobs = depth if per_token is None else DepthParams(selection_ratios=depth.get("selection_ratios"))
     ratio = itt_ratios(load_itt(path, torch.float32).spec, knobs)[t - 1]
     levels = np.full(n, t) if per_token is None else np.asarray(per_token[:n])
     return (levels >= t) & (ratio > 0)

@@ -175,8 +175,10 @@ def test_invalid_sampling_values_are_rejected(kwargs):
 def test_unknown_model_and_depth_knob_names():
     with pytest.raises(UnknownModelError, match="unknown model"):
         LLM("no-such-model")
-    with pytest.raises(InvalidDepthError, match="unknown depth knob"):
-        DepthParams.from_dict({"loopz": 1})
+    from depthserve.archs import knob_names
+
+    with pytest.raises(InvalidDepthError, match="unknown depth knob"):  # no registered architecture has it
+        DepthParams.from_dict({"loopz": 1}, known=knob_names())
 
 
 def test_failed_batch_submission_rolls_back(llm):

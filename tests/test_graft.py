@@ -15,7 +15,7 @@ import torch
 from depthserve import LLM, DepthParams, reference
 from depthserve.archs.llama import reference as llama_reference
 from depthserve.tools.cli import main
-from depthserve.tools.graft import (
+from depthserve.archs.sgt.graft import (
     GRAFT_FILE,
     GraftError,
     attention_entropies,

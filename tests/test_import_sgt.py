@@ -25,9 +25,9 @@ from safetensors.torch import save_file
 
 from depthserve import LLM, DepthParams, SamplingParams, reference
 from depthserve.errors import DepthServeError
-from depthserve.tiny import _byte_tokenizer
+from depthserve.loading.tokenizer import byte_tokenizer
 from depthserve.tools.cli import main
-from depthserve.tools.import_sgt import UnsupportedCheckpointError, import_sgt
+from depthserve.archs.sgt.import_checkpoint import UnsupportedCheckpointError, import_sgt
 
 D, H, L, FF = 64, 4, 3, 96  # d_model, heads, blocks, SwiGLU width (fused ff_proj: 2 * FF rows)
 HD = D // H
@@ -148,7 +148,7 @@ def write_gqa(root):
     src = root / "olmo-gqa"
     src.mkdir()
     tok_dir = root / "byte-tokenizer"
-    tokenizer = _byte_tokenizer()
+    tokenizer = byte_tokenizer()
     tokenizer.save_pretrained(str(tok_dir))
     rows = 320
     sd = olmo_state(n_kv=2, rows=rows, tied=True, dtype=torch.bfloat16, seed=2)

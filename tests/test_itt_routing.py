@@ -18,7 +18,7 @@ import pytest
 
 from depthserve import LLM, DepthParams, SamplingParams
 from depthserve.tiny import make_tiny
-from depthserve.tools.calibrate import calibrate
+from depthserve.archs.itt.calibrate import calibrate
 from tests.conftest import shared_data_file
 
 TRAINED = [0.5, 0.3]

@@ -166,7 +166,7 @@ def test_mixed_loops_batch_equals_reference_with_chunks_and_preemption(ckpts):
         out = final[f"r{i}"]
         _check(path, prompt, depth, out.outputs[0], stats)
         report = out.depth
-        assert report.settings["loops"] == (depth.loops or 3) and report.settings["trained_loops"] == 3
+        assert report.settings["loops"] == depth.get("loops", 3) and report.settings["trained_loops"] == 3
         assert report.tokens == len(prompt) + params.max_tokens - 1
         assert report.counters["core_layer_passes"] == report.tokens * report.settings["loops"] * 2
     print("put mixed batch: preemptions", engine.scheduler.num_preemptions, stats)

@@ -239,7 +239,7 @@ def test_open_endpoints_models_tokenize_and_metrics(server, offline):
     assert text == "Hello world"
     families = {f.name for f in text_string_to_metric_families(httpx.get(f"{base}/metrics").text)}
     for name in ("depthserve_requests", "depthserve_time_to_first_token_seconds", "depthserve_kv_bytes_used",
-                 "depthserve_depth_loop_iterations", "depthserve_depth_itt_selected_tokens"):
+                 "depthserve_depth_counter"):
         assert name in families
 
 

@@ -54,14 +54,22 @@ DEPTHS = {
     "sgt": [{"loops": 0}, {"loops": 2}, {"loops": {"1": 3, "2": 0}}],
     "itt": [{"selection_ratios": [0.0, 0.7]}, {"selection_ratios": [1.0, 0.3]}, {"thinking_steps": 1}],
 }
-COUNTERS = {"sgt": "depthserve_depth_loop_iterations_total", "itt": "depthserve_depth_itt_selected_tokens_total"}
+COUNTERS = {"sgt": "loop_iterations", "itt": "selected_tokens"}  # depthserve_depth_counter{name=...}
 
 
-def _depth_counter(base: str, arch: str) -> float:
+def _depth_samples(base: str, arch: str) -> dict[str, float]:
+    """The architecture's counter on /metrics by its labels, as usage.depth keys its counts (SGT: the
+    layer; ITT: "layer:step")."""
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(f"{base}/metrics").text
-    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == COUNTERS[arch])
+    return {":".join(v for k, v in sorted(s.labels.items()) if k not in ("model", "name")): s.value
+            for f in text_string_to_metric_families(text) for s in f.samples
+            if s.name == "depthserve_depth_counter_total" and s.labels.get("name") == COUNTERS[arch]}
+
+
+def _depth_counter(base: str, arch: str) -> float:
+    return sum(_depth_samples(base, arch).values())
 
 
 def test_depth_over_http_equals_offline_generate(depth_server):
@@ -104,6 +112,7 @@ def test_usage_reports_depth_and_metrics_counters_move(depth_server):
     spent = sum(sum(s[key].values()) for s in singles)
     assert spent > 0 and sum(usage[key].values()) == spent
     assert _depth_counter(base, arch) - before == spent
+    assert {str(counted) for counted in usage[key]} <= set(_depth_samples(base, arch))  # labelled by layer (and step)
     wait_idle(llm)
     assert llm.engine.block_manager.num_used_pages == 0
 

@@ -106,7 +106,7 @@ def test_sgt_mixed_batch_equals_reference(ckpts, name):
     print(name, "preemptions", engine.scheduler.num_preemptions, "prefix hits", engine.block_manager.prefix_hits, stats)
     assert engine.block_manager.num_used_pages == 0
     # The report: loop iterations, extrapolation beyond the trained counts, relative compute.
-    by_loops = {str(d.loops): o.depth.to_dict() for d, o in zip(depths, outputs)}
+    by_loops = {str(d.get("loops")): o.depth.to_dict() for d, o in zip(depths, outputs)}
     assert by_loops["0"]["relative_compute"] == 1.0 and set(by_loops["0"]["loop_iterations"].values()) == {0}
     assert by_loops["2"]["loop_iterations"] == {layer: 2 * by_loops["2"]["tokens"] for layer in (1, 2, 3)}
     assert by_loops["3"]["extrapolated"] == [1, 2, 3] and by_loops["2"]["extrapolated"] == [2, 3]

@@ -4,36 +4,38 @@
 
 Built-in architectures register on first use (`load_builtin_architectures`); another one
 registers with one `register(Architecture(...))` call and is then served, referenced and
-make-tiny'd like the built-ins (see base.py for what it provides).
+make-tiny'd like the built-ins, its knobs in the server's schema (see base.py for what a model
+provides, registry.py for what an architecture declares).
 """
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
-from depthserve.errors import UnknownArchitectureError
-from depthserve.archs.base import (
+from depthserve.archs.base import BuildOptions, DepthModel
+from depthserve.archs.registry import (
+    BUILTIN,
     REGISTRY,
     Architecture,
-    BuildOptions,
-    DepthModel,
+    Command,
+    TinyFlag,
     architecture_names,
+    architectures,
+    demo_arches,
     get_architecture,
+    imported,
+    knob_names,
+    knob_schemas,
+    load_builtin_architectures,
     register,
 )
+from depthserve.errors import UnknownArchitectureError
+from depthserve.loading.checkpoint import depth_section
 
-BUILTIN = ("llama", "sgt", "itt", "dreamer", "put", "saobp")
-
-__all__ = ["REGISTRY", "Architecture", "BuildOptions", "DepthModel", "UnknownArchitectureError", "BUILTIN",
-           "architecture_names", "get_architecture", "register", "load_builtin_architectures",
+__all__ = ["REGISTRY", "Architecture", "BuildOptions", "Command", "DepthModel", "TinyFlag",
+           "UnknownArchitectureError", "BUILTIN", "architecture_names", "architectures", "demo_arches",
+           "get_architecture", "imported", "knob_names", "knob_schemas", "register", "load_builtin_architectures",
            "resolve_architecture", "read_depth_spec"]
-
-
-def load_builtin_architectures() -> None:
-    for name in BUILTIN:
-        if name not in REGISTRY:
-            importlib.import_module(f"depthserve.archs.{name}")
 
 
 def read_depth_spec(hf_config: dict[str, Any]) -> Any:
@@ -43,8 +45,6 @@ def read_depth_spec(hf_config: dict[str, Any]) -> Any:
 
 def resolve_architecture(hf_config: dict[str, Any]) -> tuple[Architecture, Any]:
     """The registered architecture of a checkpoint's config and its parsed spec."""
-    from depthserve.loading.checkpoint import depth_section
-
     name, section = depth_section(hf_config)
     architecture = get_architecture(name)
     return architecture, architecture.read_spec(section, hf_config)

@@ -1,11 +1,12 @@
-"""The seam where an architecture plugs into the engine: the `DepthModel` protocol the engine calls,
-the `Architecture` record that registers one, and the one registry.
+"""The seam where an architecture plugs into the engine: the `DepthModel` protocol the engine calls
+(the `Architecture` record that registers one, and the one registry: registry.py).
 
 An architecture lives in its own folder (`depthserve/archs/<name>/`): `format.py` (its config
 section, weight names, knobs, plan and FLOP accounting), `model.py` (the engine's model: only
 the modules and their forward, read like the paper), `reference.py` (the plain full-sequence
-oracle the tests compare against) and `tiny.py` (random-weight test checkpoints). It registers
-itself with one `register(Architecture(...))` call; nothing else in the engine names it.
+oracle the tests compare against), `tiny.py` (random-weight test checkpoints) and what else it
+brings (a demo recipe, checkpoint tools). It registers itself with one `register(Architecture(...))`
+call in its `__init__.py`; nothing else in the engine names it.
 
 The engine never probes a model with hasattr: every optional hook has its default here, and a
 model class states what it is by subclassing `DepthModel` next to `nn.Module`.
@@ -13,16 +14,13 @@ model class states what it is by subclassing `DepthModel` next to `nn.Module`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import numpy as np
 
 from depthserve.cache import CacheLayout, SlotKind
 from depthserve.depth import DepthParams, DepthPlan, DepthReport, KnobSpec
-from depthserve.errors import UnknownArchitectureError
 
 if TYPE_CHECKING:
     import torch
@@ -154,47 +152,3 @@ class StaticDecodeSpec:
             columns[slot.name] = slice(start, start + slot.num_heads)
             start += slot.num_heads
         return columns
-
-
-@dataclass(frozen=True)
-class Architecture:
-    """One architecture, as the registry knows it."""
-
-    name: str
-    # format: the config.json `depth` section (None when absent) and the HF config -> a typed spec
-    read_spec: Callable[[dict[str, Any] | None, dict[str, Any]], Any]
-    # model: the engine's model for a config and spec, weights not loaded yet
-    build: Callable[[dict[str, Any], Any, BuildOptions], DepthModel]
-    # reference: logits [n, V] of the plain full-sequence forward (the test oracle)
-    reference_forward: Callable[..., Any]
-    # tiny: write a random-weight checkpoint (out, seed, like, num_kv_heads, tokenizer, **options) -> out
-    make_tiny: Callable[..., Path] | None = None
-    description: str = ""
-
-
-REGISTRY: dict[str, Architecture] = {}
-
-
-def register(architecture: Architecture) -> Architecture:
-    """Make an architecture known to the loader, the reference dispatch and make-tiny."""
-    REGISTRY[architecture.name] = architecture
-    return architecture
-
-
-def get_architecture(name: str) -> Architecture:
-    from depthserve.archs import load_builtin_architectures
-
-    load_builtin_architectures()
-    try:
-        return REGISTRY[name]
-    except KeyError:
-        raise UnknownArchitectureError(
-            f"depth.architecture {name!r} is not a known architecture; known: {sorted(REGISTRY)} "
-            "(register one with depthserve.archs.register)") from None
-
-
-def architecture_names() -> list[str]:
-    from depthserve.archs import load_builtin_architectures
-
-    load_builtin_architectures()
-    return sorted(REGISTRY)

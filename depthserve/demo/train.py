@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from depthserve.demo.arches import DEMO_ARCHES, DemoArch, Shape, Trainable
+from depthserve.demo.kit import DemoArch, Shape, Trainable
 from depthserve.demo.task import Problem, chase, definitions, draw, problems
 from depthserve.demo.tokenizer import question, save_tokenizer
 
@@ -53,13 +53,11 @@ class Recipe:
     shape: Shape = Shape()
     threads: int = 0  # torch threads (0: torch's default)
 
-    @property
-    def hops(self) -> int:
-        return self.max_hops or DEMO_ARCHES[self.arch].max_hops
+    def hops(self, demo: DemoArch) -> int:
+        return self.max_hops or demo.max_hops
 
-    @property
-    def num_steps(self) -> int:
-        return self.steps or DEMO_ARCHES[self.arch].steps
+    def num_steps(self, demo: DemoArch) -> int:
+        return self.steps or demo.steps
 
     def command(self) -> str:
         """The `depthserve train-demo` command line that reproduces this recipe (the out dir aside)."""
@@ -152,13 +150,13 @@ def write_initial(arch: DemoArch, recipe: Recipe, out: Path):
     return cfg, tokenizer
 
 
-def train(recipe: Recipe, out: Path, progress: bool = True) -> TrainResult:
-    """Train `recipe` and write the checkpoint to `out`."""
+def train(arch: DemoArch, recipe: Recipe, out: Path, progress: bool = True) -> TrainResult:
+    """Train `recipe` of the demo architecture `arch` and write the checkpoint to `out`."""
     from tqdm import tqdm
 
     from depthserve.loading.checkpoint import write_checkpoint
 
-    arch = DEMO_ARCHES[recipe.arch]
+    hops, num_steps = recipe.hops(arch), recipe.num_steps(arch)
     if recipe.threads:
         torch.set_num_threads(recipe.threads)
     torch.manual_seed(recipe.seed)
@@ -169,11 +167,11 @@ def train(recipe: Recipe, out: Path, progress: bool = True) -> TrainResult:
     model = arch.trainable(out)
     opt = torch.optim.AdamW(model.params.values(), lr=recipe.lr, weight_decay=recipe.weight_decay)
     checks = [problems(recipe.seed + level, recipe.eval_problems, "held_out", level, min_hops=level)
-              for level in range(1, recipe.hops + 1)]
-    held_out = problems(recipe.seed, recipe.eval_problems, "held_out", recipe.hops)
+              for level in range(1, hops + 1)]
+    held_out = problems(recipe.seed, recipe.eval_problems, "held_out", hops)
     settings = arch.settings(cfg)
     level, losses, curve, start = 1, [], [], time.time()
-    bar = tqdm(range(recipe.num_steps), desc=f"train-demo {recipe.arch}", disable=not progress, unit="step")
+    bar = tqdm(range(num_steps), desc=f"train-demo {recipe.arch}", disable=not progress, unit="step")
     for step in bar:
         batch = [draw(rng, "train", level) for _ in range(recipe.batch_size)]
         loss = training_loss(model, batch, vocab, eos, pad_id, rng)
@@ -181,38 +179,38 @@ def train(recipe: Recipe, out: Path, progress: bool = True) -> TrainResult:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.params.values(), 1.0)
         for group in opt.param_groups:
-            group["lr"] = learning_rate(recipe, step)
+            group["lr"] = learning_rate(recipe, step, num_steps)
         opt.step()
         losses.append(float(loss.detach()))
-        if (step + 1) % recipe.eval_every == 0 or step + 1 == recipe.num_steps:
+        if (step + 1) % recipe.eval_every == 0 or step + 1 == num_steps:
             at_level = accuracy(model, checks[level - 1], vocab, pad_id, settings[-1])
             smallest, largest = (accuracy(model, held_out, vocab, pad_id, s) for s in (settings[0], settings[-1]))
             recent = losses[len(curve) * recipe.eval_every:]
             curve.append({"step": step + 1, "loss": round(sum(recent) / len(recent), 4), "level": level,
                           "accuracy_at_level": round(at_level, 4), "accuracy_smallest": round(smallest, 4),
                           "accuracy_largest": round(largest, 4), "seconds": round(time.time() - start, 1)})
-            if at_level >= recipe.advance_at and level < recipe.hops:
+            if at_level >= recipe.advance_at and level < hops:
                 level += 1
             bar.set_postfix(loss=f"{curve[-1]['loss']:.3f}", level=level, at_level=f"{at_level:.2f}",
                             acc=f"{smallest:.2f}..{largest:.2f}")
     final = curve[-1]["accuracy_largest"]
     write_checkpoint(out, cfg, model.export(), tokenizer)
     if arch.finish is not None:
-        calibration = problems(recipe.seed, 256, "train", recipe.hops)
+        calibration = problems(recipe.seed, 256, "train", hops)
         arch.finish(out, [[vocab[w] for w in p.prompt.split()] for p in calibration])
     result = TrainResult(out, curve, final, time.time() - start)
     (out / "train_demo.json").write_text(json.dumps(
         {"command": recipe.command(), "recipe": {**asdict(recipe), "shape": asdict(recipe.shape)},
-         "max_hops": recipe.hops, "held_out_accuracy_at_largest": final, "largest_setting": settings[-1],
+         "description": arch.description, "max_hops": hops, "held_out_accuracy_at_largest": final, "largest_setting": settings[-1],
          "seconds": round(result.seconds, 1), "torch_threads": torch.get_num_threads(),
          "torch": torch.__version__, "curve": curve}, indent=2) + "\n")
     return result
 
 
-def learning_rate(recipe: Recipe, step: int) -> float:
+def learning_rate(recipe: Recipe, step: int, num_steps: int) -> float:
     """Linear warm-up, constant (the curriculum's levels arrive at unknown steps), and a cosine decay
-    over the last fifth."""
+    over the last fifth of the `num_steps`."""
     warm = min(1.0, (step + 1) / recipe.warmup)
-    decay_start = 0.8 * recipe.num_steps
-    fraction = max(0.0, (step - decay_start) / (recipe.num_steps - decay_start))
+    decay_start = 0.8 * num_steps
+    fraction = max(0.0, (step - decay_start) / (num_steps - decay_start))
     return recipe.lr * warm * 0.5 * (1 + math.cos(math.pi * fraction))

@@ -28,7 +28,7 @@ from depthserve.errors import (
     UnadmittableRequestError,
 )
 from depthserve.kernels.dispatch import Kernels
-from depthserve.loading.model_loader import load_model
+from depthserve.engine.model_loader import load_model
 from depthserve.loading.quantization import cpu_features, resolve_dtype
 from depthserve.loading.registry import resolve_model
 from depthserve.loading.tokenizer import load_tokenizer

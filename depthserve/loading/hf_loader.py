@@ -12,17 +12,22 @@ from tqdm.auto import tqdm
 
 
 def load_hf_dir(path: Path, progress: bool = True) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """(config, every tensor of every *.safetensors file). A native-format checkpoint's `depth`
-    section is checked here (docs/checkpoint-format.md); its extra tensors (ITT routers, step
-    encodings, the calibration table file) load with the rest."""
-    from depthserve.archs import resolve_architecture
+    """(config, every tensor of every *.safetensors file). A native-format checkpoint's extra
+    tensors (routers, step encodings, a calibration table file) load with the rest."""
+    return read_config(path), read_weights(path, progress)
 
-    config = json.loads((path / "config.json").read_text())
-    resolve_architecture(config)  # a malformed depth section fails before any weight is read
+
+def read_config(path: Path) -> dict[str, Any]:
+    """The checkpoint's config.json."""
+    return json.loads((path / "config.json").read_text())
+
+
+def read_weights(path: Path, progress: bool = True) -> dict[str, torch.Tensor]:
+    """Every tensor of every *.safetensors file of the checkpoint directory."""
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {path}")
     weights: dict[str, torch.Tensor] = {}
     for file in tqdm(files, desc=f"Loading {path.name}", disable=not progress, unit="file"):
         weights.update(load_file(str(file)))
-    return config, weights
+    return weights

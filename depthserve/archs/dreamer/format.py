@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from depthserve.cache import CacheLayout, SlotKind, SlotSpec
-from depthserve.depth import DepthParams, DepthPlan, DepthRange, DepthReport, KnobSpec
+from depthserve.depth import DepthCounter, DepthParams, DepthPlan, DepthRange, DepthReport, KnobInfo, KnobSpec
 from depthserve.loading.checkpoint import FORMAT_VERSION, CheckpointFormatError
 
 DA_ROPE_MODES = ("depth", "reversed_half")
@@ -197,6 +197,9 @@ def read_weights(cfg: dict, spec: DreamerSpec, weights: dict[str, Any], source: 
 
 
 # ---- the knob and the plan ------------------------------------------------------------------------
+KNOBS = (KnobInfo("depth", "recurrences of the shared block", elastic=True),)
+
+
 def knobs(spec: DreamerSpec) -> dict[str, KnobSpec]:
     D = spec.depth
     return {"depth": KnobSpec("depth", f"recurrences of the shared block (trained depth D={D})", 1, D, D,
@@ -218,7 +221,7 @@ class DreamerPlan(DepthPlan):
 
 
 def plan(cfg: DreamerConfig, spec: DreamerSpec, depth: DepthParams) -> DreamerPlan:
-    value = spec.depth if depth.depth is None else depth.depth
+    value = depth.get("depth", spec.depth)
     elastic = value if isinstance(value, DepthRange) and value.minimum < value.maximum else None
     n = value.maximum if isinstance(value, DepthRange) else int(value)
     lowest = n if elastic is None else elastic.minimum
@@ -311,6 +314,7 @@ def report(cfg: DreamerConfig, spec: DreamerSpec, plan: DreamerPlan, record: Dre
         plain_flops=depth_flops(cfg, spec, tokens, spec.depth, generated),  # the same tokens at the trained depth D
         settings=settings,
         counters=counters,
+        counter_samples=tuple(DepthCounter(name, count) for name, count in counters.items()),
         decisions=decisions,  # {"ea": [n, D, k], "attn": [n, D]} expert ids per position (-1: depth not run)
         per_token=per_token,  # with a range knob: the depth each position ran
     )

@@ -4,12 +4,15 @@ margins, so the engine's choices match the reference's) and peaked output distri
 from __future__ import annotations
 
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from depthserve.archs.dreamer.format import P, DreamerSpec, read_spec, tensor_shapes, to_section
 from depthserve.archs.llama.tiny import EMBED_STD, LOGIT_STD, QK_STD, base_config, model_shapes
 from depthserve.loading.checkpoint import write_checkpoint
+from depthserve.loading.tokenizer import default_tokenizer
+
+if TYPE_CHECKING:
+    import torch
 
 ROUTER_KEY_STD = 2.0  # spread-out router logits: clear top-k margins
 ROUTER_BIAS_STD = 0.2
@@ -27,6 +30,8 @@ def tiny_spec(like: str | None = None, *, depth: int = 4, attn_experts: int = 2,
 
 
 def random_weights(cfg: dict, spec: DreamerSpec, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    import torch
+
     d = cfg["hidden_size"]
     w = {}
     for name, shape in tensor_shapes(cfg, spec).items():
@@ -55,12 +60,12 @@ def make_tiny(out: Path, seed: int = 0, like: str | None = None, num_kv_heads: i
               num_experts: int | None = None, top_k: int = 2) -> Path:
     """A random Dreamer checkpoint: the tiny shapes (or `like`'s) with trained depth `depth`, `attn_experts`
     attention experts (0: dense), `num_experts` EA experts of which `top_k` run, and the DA RoPE mode."""
-    from depthserve.tiny import load_default_tokenizer
+    import torch
 
     shapes = model_shapes(like, num_kv_heads)
     spec = tiny_spec(like, depth=depth, attn_experts=attn_experts, da_rope=da_rope, num_experts=num_experts,
                      top_k=top_k)
-    tokenizer = tokenizer or load_default_tokenizer()
+    tokenizer = tokenizer or default_tokenizer()
     cfg = base_config(tokenizer, shapes, tied=bool(like))
     cfg.update(architectures=["DreamerForCausalLM"], model_type="dreamer",
                num_hidden_layers=1,  # the one shared block

@@ -1,8 +1,13 @@
 """ITT: token-routed thinking steps (depth-semantics.md section 2; paper 001)."""
 
-from depthserve.archs.base import Architecture, register
-from depthserve.archs.itt import format, model, reference, tiny
+from depthserve.archs.itt import format, tiny
+from depthserve.archs.registry import Architecture, Command, imported, register
 
 ARCHITECTURE = register(Architecture(
-    name="itt", read_spec=format.read_spec, build=model.build, reference_forward=reference.forward,
-    make_tiny=tiny.make_tiny, description="token-routed thinking steps; knobs `selection_ratios`, `thinking_steps`"))
+    name="itt", read_spec=format.read_spec, build=imported("depthserve.archs.itt.model:build"),
+    reference_forward=imported("depthserve.archs.itt.reference:forward"), make_tiny=tiny.make_tiny,
+    description="token-routed thinking steps; knobs `selection_ratios`, `thinking_steps`", knobs=format.KNOBS,
+    tiny_flags=tiny.CLI_FLAGS,
+    commands=(Command("calibrate", "depthserve.archs.itt.calibrate",
+                      "write an ITT checkpoint's router-score calibration table"),),
+    demo=imported("depthserve.archs.itt.demo:demo")))

@@ -20,7 +20,7 @@ import numpy as np
 
 from depthserve.archs.llama.format import LlamaConfig, attention_flops, dense_slots, layer_weight_flops, plain_flops
 from depthserve.cache import CacheLayout, SlotKind, SlotSpec
-from depthserve.depth import DepthParams, DepthPlan, DepthRange, DepthReport, KnobSpec
+from depthserve.depth import DepthCounter, DepthParams, DepthPlan, DepthRange, DepthReport, KnobInfo, KnobSpec
 from depthserve.loading.checkpoint import (
     FORMAT_VERSION,
     CheckpointFormatError,
@@ -146,6 +146,10 @@ def write_calibration(path: Path, tables: dict[int, Any], metadata: dict[str, An
 
 
 # ---- knobs, routing thresholds and the plan ------------------------------------------------------------
+KNOBS = (KnobInfo("selection_ratios", "fraction of tokens routed to each extra step", kind="ratio_list"),
+         KnobInfo("thinking_steps", "number of extra steps enabled", elastic=True))
+
+
 def knobs(spec: ITTSpec) -> dict[str, KnobSpec]:
     T = spec.steps
     return {
@@ -200,8 +204,8 @@ class ITTPlan(DepthPlan):
 
 def ratios_of(spec: ITTSpec, depth: DepthParams) -> tuple[float, ...]:
     """selection_ratios (default: trained), zeroed after `thinking_steps` (a range: its maximum)."""
-    ratios = list(depth.selection_ratios if depth.selection_ratios is not None else spec.trained_ratios)
-    steps = depth.thinking_steps
+    ratios = list(depth.get("selection_ratios", spec.trained_ratios))
+    steps = depth.get("thinking_steps")
     if steps is not None:
         steps = steps.maximum if isinstance(steps, DepthRange) else steps
         ratios = [r if t < steps else 0.0 for t, r in enumerate(ratios)]
@@ -219,7 +223,7 @@ def plan(cfg: LlamaConfig, spec: ITTSpec, depth: DepthParams, quantiles: list[np
     # Each enabled step: the router on every token plus f_t on the selected share (about rho_t).
     step_flops = [len(spec.layers) * (2 * cfg.hidden_size + r * layer_weight_flops(cfg)) if r > 0 else 0.0
                   for r in ratios]
-    steps = depth.thinking_steps
+    steps = depth.get("thinking_steps")
     # A range of thinking steps (section 6): each step's tokens run the first `level` steps of the
     # ratios; the routed slots are priced at the maximum, as every routed slot is.
     elastic = steps if isinstance(steps, DepthRange) and steps.minimum < steps.maximum else None
@@ -256,6 +260,7 @@ def report(cfg: LlamaConfig, spec: ITTSpec, plan: ITTPlan, record: ITTRecord, to
     """`levels`: with a range of thinking steps, the steps each computed position had on."""
     prompt = min(prompt_tokens, tokens)
     selected, prompt_frac, decode_frac, decisions = {}, {}, {}, {}
+    samples = []
     extra = 0.0
     for position, layer in enumerate(spec.layers):
         for t in range(1, spec.steps + 1):
@@ -267,6 +272,7 @@ def report(cfg: LlamaConfig, spec: ITTSpec, plan: ITTPlan, record: ITTRecord, to
             chosen = flags == 1
             n = int(chosen.sum())
             selected[key] = n
+            samples.append(DepthCounter("selected_tokens", n, (("layer", str(layer)), ("step", str(t)))))
             prompt_frac[key] = float(chosen[:prompt].mean()) if prompt else None
             decode_frac[key] = float(chosen[prompt:].mean()) if tokens > prompt else None
             # f_t on n tokens (the j-th selected attends to j keys) plus the router on every token.
@@ -287,6 +293,7 @@ def report(cfg: LlamaConfig, spec: ITTSpec, plan: ITTPlan, record: ITTRecord, to
         settings=settings,
         per_token=per_token,  # with a range of thinking steps: the steps each position had on
         counters={"selected_tokens": selected},  # "layer:step" -> tokens selected (enabled steps only)
+        counter_samples=tuple(samples),
         fractions={"prompt_selected_fraction": prompt_frac, "decode_selected_fraction": decode_frac},
         decisions=decisions,  # (layer, step) -> per-position 1 / 0 / -1 over the computed tokens
     )

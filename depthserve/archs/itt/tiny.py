@@ -9,8 +9,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from depthserve.archs.itt.format import ITTSpec, router_bias, router_weight, step_encoding, to_section, write_calibration
-from depthserve.archs.llama.tiny import base_config, llama_weights, model_shapes, normal_sampler
+from depthserve.archs.llama.tiny import (base_config, every_other_layer, int_list, llama_weights, model_shapes,
+                                         normal_sampler, num_layers_of, synthetic_streams)
+from depthserve.archs.registry import TinyFlag
 from depthserve.loading.checkpoint import write_checkpoint
+from depthserve.loading.tokenizer import default_tokenizer
 
 if TYPE_CHECKING:
     import torch
@@ -61,14 +64,28 @@ def calibrate_tokens(model_dir: Path, sequences, metadata: dict[str, Any]) -> di
     return tables
 
 
+def layer_selection(text: str) -> list[int] | str:
+    """--itt-layers: a list of layers, or 'odd' / 'even' (every other layer of the model)."""
+    return text if text in ("odd", "even") else int_list(text)
+
+
+def resolve_layers(layers: list[int] | str, like: str | None) -> list[int]:
+    return every_other_layer(num_layers_of(like), layers) if isinstance(layers, str) else layers
+
+
+CLI_FLAGS = (
+    TinyFlag("--itt-layers", "layers", layer_selection,
+             "ITT layers: a list (e.g. 1,3,5), 'odd' or 'even' (every other layer)", resolve_layers),
+    TinyFlag("--itt-steps", "steps", int, "ITT extra steps T (default 2)"),
+)
+
+
 def make_tiny(out: Path, seed: int = 0, like: str | None = None, num_kv_heads: int | None = None, tokenizer=None,
               *, layers: Sequence[int] | None = None, steps: int | None = None, calibrate_windows: int = 16,
               calibrate_window: int = 128) -> Path:
     import torch
 
-    from depthserve.tiny import load_default_tokenizer, synthetic_streams
-
-    tokenizer = tokenizer or load_default_tokenizer()
+    tokenizer = tokenizer or default_tokenizer()
     cfg = base_config(tokenizer, model_shapes(like, num_kv_heads), tied=bool(like))
     spec = tiny_spec(cfg["num_hidden_layers"], layers, steps)
     cfg["depth"] = to_section(spec)

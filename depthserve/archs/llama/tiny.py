@@ -8,12 +8,14 @@ reference mean something. `like="smollm2-135m-instruct"` gives the real model's 
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from depthserve.archs.llama.format import LlamaSpec, to_section
 from depthserve.loading.checkpoint import write_checkpoint
+from depthserve.loading.tokenizer import default_tokenizer
 
 if TYPE_CHECKING:
     import torch
@@ -41,6 +43,36 @@ def model_shapes(like: str | None, num_kv_heads: int | None = None) -> dict[str,
             raise ValueError("--num-kv-heads must divide the number of attention heads")
         shapes["num_key_value_heads"] = num_kv_heads
     return shapes
+
+
+def num_layers_of(like: str | None) -> int:
+    """Layers of a tiny model, or of a real model's shapes (`like`)."""
+    return (LIKE[like] if like else TINY)["num_hidden_layers"]
+
+
+def every_other_layer(num_layers: int, parity: str) -> list[int]:
+    """Layers 1, 3, 5, ... ('odd') or 0, 2, 4, ... ('even') of a model with `num_layers` layers."""
+    return list(range(1 if parity == "odd" else 0, num_layers, 2))
+
+
+def int_list(text: str) -> list[int]:
+    """A command-line list of integers, e.g. "10,15,20"."""
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from exc
+
+
+def synthetic_streams(vocab_size: int, windows: int, length: int, seed: int) -> torch.Tensor:
+    """Token windows [windows, length] drawn from a Zipf-like distribution over a shuffled vocabulary."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed + 1)
+    ranks = torch.arange(1, vocab_size + 1, dtype=torch.float64)
+    probs = 1.0 / ranks**1.1
+    order = torch.randperm(vocab_size, generator=gen)
+    draws = torch.multinomial(probs / probs.sum(), windows * length, replacement=True, generator=gen)
+    return order[draws].view(windows, length)
 
 
 def base_config(tokenizer, shapes: dict[str, Any], tied: bool) -> dict[str, Any]:
@@ -102,9 +134,7 @@ def make_tiny(out: Path, seed: int = 0, like: str | None = None, num_kv_heads: i
     """A random plain Llama checkpoint (untied head unless `like`)."""
     import torch
 
-    from depthserve.tiny import load_default_tokenizer
-
-    tokenizer = tokenizer or load_default_tokenizer()
+    tokenizer = tokenizer or default_tokenizer()
     cfg = base_config(tokenizer, model_shapes(like, num_kv_heads), tied=bool(like))
     cfg["depth"] = to_section(LlamaSpec())
     return write_checkpoint(Path(out), cfg, llama_weights(cfg, torch.Generator().manual_seed(seed)), tokenizer)

@@ -16,7 +16,7 @@ import numpy as np
 
 from depthserve.archs.llama.format import LlamaConfig, attention_flops, layer_weight_flops, plain_flops
 from depthserve.cache import CacheLayout, SlotKind, SlotSpec
-from depthserve.depth import DepthParams, DepthPlan, DepthRange, DepthReport, KnobSpec
+from depthserve.depth import DepthCounter, DepthParams, DepthPlan, DepthRange, DepthReport, KnobInfo, KnobSpec
 from depthserve.loading.checkpoint import FORMAT_VERSION, CheckpointFormatError
 
 
@@ -93,6 +93,9 @@ def layer_prefixes(spec: PUTSpec) -> list[str]:
 
 
 # ---- the knob and the plan ------------------------------------------------------------------------
+KNOBS = (KnobInfo("loops", "passes of the shared core", elastic=True),)
+
+
 def knobs(spec: PUTSpec) -> dict[str, KnobSpec]:
     T = spec.steps
     return {"loops": KnobSpec("loops", f"passes of the shared core; P(t) is trained for t = 1..{T}", 1, T, T,
@@ -155,7 +158,7 @@ def plan(cfg: LlamaConfig, spec: PUTSpec, depth: DepthParams, itemsize: int) -> 
     range's minimum, which every token runs, have dense slots; the later passes' slots are routed
     (each holds only the tokens that ran that pass, grown with them). The conv state holds every
     pass up to the maximum (a pass's state is that of the tokens that ran it)."""
-    value = spec.steps if depth.loops is None else depth.loops
+    value = depth.get("loops", spec.steps)
     elastic = value if isinstance(value, DepthRange) and value.minimum < value.maximum else None
     loops = value.maximum if isinstance(value, DepthRange) else int(value)
     lowest = loops if elastic is None else elastic.minimum
@@ -210,12 +213,14 @@ def report(cfg: LlamaConfig, spec: PUTSpec, plan: PUTPlan, tokens: int, generate
         per_token = np.asarray(levels[:tokens], dtype=np.int64)
         settings["loops"] = plan.elastic.as_json()
         settings["mean_depth"] = round(float(per_token.mean()), 4) if tokens else 0.0
+    passes = int(per_token.sum()) * spec.n_core  # (token, step, core layer) computed
     return DepthReport(
         architecture="put",
         tokens=tokens,
         flops=schedule_flops(cfg, spec, per_token, generated),  # this request's FLOPs
         plain_flops=plain_flops(cfg, tokens, generated),  # every layer once, as a plain model, on the same tokens
         settings=settings,
-        counters={"core_layer_passes": int(per_token.sum()) * spec.n_core},  # (token, step, core layer) computed
+        counters={"core_layer_passes": passes},
+        counter_samples=(DepthCounter("core_layer_passes", passes),),
         per_token=per_token.tolist() if ranged else None,  # with a range knob: the loops each position ran
     )

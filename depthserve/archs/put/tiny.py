@@ -9,6 +9,7 @@ from pathlib import Path
 from depthserve.archs.llama.tiny import base_config, llama_weights, model_shapes, normal_sampler
 from depthserve.archs.put.format import PUTSpec, conv_weight, layer_prefixes, read_spec, step_embedding, to_section
 from depthserve.loading.checkpoint import write_checkpoint
+from depthserve.loading.tokenizer import default_tokenizer
 
 TINY_LAYOUT = PUTSpec(n_prefix=1, n_core=2, n_suffix=1, steps=3, conv_kernel=2)
 LIKE_LAYOUT = {"smollm2-135m-instruct": PUTSpec(n_prefix=3, n_core=8, n_suffix=3, steps=3, conv_kernel=2)}
@@ -23,15 +24,13 @@ def make_tiny(out: Path, seed: int = 0, like: str | None = None, num_kv_heads: i
     the options override any of its n_prefix, n_core, n_suffix, steps (T), conv_kernel."""
     import torch
 
-    from depthserve.tiny import load_default_tokenizer
-
     if like and like not in LIKE_LAYOUT:
         raise ValueError(f"--like must be one of {sorted(LIKE_LAYOUT)}")
     given = dict(n_prefix=n_prefix, n_core=n_core, n_suffix=n_suffix, steps=steps, conv_kernel=conv_kernel)
     spec = replace(LIKE_LAYOUT[like] if like else TINY_LAYOUT, **{k: v for k, v in given.items() if v is not None})
     shapes = model_shapes(like, num_kv_heads)
     shapes["num_hidden_layers"] = spec.num_layers
-    tokenizer = tokenizer or load_default_tokenizer()
+    tokenizer = tokenizer or default_tokenizer()
     cfg = base_config(tokenizer, shapes, tied=bool(like))
     cfg.update(architectures=["PUTForCausalLM"], model_type="put", depth=to_section(spec))
     read_spec(cfg["depth"], cfg)  # the checks a load makes, before anything is written

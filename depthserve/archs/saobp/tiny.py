@@ -10,6 +10,7 @@ from pathlib import Path
 from depthserve.archs.llama.tiny import base_config, llama_weights, model_shapes
 from depthserve.archs.saobp.format import SAOBPSpec, read_spec, to_section
 from depthserve.loading.checkpoint import write_checkpoint
+from depthserve.loading.tokenizer import default_tokenizer
 
 TINY_CONTEXT = 8192
 
@@ -20,14 +21,12 @@ def make_tiny(out: Path, seed: int = 0, like: str | None = None, num_kv_heads: i
     """A random SAOBP checkpoint on the tiny Llama base (or `like`'s shapes)."""
     import torch
 
-    from depthserve.tiny import load_default_tokenizer
-
     shapes = model_shapes(like, num_kv_heads)
     if not like:
         shapes["max_position_embeddings"] = TINY_CONTEXT
     if max_position_embeddings is not None:
         shapes["max_position_embeddings"] = int(max_position_embeddings)
-    tokenizer = tokenizer or load_default_tokenizer()
+    tokenizer = tokenizer or default_tokenizer()
     cfg = base_config(tokenizer, shapes, tied=bool(like))
     spec = SAOBPSpec(float(lam), variant, self_message, None if layers is None else tuple(sorted(layers)))
     cfg["depth"] = to_section(spec)

@@ -19,7 +19,7 @@ import numpy as np
 
 from depthserve.archs.llama.format import LlamaConfig, attention_flops, dense_slots, layer_weight_flops, plain_flops
 from depthserve.cache import CacheLayout, SlotKind, SlotSpec
-from depthserve.depth import DepthParams, DepthPlan, DepthRange, DepthReport, KnobSpec
+from depthserve.depth import DepthCounter, DepthParams, DepthPlan, DepthRange, DepthReport, KnobInfo, KnobSpec
 from depthserve.loading.checkpoint import FORMAT_VERSION, CheckpointFormatError, float_list, int_list
 
 
@@ -113,6 +113,10 @@ def kv_heads_of(cfg: LlamaConfig, layer: SGTLayer) -> list[int]:
     return sorted({h // group for h in layer.heads})
 
 
+KNOBS = (KnobInfo("loops", "extra head-subset attention iterations per looped layer: an integer for all, or a map "
+                          "layer -> count", kind="int_or_map", elastic=True),)
+
+
 def loops_knob(spec: SGTSpec, max_loops: int) -> KnobSpec:
     trained = spec.trained_loops
     default = next(iter(trained.values())) if len(set(trained.values())) == 1 else trained
@@ -145,7 +149,7 @@ class SGTPlan(DepthPlan):
 
 def plan(cfg: LlamaConfig, spec: SGTSpec, depth: DepthParams) -> SGTPlan:
     loops = spec.trained_loops
-    value = depth.loops
+    value = depth.get("loops")
     elastic = None
     if isinstance(value, DepthRange):
         # One count for every looped layer, priced at the range's maximum.
@@ -215,6 +219,7 @@ def report(cfg: LlamaConfig, spec: SGTSpec, plan: SGTPlan, tokens: int, generate
             settings={"loops": plan.elastic.as_json(), "trained_loops": trained,
                       "mean_depth": round(float(ran.mean()), 4) if tokens else 0.0},
             counters={"loop_iterations": {layer: int(ran.sum()) for layer in plan.loops}},
+            counter_samples=loop_samples({layer: int(ran.sum()) for layer in plan.loops}),
             extrapolated=tuple(sorted(layer for layer in plan.loops if deepest > trained[layer])),
             per_token=ran.tolist(),  # the loops each position ran (every looped layer alike)
         )
@@ -230,5 +235,11 @@ def report(cfg: LlamaConfig, spec: SGTSpec, plan: SGTPlan, tokens: int, generate
         settings={"loops": dict(plan.loops), "trained_loops": trained},
         # per looped layer: (token, iteration) pairs run over the tokens this request processed
         counters={"loop_iterations": {layer: tokens * n for layer, n in plan.loops.items()}},
+        counter_samples=loop_samples({layer: tokens * n for layer, n in plan.loops.items()}),
         extrapolated=tuple(sorted(layer for layer, n in plan.loops.items() if n > trained[layer])),
     )
+
+
+def loop_samples(iterations: dict[int, int]) -> tuple[DepthCounter, ...]:
+    """The loop iterations run per looped layer, as typed counts."""
+    return tuple(DepthCounter("loop_iterations", count, (("layer", str(layer)),)) for layer, count in iterations.items())

@@ -6,9 +6,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from depthserve.archs.llama.tiny import base_config, llama_weights, model_shapes
+from depthserve.archs.llama.tiny import base_config, int_list, llama_weights, model_shapes
+from depthserve.archs.registry import TinyFlag
 from depthserve.archs.sgt.format import SGTLayer, SGTSpec, to_section
 from depthserve.loading.checkpoint import write_checkpoint
+from depthserve.loading.tokenizer import default_tokenizer
 
 
 def tiny_spec(num_layers: int, num_heads: int, layers: Sequence[int] | None = None,
@@ -47,14 +49,25 @@ def tiny_spec(num_layers: int, num_heads: int, layers: Sequence[int] | None = No
                    max_loops=max(3, *counts))
 
 
+def head_sets(text: str) -> int | list[list[int]]:
+    """--sgt-heads: a head count N, or one comma-separated head set per looped layer, ';' between."""
+    return int(text) if text.strip().isdigit() else [int_list(part) for part in text.split(";")]
+
+
+CLI_FLAGS = (
+    TinyFlag("--sgt-layers", "layers", int_list, "SGT looped layers, e.g. 10,15,20"),
+    TinyFlag("--sgt-heads", "heads", head_sets,
+             "SGT heads per looped layer: a count N (heads 0..N-1) or one set per layer, e.g. '0,1;0,4;1,8'"),
+    TinyFlag("--sgt-loops", "loops", int, "trained loop count of every looped layer"),
+)
+
+
 def make_tiny(out: Path, seed: int = 0, like: str | None = None, num_kv_heads: int | None = None, tokenizer=None,
               *, layers: Sequence[int] | None = None, heads: int | Sequence[Sequence[int]] | None = None,
               loops: int | None = None) -> Path:
     import torch
 
-    from depthserve.tiny import load_default_tokenizer
-
-    tokenizer = tokenizer or load_default_tokenizer()
+    tokenizer = tokenizer or default_tokenizer()
     cfg = base_config(tokenizer, model_shapes(like, num_kv_heads), tied=bool(like))
     cfg["depth"] = to_section(tiny_spec(cfg["num_hidden_layers"], cfg["num_attention_heads"], layers, heads, loops))
     return write_checkpoint(Path(out), cfg, llama_weights(cfg, torch.Generator().manual_seed(seed)), tokenizer)

@@ -451,9 +451,9 @@ def load_tokenizer_for(ckpt: Path, option: str | None, eos_token_id: int | None)
         if (folder / "tokenizer.json").is_file():
             option = str(folder / "tokenizer.json")
         else:
-            from depthserve.tiny import load_default_tokenizer
+            from depthserve.loading.tokenizer import default_tokenizer
 
-            return load_default_tokenizer()
+            return default_tokenizer()
     if option.endswith(".json") and Path(option).is_file():
         tokenizer = PreTrainedTokenizerFast(tokenizer_file=option)
         if tokenizer.eos_token is None and eos_token_id is not None and eos_token_id < len(tokenizer):

@@ -96,7 +96,7 @@ def calibration_sequences(tokenizer, calib_file: str | Path, max_len: int = DEFA
     document; the first `num_documents`, None: all), as `depthserve calibrate` reads them: every
     document from position 0, cut every `max_len` tokens; the first `num_sequences` (None: all).
     Sequences shorter than 2 tokens are dropped (Eq. 4 divides by log N)."""
-    from depthserve.tools.calibrate import text_sequences
+    from depthserve.loading.tokenizer import text_sequences
 
     path = Path(calib_file)
     if not path.is_file():

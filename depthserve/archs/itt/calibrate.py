@@ -4,43 +4,15 @@ computed on real text (depth-semantics.md section 2, causal routing)."""
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from depthserve.archs.itt.tiny import calibrate_tokens
+from depthserve.loading.tokenizer import text_sequences
 
 if TYPE_CHECKING:
     import torch
-
-
-def text_sequences(tokenizer, text_file: Path, max_len: int, max_tokens: int | None,
-                   max_documents: int | None = None) -> list[list[int]]:
-    """Tokenize a text file (.jsonl: each line's "text" is a document, the first `max_documents`
-    of them; else the whole file is one): each document is a sequence from position 0, as a prompt
-    would be, cut every `max_len` tokens."""
-    if text_file.suffix == ".jsonl":
-        docs = [json.loads(line).get("text", "") for line in text_file.read_text().splitlines() if line.strip()]
-        docs = docs[:max_documents]
-    else:
-        docs = [text_file.read_text()]
-    sequences: list[list[int]] = []
-    total = 0
-    for doc in docs:
-        ids = tokenizer.encode(doc, add_special_tokens=False)
-        for start in range(0, len(ids), max_len):
-            chunk = ids[start : start + max_len]
-            if max_tokens is not None:
-                chunk = chunk[: max_tokens - total]
-            if len(chunk) >= 2:
-                sequences.append(chunk)
-                total += len(chunk)
-        if max_tokens is not None and total >= max_tokens:
-            break
-    if not sequences:
-        raise ValueError(f"{text_file} has no text to calibrate on")
-    return sequences
 
 
 def calibrate(model_dir: str | Path, text_file: str | Path, max_len: int = 512,

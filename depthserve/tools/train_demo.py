@@ -1,4 +1,5 @@
-"""`depthserve train-demo`: the command line of depthserve/demo/train.py."""
+"""`depthserve train-demo`: the command line of depthserve/demo/train.py, for every registered
+architecture with a demo recipe (`Architecture.demo`)."""
 
 from __future__ import annotations
 
@@ -7,24 +8,26 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
-from depthserve.demo.arches import DEMO_ARCHES, Shape
+from depthserve.archs import demo_arches
+from depthserve.demo.kit import Shape
 from depthserve.demo.train import Recipe
 
-HELP = "train a small ITT, Dreamer or PUT model on variable chasing"
+HELP = "train a small depth model on variable chasing"
 
 
 def add_subcommands(sub) -> None:
     from depthserve.tools.cli import HelpFormatter
 
+    demos = demo_arches()
     defaults = {f.name: f.default for f in fields(Recipe)}
     p = sub.add_parser("train-demo", help=HELP, formatter_class=HelpFormatter,
                        description="Train a demo depth model on the variable-chasing task (depthserve/demo/task.py) "
                                    "and write a native checkpoint the engine serves like any other.")
-    p.add_argument("--arch", required=True, choices=sorted(DEMO_ARCHES), help="the architecture")
+    p.add_argument("--arch", required=True, choices=sorted(demos), help="the architecture")
     p.add_argument("--out", required=True, help="checkpoint directory to write")
     p.add_argument("--steps", type=int, default=defaults["steps"],
                    help="optimizer steps (0: the architecture's recipe, "
-                        + ", ".join(f"{name} {arch.steps}" for name, arch in sorted(DEMO_ARCHES.items())) + ")")
+                        + ", ".join(f"{name} {arch.steps}" for name, arch in sorted(demos.items())) + ")")
     p.add_argument("--batch-size", type=int, default=defaults["batch_size"], help="problems per step")
     p.add_argument("--lr", type=float, default=defaults["lr"], help="peak learning rate (AdamW, cosine decay)")
     p.add_argument("--max-hops", type=int, default=defaults["max_hops"],
@@ -60,7 +63,8 @@ def _cmd_train_demo(ns: argparse.Namespace) -> int:
                     eval_every=ns.eval_every, seed=ns.seed, threads=ns.threads,
                     shape=Shape(hidden_size=ns.hidden_size, intermediate_size=ns.intermediate_size,
                                 num_attention_heads=ns.heads))
-    result = train(recipe, Path(ns.out))
+    demo = demo_arches()[ns.arch]
+    result = train(demo, recipe, Path(ns.out))
     print(f"wrote {result.out}: held-out accuracy {result.accuracy:.1%} at the largest setting "
-          f"(hops 1..{recipe.hops}), {result.seconds:.0f} s")
+          f"(hops 1..{recipe.hops(demo)}), {result.seconds:.0f} s")
     return 0

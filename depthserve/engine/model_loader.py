@@ -19,7 +19,7 @@ import torch
 from depthserve.archs import BuildOptions, DepthModel, resolve_architecture
 from depthserve.layers.linear import optimize_linears_for_cpu
 from depthserve.loading.gguf_loader import load_gguf
-from depthserve.loading.hf_loader import load_hf_dir
+from depthserve.loading.hf_loader import read_config, read_weights
 from depthserve.loading.quantization import (QuantizationReport, checkpoint_codes, quantize_model, resident_bytes,
                                              resolve_quantization)
 from depthserve.loading.registry import ModelSource
@@ -45,9 +45,11 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device, ma
     if source.format == "gguf":
         read = load_gguf(source.path, progress, keep_codes=mode != "none")
         hf_config, weights, codes, stored_types = read.config, read.dense, read.quantized, read.types
-    else:
-        hf_config, weights = load_hf_dir(source.path, progress)
-    architecture, spec = resolve_architecture(hf_config)
+        architecture, spec = resolve_architecture(hf_config)
+    else:  # a malformed depth section (docs/checkpoint-format.md) fails before any weight is read
+        hf_config = read_config(source.path)
+        architecture, spec = resolve_architecture(hf_config)
+        weights = read_weights(source.path, progress)
     context = int(hf_config.get("max_position_embeddings", 4096))
     max_len = min(max_model_len or context, context)
     with torch.device("meta"):
