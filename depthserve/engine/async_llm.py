@@ -322,9 +322,7 @@ class AsyncLLM:
         call.settle(result, error)
 
     def _snapshot(self) -> dict:
-        stats = self.engine.stats()
-        stats["num_running_requests"] = self.engine.num_running_requests()
-        return stats
+        return self.engine.stats()
 
     def _drain_commands(self) -> bool:
         while True:
