@@ -27,7 +27,6 @@ from depthserve.engine.model_runner import ModelRunner, SeqStepOutput
 from depthserve.engine.output_processor import OutputProcessor, eos_token_ids
 from depthserve.engine.requests import Request, RequestValidator, ValidatedRequest, new_request
 from depthserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
-from depthserve.engine.sequence import SequenceStatus
 from depthserve.engine.step_clock import DecodeWaitClock
 from depthserve.errors import ConfigurationError, InvalidRequestError
 from depthserve.kernels.dispatch import Kernels
@@ -98,10 +97,12 @@ class LLMEngine:
         """Queue a request that `check_request` accepted."""
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        self._requests[request_id] = entry = new_request(request_id, request, arrival_time)
+        entry = new_request(request_id, request, arrival_time)
         for seq in entry.seqs:
             self.output_processor.start(seq)
             seq.depth_record = self.depth_accounting.new_record(seq.plan)
+        self._requests[request_id] = entry
+        for seq in entry.seqs:
             self.scheduler.add(seq)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -140,9 +141,7 @@ class LLMEngine:
         running = self.scheduler.running
         return {
             "num_running": len(running), "num_waiting": len(self.scheduler.waiting),
-            # requests with at least one sequence in the running batch (the rest are waiting)
-            "num_running_requests": sum(any(seq.status is SequenceStatus.RUNNING for seq in r.seqs)
-                                        for r in self._requests.values()),
+            "num_running_requests": len({seq.request_id for seq in running}),  # the rest are waiting
             "num_preemptions": self.scheduler.num_preemptions,
             **kv_usage(self.block_manager, self.capacity.page_bytes),
             "prompt_tokens_computed": self.prompt_tokens_computed, "tokens_generated": self.tokens_generated,
