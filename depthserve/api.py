@@ -47,7 +47,8 @@ class LLM:
         """Run every prompt to completion; outputs come back in prompt order.
 
         A prompt is a string or a list of token ids. `sampling_params` and `depth` are one
-        object for all prompts or one per prompt.
+        object for all prompts or one per prompt. A max_tokens past the model's context is cut to
+        the rest of it (ContextOverflow.CLAMP, depthserve/engine/context_length.py).
         """
         prompt_list = _as_prompt_list(prompts)
         params = _per_prompt(sampling_params or SamplingParams(), len(prompt_list), "sampling_params")

@@ -31,7 +31,6 @@ class OpenAIServingChat(OpenAIServing):
         params = self.sampling_params(req, max_tokens, logprobs)
         depth = self.depth_params(req)
         jobs = [Job(None, await self.chat_prompt_ids(req.messages), None)]
-        self.check_context(jobs, max_tokens)
         return jobs, params, depth
 
     async def complete(self, req: ChatCompletionRequest, request_id: str) -> ChatCompletionResponse:

@@ -22,7 +22,6 @@ class OpenAIServingCompletion(OpenAIServing):
                                       prompt_logprobs=req.logprobs if scoring else None)
         depth = self.depth_params(req)
         jobs = await self.tokenizer_worker.run(self._encode_prompts, _prompt_list(req.prompt))
-        self.check_context(jobs, params.max_tokens)
         return jobs, params, depth
 
     def _encode_prompts(self, prompts: list[str | list[int]]) -> list[Job]:

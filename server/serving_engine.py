@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from depthserve.depth import DepthParams, combine_reports
 from depthserve.engine.async_llm import AsyncLLM, RequestStream
+from depthserve.engine.context_length import ContextOverflow
 from depthserve.errors import EngineDeadError, InvalidRequestError, ModelNotFoundError, QueueFullError
 from depthserve.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from depthserve.sampling_params import SamplingParams
@@ -142,25 +143,16 @@ class OpenAIServing:
             skip_special_tokens=req.skip_special_tokens,
         )
 
-    def check_context(self, jobs: list[Job], max_tokens: int | None) -> None:
-        """A prompt plus max_tokens beyond the context is a 400 naming the limit (as OpenAI's and
-        vLLM's servers answer), not a silent cut. max_tokens None means the rest of the context."""
-        for job in jobs:
-            prompt_tokens = len(job.token_ids)
-            if max_tokens is not None and prompt_tokens + max_tokens > self.max_model_len:
-                raise InvalidRequestError(
-                    f"this model's maximum context length is {self.max_model_len} tokens; the request asks "
-                    f"for {prompt_tokens + max_tokens} ({prompt_tokens} in the prompt, {max_tokens} for the "
-                    "completion): lower max_tokens or shorten the prompt")
-
     # ---- running requests ----------------------------------------------------------------------------
     async def admit(self, jobs: list[Job], params: SamplingParams, depth: DepthParams,
                     request_id: str) -> list[RequestStream]:
         """Admit every prompt of one HTTP request, or none (validated and queued on the engine
-        thread): a refusal raises before any response has started."""
+        thread): a refusal raises before any response has started. A prompt plus max_tokens beyond
+        the context is refused (a 400 naming the limit, as OpenAI's and vLLM's servers answer), not cut."""
         ids = [request_id] if len(jobs) == 1 else [f"{request_id}-{i}" for i in range(len(jobs))]
         try:
-            return await self.llm.add_requests([job.token_ids for job in jobs], params, depth, ids)
+            return await self.llm.add_requests([job.token_ids for job in jobs], params, depth, ids,
+                                               overflow=ContextOverflow.REFUSE)
         except (QueueFullError, EngineDeadError):
             self.metrics.requests.labels(outcome="rejected").inc()
             raise

@@ -120,5 +120,5 @@ def test_exit_counts_are_in_the_metrics():
     prompt = load_tokenizer(source).encode(problems(4, 1, "held_out", 1)[0].prompt, add_special_tokens=False)
     out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=2), DepthParams(depth="auto"))[0]
     levels = np.bincount(out.depth.per_token, minlength=7)
-    assert llm.engine.depth_levels_run == {level: int(n) for level, n in enumerate(levels) if n}
-    assert llm.engine.depth_shed_tokens == 0
+    assert llm.engine.stats()["depth_levels_run"] == {level: int(n) for level, n in enumerate(levels) if n}
+    assert llm.engine.stats()["depth_shed_tokens"] == 0

@@ -81,7 +81,8 @@ def test_random_levels_in_a_mixed_batch_equal_the_reference(path):
     assert llm.engine.scheduler.num_preemptions > 0
     assert llm.engine.block_manager.prefix_hits > 0
     assert llm.engine.block_manager.num_used_pages == 0
-    assert llm.engine.depth_levels_run and set(llm.engine.depth_levels_run) == {1, 2, 3, 4}
+    levels_run = llm.engine.stats()["depth_levels_run"]
+    assert levels_run and set(levels_run) == {1, 2, 3, 4}
 
 
 def test_a_range_at_its_maximum_is_the_fixed_knob(path):
@@ -91,7 +92,7 @@ def test_a_range_at_its_maximum_is_the_fixed_knob(path):
     ranged = llm.generate(prompts, params, DepthParams(depth={"min": 1, "max": 3}))  # fixed policy: 3
     fixed = llm.generate(prompts, params, DepthParams(depth=3))
     assert_runs_like_the_fixed_knob(ranged, fixed, 3)
-    assert llm.engine.depth_shed_tokens == 0
+    assert llm.engine.stats()["depth_shed_tokens"] == 0
 
 
 def test_a_slot_holds_exactly_the_tokens_that_ran_its_depth(path):

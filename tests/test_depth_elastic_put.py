@@ -123,7 +123,7 @@ def test_random_levels_in_a_mixed_batch_equal_the_reference(path):
     assert any(ranged and len(levels) > 1 for ranged, levels in preempted), preempted
     assert llm.engine.block_manager.prefix_hits == 0 and all(o.num_cached_tokens == 0 for o in outputs)
     assert llm.engine.block_manager.num_used_pages == 0
-    assert set(llm.engine.depth_levels_run) == {1, 2, 3}
+    assert set(llm.engine.stats()["depth_levels_run"]) == {1, 2, 3}
 
 
 def test_a_range_at_its_maximum_is_the_fixed_knob(path):
@@ -137,7 +137,7 @@ def test_a_range_at_its_maximum_is_the_fixed_knob(path):
         for a, b in zip(ranged, fixed):
             assert a.depth.settings["mean_depth"] == top and a.depth.settings["loops"] == {"min": low, "max": top}
             assert a.depth.flops == pytest.approx(b.depth.flops) and a.depth.counters == b.depth.counters
-    assert llm.engine.depth_shed_tokens == 0 and llm.engine.block_manager.num_used_pages == 0
+    assert llm.engine.stats()["depth_shed_tokens"] == 0 and llm.engine.block_manager.num_used_pages == 0
 
 
 def test_the_plan_prices_the_maximum_with_routed_passes_past_the_minimum(path):

@@ -101,7 +101,7 @@ def test_random_levels_in_a_mixed_batch_equal_the_reference(path):
     assert llm.engine.scheduler.num_preemptions > 0
     assert llm.engine.block_manager.prefix_hits > 0
     assert llm.engine.block_manager.num_used_pages == 0
-    assert set(llm.engine.depth_levels_run) == {0, 1, 2, 3}
+    assert set(llm.engine.stats()["depth_levels_run"]) == {0, 1, 2, 3}
 
 
 @pytest.mark.parametrize("low, high", [(0, 2), (1, 3)])
@@ -119,7 +119,7 @@ def test_a_range_at_its_maximum_is_the_fixed_knob(path, low, high):
         assert mine["flops"] == pytest.approx(theirs["flops"], rel=1e-12)
         assert mine["loop_iterations"] == theirs["loop_iterations"]
         assert mine["extrapolated"] == theirs["extrapolated"] and mine["mean_depth"] == high
-    assert llm.engine.depth_shed_tokens == 0
+    assert llm.engine.stats()["depth_shed_tokens"] == 0
     assert llm.engine.block_manager.num_used_pages == 0
 
 

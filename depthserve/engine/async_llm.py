@@ -20,6 +20,7 @@ from typing import Any
 
 from depthserve.config import EngineArgs
 from depthserve.depth import DepthParams
+from depthserve.engine.context_length import ContextOverflow
 from depthserve.engine.llm_engine import LLMEngine
 from depthserve.errors import (
     EngineDeadError,
@@ -126,9 +127,11 @@ class AsyncLLM:
         sampling_params: SamplingParams,
         depth: DepthParams | None,
         request_ids: list[str],
+        overflow: ContextOverflow = ContextOverflow.CLAMP,
     ) -> list["RequestStream"]:
         """Admit several prompts (one HTTP request's) as one unit, all or none, and return their
-        output streams.
+        output streams. `overflow`: what a prompt + max_tokens past the context gets (the server
+        refuses it, depthserve/engine/context_length.py).
 
         Validation and admission run on the engine thread between steps (the only thread that
         touches the engine), and this returns once they have: the request's typed error if a
@@ -141,7 +144,8 @@ class AsyncLLM:
         try:
             for request_id in request_ids:
                 streams.append(self._open(request_id, arrival))
-            await self._call_on_engine_thread(lambda: self._admit(prompts, sampling_params, depth, request_ids, arrival))
+            await self._call_on_engine_thread(
+                lambda: self._admit(prompts, sampling_params, depth, request_ids, arrival, overflow))
         except BaseException:
             for request_id in request_ids[: len(streams)]:
                 self._close(request_id)
@@ -176,13 +180,13 @@ class AsyncLLM:
             stream.close()
 
     def _admit(self, prompts: list[str | list[int]], sampling_params: SamplingParams, depth: DepthParams | None,
-               request_ids: list[str], arrival: float) -> None:
+               request_ids: list[str], arrival: float, overflow: ContextOverflow) -> None:
         """On the engine thread: validate every prompt, check the queue, then queue them all.
 
         The queue holds `max_num_seqs` requests that can run plus `max_waiting_requests` that wait
         (a request counts once whatever its n): requests the engine has not started yet count as
         waiting only beyond the free running slots."""
-        validated = [self.engine.check_request(prompt, sampling_params, depth) for prompt in prompts]
+        validated = [self.engine.check_request(prompt, sampling_params, depth, overflow) for prompt in prompts]
         capacity = self.engine.args.max_num_seqs + self.max_waiting_requests
         if len(prompts) > capacity:
             raise UnadmittableRequestError(
@@ -322,9 +326,7 @@ class AsyncLLM:
         call.settle(result, error)
 
     def _snapshot(self) -> dict:
-        stats = self.engine.stats()
-        stats["num_running_requests"] = self.engine.num_running_requests()
-        return stats
+        return self.engine.stats()
 
     def _drain_commands(self) -> bool:
         while True:
