@@ -16,7 +16,7 @@ from depthserve.depth import DepthParams, DepthPlan, KnobSpec
 from depthserve.detokenizer import IncrementalDetokenizer
 from depthserve.engine.block_manager import BlockManager
 from depthserve.engine.depth_policy import make_policy, replay_recorded_levels, token_levels
-from depthserve.engine.model_runner import ModelRunner, SeqStepOutput
+from depthserve.engine.model_runner import ModelRunner, SeqStepOutput, request_state
 from depthserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
 from depthserve.engine.sequence import Sequence, SequenceStatus
 from depthserve.errors import (
@@ -502,7 +502,7 @@ class LLMEngine:
             )
         first = request.seqs[0]
         finished = request.finished and request.error is None
-        depth = self.model.report(first) if finished else None  # once, at the end (not every step)
+        depth = self.model.report(request_state(first)) if finished else None  # once, at the end (not every step)
         return RequestOutput(
             request_id=request.request_id,
             prompt=request.prompt,
