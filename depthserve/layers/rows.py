@@ -84,10 +84,10 @@ class StepRows(ABC):
         """`values` of this set's rows over every row of the step, `fill` elsewhere."""
 
     @abstractmethod
-    def attend(self, slot: str, read_heads: np.ndarray | None = None) -> tuple[AttentionMetadata, slice]:
+    def attend(self, slot: str, read_heads: tuple[int, ...] | None = None) -> tuple[AttentionMetadata, slice]:
         """Attention metadata and page-table columns for this set's rows over the cache slot named
         `slot` (a token-covering or routed slot); `read_heads` maps each attended head to a stored
-        KV head (a head subset with uneven GQA groups)."""
+        KV head (a head subset with uneven GQA groups; a tuple: constants of a compiled step)."""
 
     @abstractmethod
     def emit(self, decisions: torch.Tensor) -> None:
@@ -177,7 +177,7 @@ class GatheredRows(StepRows):
             return list(range(len(self.step.items)))
         return np.unique(self.step.item_of_row()[self.rows]).tolist()
 
-    def attend(self, slot: str, read_heads: np.ndarray | None = None) -> tuple[AttentionMetadata, slice]:
+    def attend(self, slot: str, read_heads: tuple[int, ...] | None = None) -> tuple[AttentionMetadata, slice]:
         step = self.step
         if self.rows is None:
             items, counts = step.items, [item.num_tokens for item in step.items]
@@ -193,7 +193,8 @@ class GatheredRows(StepRows):
                 and all(s == first for s in slots) and first.stop <= step.base_width):
             # Every row runs the level, over the same columns of the step's base table: its metadata.
             return self.meta, first
-        return step.level_meta(items, slots, read_heads, counts), slice(None)
+        heads = None if read_heads is None else np.array(read_heads, dtype=np.int64)
+        return step.level_meta(items, slots, heads, counts), slice(None)
 
     def emit(self, decisions: torch.Tensor) -> None:
         self.step.decisions = decisions
@@ -247,15 +248,14 @@ class MaskedRows(StepRows):
     def spread(self, values: torch.Tensor, fill: float) -> torch.Tensor:
         return values if self.mask is None else torch.where(self._keep(values), values, fill)
 
-    def attend(self, slot: str, read_heads: np.ndarray | None = None) -> tuple[AttentionMetadata, slice]:
+    def attend(self, slot: str, read_heads: tuple[int, ...] | None = None) -> tuple[AttentionMetadata, slice]:
         static, meta = self.static, self.meta
         columns = static.columns[slot]
-        heads = None if read_heads is None else tuple(int(h) for h in read_heads)
         if slot in static.routed_index:  # a routed slot stores only the rows that run, at its own length
             lens = static.routed_lens[:, static.routed_index[slot]] + 1
-            return decode_slot_meta(meta, columns, heads, stores=self.mask, context_lens=lens), slice(None)
-        if heads is not None:
-            return decode_slot_meta(meta, columns, heads), slice(None)
+            return decode_slot_meta(meta, columns, read_heads, stores=self.mask, context_lens=lens), slice(None)
+        if read_heads is not None:
+            return decode_slot_meta(meta, columns, read_heads), slice(None)
         return meta, columns
 
     def emit(self, decisions: torch.Tensor) -> None:

@@ -49,7 +49,7 @@ class HeadSubsetAttention(nn.Module):
             self.read_heads = None
         else:
             # Uneven groups: attend through one table row per query head (a KV head may repeat).
-            self.read_heads = np.array([self.kv_heads.index(g) for g in kv_of], dtype=np.int64)
+            self.read_heads = tuple(self.kv_heads.index(g) for g in kv_of)
         self.head_dim = cfg.head_dim
         self.num_q, self.num_kv = len(self.q_heads), len(self.kv_heads)
         self.qkv_proj = nn.Linear(cfg.hidden_size, (self.num_q + 2 * self.num_kv) * cfg.head_dim,
