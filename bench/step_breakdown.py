@@ -94,17 +94,21 @@ def part_targets(arch: str, kernels: list[Any]) -> dict[str, list[tuple[Any, str
         "paged attention": ops("store_kv", "paged_decode_attention", "paged_prefill_attention_varlen"),
     }
     if arch == "itt":
-        from depthserve.archs.itt.model import StepRouting
+        from depthserve.kernels import itt
+        from depthserve.layers.rows import GatheredRows
 
-        targets["ITT routing"] = ops("itt_route", "itt_update") + [(StepBatch, "routed_meta"), (StepRouting, "record")]
+        targets["ITT routing"] = [(itt, "itt_select"), (itt, "itt_blend"), (StepBatch, "routed_meta"),
+                                  (GatheredRows, "where"), (GatheredRows, "spread")]
     elif arch == "sgt":
         targets["SGT loop metadata"] = [(StepBatch, "level_meta")]
     elif arch == "dreamer":
-        from depthserve.archs.dreamer.model import DreamerForCausalLM as Dreamer
+        from depthserve.archs.dreamer import model as dreamer
+        from depthserve.layers.rows import GatheredRows
 
-        targets["Dreamer experts"] = [(Dreamer, "_router"), (Dreamer, "_grouped"), (Dreamer, "_ea")]
-        targets["Dreamer depth attention"] = [(Dreamer, "_da")]
-        targets["Dreamer bookkeeping"] = [(StepBatch, "level_meta"), (Dreamer, "_record")]
+        targets["Dreamer experts"] = [(dreamer.DepthRouter, "__call__"), (dreamer, "_grouped"),
+                                      (dreamer.ExpertAttention, "forward")]
+        targets["Dreamer depth attention"] = [(dreamer.DepthAttention, "forward")]
+        targets["Dreamer bookkeeping"] = [(StepBatch, "level_meta"), (GatheredRows, "emit")]
     elif arch == "put":
         from depthserve.archs.put.model import ConvContext
 

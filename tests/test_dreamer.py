@@ -297,20 +297,20 @@ def test_moe_runs_grouped_by_expert(ckpts, monkeypatch, padded):
         return real(self, dim, index)
 
     monkeypatch.setattr(torch.Tensor, "index_select", spy)
-    out, top = model._ea(h, 2)
+    out, top = model.block.ea.grouped(h, 2)
     monkeypatch.undo()
     active = torch.unique(top).numel()
     assert sum(calls) == 37 * model.spec.top_k and len(calls) == (1 if padded else active)
     # the same as every token run through its own experts
-    hn = model.ea_norm(h)
-    logits = model._router("ea", hn, 2)
+    hn = model.block.ea.norm(h)
+    logits = model.block.ea.router(hn, 2)
     gates = torch.sigmoid(logits.gather(1, top))
     weights = gates / gates.sum(-1, keepdim=True)
     f = model.spec.expert_intermediate_size
     expected = torch.zeros_like(h)
     for i in range(37):
         for slot, e in enumerate(top[i].tolist()):
-            gate, up = (hn[i] @ model.ea_gate_up[e].t()).split([f, f])
-            expected[i] += weights[i, slot] * ((torch.nn.functional.silu(gate) * up) @ model.ea_down[e].t())
+            gate, up = (hn[i] @ model.block.ea.gate_up[e].t()).split([f, f])
+            expected[i] += weights[i, slot] * ((torch.nn.functional.silu(gate) * up) @ model.block.ea.down[e].t())
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
     assert SlotKind.TOKEN_DEPTH.value == "token_depth"

@@ -25,8 +25,6 @@ from depthserve.depth import DepthParams, DepthPlan, DepthReport, KnobSpec
 if TYPE_CHECKING:
     import torch
 
-    from depthserve.engine.sequence import Sequence
-
 
 @dataclass(frozen=True)
 class BuildOptions:
@@ -40,7 +38,7 @@ class DepthModel(Protocol):
     """What the engine asks of a model. Subclass it beside `torch.nn.Module`; the methods with a
     body are defaults an architecture overrides only when it has the feature."""
 
-    # True when the forward needs `meta.batch` (per-sequence rows, plans, page tables).
+    # True when the forward needs `meta.batch` (per-sequence rows, plans, page tables, row settings).
     uses_step_batch: ClassVar[bool] = False
     # True when every depth level's state can be read out by the LM head (compute_logits), so a
     # token may stop at any level of its range (the confidence exit, BatchItem.exit_threshold).
@@ -64,13 +62,16 @@ class DepthModel(Protocol):
 
     def static_decode_spec(self) -> StaticDecodeSpec | None:
         """How a decode-only step runs at static shapes (depthserve/engine/static_decode.py): the
-        forward then reads only the metadata's tensors, `meta.static` instead of `meta.batch`, with
-        no host synchronisation and no data-dependent shape, so the engine may pad the step to a
-        bucket and run it compiled. None: this model's decode steps run eagerly."""
+        forward then reads only the metadata's tensors, `meta.static` instead of `meta.batch` (its
+        loops through layers/rows.py's masked rows), with no host synchronisation and no
+        data-dependent shape, so the engine may pad the step to a bucket and run it compiled. None:
+        this model's decode steps run eagerly."""
         return None
 
-    def static_settings(self, plan: DepthPlan) -> np.ndarray:
-        """A request's per-row values for a static decode step (float32, StaticDecodeSpec.settings long)."""
+    def row_settings(self, plan: DepthPlan, level: int | None) -> np.ndarray:
+        """A request's per-row values for a step whose tokens run at `level` (a range knob's; None:
+        the fixed setting), float32, StaticDecodeSpec.settings long: what the forward's loops read
+        per row (layers/rows.py, StepRows.setting), in eager and static steps alike."""
         return np.zeros(0, np.float32)
 
     def static_level(self, plan: DepthPlan) -> int:
@@ -79,18 +80,19 @@ class DepthModel(Protocol):
         the same results as uncapped."""
         return plan.level
 
-    def after_static_step(self, record: Any, position: int, decisions: np.ndarray) -> dict[str, int]:
-        """After a static decode step: one row's decisions (StaticDecodeSpec.decisions values) into
-        its sequence's record (new_record) for the token at `position`; returns the tokens each
-        routed slot stored (the rest of its reservation is given back)."""
+    def record_decisions(self, record: Any, start: int, decisions: np.ndarray) -> dict[str, int]:
+        """After a step: the decisions its forward emitted (StepRows.emit) for one sequence's tokens
+        at positions start.. ([tokens, StaticDecodeSpec.decisions] int32) into its record
+        (new_record); returns the tokens each routed slot stored (a static decode step gives the
+        rest of its reservation back)."""
         return {}
 
     def new_record(self, plan: DepthPlan) -> Any:
-        """An empty per-sequence record of the decisions the forward takes (routing, experts), which
-        the forward fills through the step's batch items; None when there is nothing to record."""
+        """An empty per-sequence record of the decisions the forward takes (routing, experts),
+        filled after each step by record_decisions; None when there is nothing to record."""
         return None
 
-    def report(self, seq: Sequence) -> DepthReport | None:
+    def report(self, request: RequestState) -> DepthReport | None:
         """What a finished sequence spent on depth; None for a plain model."""
         return None
 
@@ -125,6 +127,18 @@ class DepthModel(Protocol):
 
 
 @dataclass(frozen=True)
+class RequestState:
+    """What a model sees of one sequence after it ran (made by the engine, never its Sequence)."""
+
+    plan: DepthPlan
+    record: Any  # the decisions its steps recorded (DepthModel.new_record), or None
+    num_computed_tokens: int
+    num_prompt_tokens: int
+    num_output_tokens: int
+    levels: tuple[int, ...] = ()  # a range knob: the level each computed position ran at
+
+
+@dataclass(frozen=True)
 class StaticDecodeSpec:
     """The inputs of a model's decode step at static shapes, beyond token ids and positions."""
 
@@ -132,9 +146,9 @@ class StaticDecodeSpec:
     # routed slots' pages after the token-covering ones (`columns`). A row's slots land at these
     # columns; the slots it lacks read the scratch page and store nothing.
     layout: CacheLayout
-    settings: int = 0  # float32 values per row (DepthModel.static_settings: loop counts, depths)
+    settings: int = 0  # float32 values per row (DepthModel.row_settings: loop counts, depths)
     state_bytes: int = 0  # per-sequence state (SlotKind.SEQ_STATE) of a row, at most
-    decisions: int = 0  # int32 values per row the forward writes to meta.static.decisions (routing)
+    decisions: int = 0  # int32 values per row the forward emits (StepRows.emit: routing, experts, readouts)
     # The depth levels a step may be capped at (DepthModel.static_level): the engine compiles (and on
     # CUDA captures) the step once per level, and runs a batch at its deepest row's level, so a
     # batch of shallow requests does not pay for the model's deepest setting. Empty: no levels.

@@ -10,7 +10,7 @@ from typing import Any
 from depthserve.archs.base import DepthModel
 from depthserve.depth import DepthPlan, DepthReport
 from depthserve.engine.depth_policy import token_levels
-from depthserve.engine.model_runner import SeqStepOutput
+from depthserve.engine.model_runner import SeqStepOutput, request_state
 from depthserve.engine.requests import Request
 from depthserve.engine.scheduler import ScheduledSeq
 
@@ -52,7 +52,7 @@ class DepthAccounting:
         """What the request spent on depth, once it finished without error (not every step)."""
         if not request.finished or request.error is not None:
             return None
-        return self.model.report(request.seqs[0])
+        return self.model.report(request_state(request.seqs[0]))
 
     def reset(self) -> None:
         self.levels_run = {}

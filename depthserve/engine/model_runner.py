@@ -8,15 +8,16 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from depthserve.archs.base import DepthModel, StaticDecodeSpec
+from depthserve.archs.base import DepthModel, RequestState, StaticDecodeSpec
 from depthserve.cache import CacheLayout
 from depthserve.engine.block_manager import BlockManager
 from depthserve.engine.page_tables import RowTable
 from depthserve.engine.scheduler import ScheduledSeq
+from depthserve.engine.sequence import Sequence
 from depthserve.engine.static_decode import DecodeRow, StaticDecode, spec_columns
 from depthserve.kernels.dispatch import Kernels
 from depthserve.layers.attention import AttentionMetadata, KVPool, PrefillSeqMeta
-from depthserve.layers.batch import BatchItem, StepBatch, page_table_tensor
+from depthserve.layers.batch import BatchItem, StepBatch, decode_tables_tensors, page_table_tensor
 from depthserve.sampler import Sampler, SampledToken, SamplingFault, SamplingRow, prompt_logprobs
 
 
@@ -34,6 +35,12 @@ class SeqStepOutput:
     sampled: SampledToken | None
     prompt_logprobs: list[PromptLogprob]
     fault: str | None = None  # no token could be sampled for this sequence (SamplingFault.reason)
+
+
+def request_state(seq: Sequence) -> RequestState:
+    """What the model sees of a sequence (DepthModel.report): its plan, record and token counts."""
+    return RequestState(seq.plan, seq.depth_record, seq.num_computed_tokens, seq.num_prompt_tokens,
+                        len(seq.output_token_ids), tuple(seq.levels))
 
 
 class ModelRunner:
@@ -79,16 +86,22 @@ class ModelRunner:
             hidden = self.static.run([self._decode_row(item) for item in batch])
             if self.static.spec.decisions:
                 for item, decisions in zip(batch, self.static.decisions[: len(batch)].cpu().numpy()):
-                    stored = self.model.after_static_step(item.seq.depth_record, item.start, decisions)
+                    stored = self.model.record_decisions(item.seq.depth_record, item.start, decisions[None])
                     self._commit_routed_slots(item.seq, lambda name: stored.get(name, 0))
             return self._postprocess_logits(batch, hidden)
         input_ids, positions, meta = self._prepare(batch)
         hidden = self.model(input_ids, positions, self.pool, meta)
         if meta.batch is not None:
-            self._commit_routed(meta.batch)
+            step = meta.batch
+            self._commit_routed(batch, step)
+            if step.decisions is not None:
+                decisions = step.decisions.cpu().numpy()
+                for item, ran in zip(batch, step.items):
+                    rows = decisions[ran.row: ran.row + ran.num_tokens]
+                    self.model.record_decisions(item.seq.depth_record, item.start, rows)
             # Tokens that stopped early (the confidence exit) report the level they ran.
-            batch = [replace(item, ran_levels=tuple(ran.ran_levels)) if ran.ran_levels is not None else item
-                     for item, ran in zip(batch, meta.batch.items)]
+            batch = [replace(item, ran_levels=tuple(step.ran_levels[i])) if i in step.ran_levels else item
+                     for i, item in enumerate(batch)]
         return self._postprocess_logits(batch, hidden)
 
     def _is_static_decode(self, batch: list[ScheduledSeq]) -> bool:
@@ -111,7 +124,7 @@ class ModelRunner:
             routed_lens[self.static.routed_index[slot.name]] = length
         state = self.block_manager.state_table(seq)
         return DecodeRow(seq.token_ids(item.start, item.end)[0], item.start, table, write,
-                         self.model.static_settings(seq.plan), np.zeros(0, np.int64) if state is None else state,
+                         self.model.row_settings(seq.plan, None), np.zeros(0, np.int64) if state is None else state,
                          routed_lens, self.model.static_level(seq.plan))
 
     def _row_table(self, seq, num_blocks: int) -> RowTable:
@@ -141,8 +154,8 @@ class ModelRunner:
             self._columns[layout] = spec_columns(self.static.spec, layout)
         return self._columns[layout]
 
-    def _commit_routed(self, step: StepBatch) -> None:
-        for item in step.items:
+    def _commit_routed(self, batch: list[ScheduledSeq], step: StepBatch) -> None:
+        for item in batch:
             seq_id = item.seq.seq_id
             self._commit_routed_slots(item.seq, lambda name: step.routed_counts.get((seq_id, name), 0))
 
@@ -169,10 +182,12 @@ class ModelRunner:
             # The base (dense) slots sit at the same leading columns for every request of a model.
             table = full_table[:, : item.seq.layout.base_width]
             if depth_model:
-                routed = {slot.name: self.block_manager.routed_table(item.seq, slot.name)
-                          for slot in item.seq.layout.routed_slots}
-                items.append(BatchItem(item.seq, item.start, item.num_tokens, row, full_table, routed,
-                                       self.block_manager.state_table(item.seq), item.level, item.exit_threshold))
+                seq = item.seq
+                routed = {slot.name: self.block_manager.routed_table(seq, slot.name)
+                          for slot in seq.layout.routed_slots}
+                items.append(BatchItem(seq.seq_id, seq.plan, item.start, item.num_tokens, row, full_table, routed,
+                                       self.block_manager.state_table(seq), item.level, item.exit_threshold,
+                                       item.samples, self.model.row_settings(seq.plan, item.level)))
             positions = np.arange(item.start, item.end)
             ids.extend(item.seq.token_ids(item.start, item.end))
             pos_chunks.append(positions)
@@ -184,14 +199,7 @@ class ModelRunner:
                 decode_tables.append(table[: -(-item.end // bs)])
                 decode_lens.append(item.end)
             row += item.num_tokens
-        decode_table = decode_len = None
-        if decode_tables:
-            max_blocks = max(len(t) for t in decode_tables)
-            padded = np.zeros((len(decode_tables), max_blocks, decode_tables[0].shape[1]), dtype=np.int32)
-            for i, t in enumerate(decode_tables):
-                padded[i, : len(t)] = t
-            decode_table = page_table_tensor(padded, self.device)
-            decode_len = self._tensor(np.asarray(decode_lens))
+        decode_table, decode_len = decode_tables_tensors(decode_tables, decode_lens, self.device)
         meta = AttentionMetadata(
             num_tokens=row,
             block_size=bs,

@@ -14,7 +14,8 @@ has the columns of every slot the deepest request can hold (its own slots at the
 rest the scratch page with write index -1), and its knobs arrive as per-row values
 (`meta.static.settings`), so a batch whose requests loop or recur differently runs one graph:
 every row runs the depth the deepest request can have, and the model keeps the result only where
-the row's own knobs say so (`torch.where`, never a product with a mask, so nothing read from the
+the row's own knobs say so (depthserve/layers/rows.py, `MaskedRows`: the same forward as an eager
+step's, its levels kept with `torch.where`, never a product with a mask, so nothing read from the
 scratch page leaks in).
 
 Padding rows write nothing to any sequence's pages: their cache write index is -1 (every store op
@@ -240,7 +241,8 @@ class StaticDecode:
         meta = AttentionMetadata(num_tokens=size, block_size=self.block_size, slot_index=index, prefills=[],
                                  num_prefill_tokens=0, decode_page_table=tables, decode_context_lens=lens,
                                  kernels=self.kernels,
-                                 static=StaticRows(settings, states, positions, decisions, routed, cap))
+                                 static=StaticRows(settings, states, positions, decisions, routed, self.columns,
+                                                   self.routed_index, cap))
         return ids, positions, self.pool, meta
 
     def _views(self, flat, size: int) -> tuple:

@@ -32,11 +32,13 @@ class StaticRows:
     """A decode step at static shapes (depthserve/engine/static_decode.py): what a depth model
     reads per row instead of the step's StepBatch."""
 
-    settings: torch.Tensor  # [rows, spec.settings] float32 knobs (DepthModel.static_settings)
+    settings: torch.Tensor  # [rows, spec.settings] float32 knobs (DepthModel.row_settings)
     state_pages: torch.Tensor  # [rows, pages] pages of the per-sequence state (spec.state_bytes), -1: none
     positions: torch.Tensor  # [rows]
     decisions: torch.Tensor  # [rows, spec.decisions] int32, written by the forward (routing choices)
     routed_lens: torch.Tensor  # [rows, routed slots] tokens each routed slot holds before this step
+    columns: dict[str, slice]  # slot name -> its columns of a row's page table (StaticDecodeSpec.columns)
+    routed_index: dict[str, int]  # routed slot name -> its column of routed_lens
     # The deepest level any row of the step runs (StaticDecodeSpec.levels): the forward runs no
     # iteration past it. None: the model has no levels (every iteration runs).
     level_cap: int | None = None
@@ -72,17 +74,18 @@ class AttentionMetadata:
     def packed_prefills(self) -> PackedPrefills:
         if self._packed is None:
             device = self.slot_index.device
-            max_blocks = max(seq.page_table.shape[0] for seq in self.prefills)
+            max_blocks = max(prefill.page_table.shape[0] for prefill in self.prefills)
             width = self.prefills[0].page_table.shape[1]
             tables = torch.zeros(len(self.prefills), max_blocks, width, dtype=self.prefills[0].page_table.dtype,
                                  device=device)
-            for i, seq in enumerate(self.prefills):
-                tables[i, : seq.page_table.shape[0]] = seq.page_table
-            starts = [seq.token_start for seq in self.prefills] + [self.num_prefill_tokens]
+            for i, prefill in enumerate(self.prefills):
+                tables[i, : prefill.page_table.shape[0]] = prefill.page_table
+            starts = [prefill.token_start for prefill in self.prefills] + [self.num_prefill_tokens]
             self._packed = PackedPrefills(
                 page_tables=tables,
                 query_starts=torch.tensor(starts, dtype=torch.int32, device=device),
-                context_lens=torch.tensor([seq.context_len for seq in self.prefills], dtype=torch.int32, device=device),
+                context_lens=torch.tensor([prefill.context_len for prefill in self.prefills], dtype=torch.int32,
+                                          device=device),
             )
         return self._packed
 

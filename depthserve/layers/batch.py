@@ -1,14 +1,17 @@
-"""One step's batch, as the depth models see it: per-sequence rows, page tables and depth plans.
+"""One step's batch, as the depth models see it: per-request rows, page tables, plans and settings.
 
-The base (dense) slots are described once by the step's `AttentionMetadata`. A depth mechanism
-that runs only for some rows (an SGT loop iteration for the requests that asked for it, an ITT
-step for the tokens its router selected) builds a compact `AttentionMetadata` for just those
-rows and just that slot's pages with `StepBatch.slot_meta` / `StepBatch.routed_meta`: the model
-index-selects the rows, runs, and scatters back, so no row pays for depth it did not ask for.
+The base (dense) slots are described once by the step's `AttentionMetadata`. A depth level that
+runs only for some rows (an SGT loop iteration for the requests that asked for it, an ITT step for
+the tokens its router selected) attends through a compact `AttentionMetadata` for just those rows
+and just that slot's pages (`StepBatch.level_meta` / `routed_meta`), built for the gathered rows of
+layers/rows.py, so no row pays for depth it did not ask for. An item carries no engine state: the
+runner makes it from the scheduled sequence and reads what the forward left in the StepBatch
+(routed counts, decisions, the levels tokens ran) after the step.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,9 +22,12 @@ from depthserve.kernels.dispatch import Kernels
 from depthserve.layers.attention import AttentionMetadata, PrefillSeqMeta
 
 
-@dataclass
+@dataclass(frozen=True, eq=False)
 class BatchItem:
-    seq: Any  # engine Sequence
+    """One request's part of a step, as the runner saw it: its rows, page tables and depth settings."""
+
+    seq_id: int
+    plan: Any  # the request's DepthPlan (the architecture's subclass)
     start: int  # first position computed this step
     num_tokens: int
     row: int  # its first row in the packed batch
@@ -30,7 +36,8 @@ class BatchItem:
     state: np.ndarray | None = None  # pages holding the sequence's per-sequence state (SEQ_STATE), if any
     level: int | None = None  # the depth policy's level for these tokens (a range knob), else None
     exit_threshold: float | None = None  # the confidence exit's top-1 probability (ScheduledSeq)
-    ran_levels: list[int] | None = None  # set by a forward whose tokens stopped below `level` (confidence)
+    samples: bool = False  # the sequence samples after this step: its last token is read out
+    settings: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))  # DepthModel.row_settings
 
     @property
     def end(self) -> int:
@@ -40,15 +47,10 @@ class BatchItem:
     def decode(self) -> bool:
         return self.num_tokens == 1
 
-    @property
-    def plan(self) -> Any:
-        """The sequence's DepthPlan (the architecture's subclass)."""
-        return self.seq.plan
-
-    @property
-    def record(self) -> Any:
-        """The sequence's record of decisions (DepthModel.new_record), filled by the forward."""
-        return self.seq.depth_record
+    @functools.cached_property
+    def slot_columns(self) -> dict[str, slice]:
+        """Name -> columns of the request's token-covering slots."""
+        return self.plan.layout.slot_columns()
 
 
 @dataclass
@@ -82,14 +84,7 @@ def build_metadata(entries: list[MetaEntry], block_size: int, device: torch.devi
             prefills.append(PrefillSeqMeta(row, e.num_queries, e.context_len, page_table_tensor(e.read_table, device)))
             num_prefill_tokens += e.num_queries
         row += e.num_queries
-    decode_table = decode_len = None
-    if decode_tables:
-        max_blocks = max(len(t) for t in decode_tables)
-        padded = np.zeros((len(decode_tables), max_blocks, decode_tables[0].shape[1]), dtype=np.int32)
-        for i, t in enumerate(decode_tables):
-            padded[i, : len(t)] = t
-        decode_table = page_table_tensor(padded, device)
-        decode_len = _tensor(np.asarray(decode_lens), device)
+    decode_table, decode_len = decode_tables_tensors(decode_tables, decode_lens, device)
     width = entries[0].write_index.shape[1] if entries else 1
     index = np.concatenate([e.write_index for e in entries]) if entries else np.zeros((0, width), np.int64)
     return AttentionMetadata(
@@ -102,6 +97,18 @@ def build_metadata(entries: list[MetaEntry], block_size: int, device: torch.devi
         decode_context_lens=decode_len,
         kernels=kernels,
     )
+
+
+def decode_tables_tensors(tables: list[np.ndarray], context_lens: list[int],
+                          device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The decode rows' page tables padded to the longest ([rows, blocks, width] int32) and their
+    context lengths; (None, None) without decode rows."""
+    if not tables:
+        return None, None
+    padded = np.zeros((len(tables), max(len(t) for t in tables), tables[0].shape[1]), dtype=np.int32)
+    for i, t in enumerate(tables):
+        padded[i, : len(t)] = t
+    return page_table_tensor(padded, device), _tensor(np.asarray(context_lens), device)
 
 
 def _tensor(array: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -125,8 +132,16 @@ class StepBatch:
         # Filled by the model during the forward: tokens selected per (sequence, routed slot),
         # committed to the block manager by the runner after the step.
         self.routed_counts: dict[tuple[int, str], int] = {}
+        # Filled by the model during the forward (layers/rows.py): the routing decisions of every
+        # row (StaticDecodeSpec.decisions columns), and per item index the level each of its tokens
+        # ran at where some stopped below the item's level (the confidence exit).
+        self.decisions: torch.Tensor | None = None
+        self.ran_levels: dict[int, list[int]] = {}
+        self.base_width = items[0].plan.layout.base_width if items else 0  # the step metadata's columns
         self._rows: dict[Any, torch.Tensor] = {}
         self._item_of_row: np.ndarray | None = None
+        self._settings: np.ndarray | None = None
+        self._settings_tensor: torch.Tensor | None = None
 
     # ---- rows ------------------------------------------------------------------------------------
     def rows(self, items: list[BatchItem]) -> torch.Tensor | None:
@@ -139,6 +154,28 @@ class StepBatch:
                 np.zeros(0, np.int64)
             self._rows[key] = _tensor(index, self.device)
         return self._rows[key]
+
+    def index_tensor(self, index: np.ndarray) -> torch.Tensor:
+        """`index` (int64 row positions) on the device, made once per step for equal indices."""
+        key = ("index", index.tobytes())
+        if key not in self._rows:
+            self._rows[key] = _tensor(index, self.device)
+        return self._rows[key]
+
+    def settings(self) -> np.ndarray:
+        """[num_rows, settings] each row's request settings (BatchItem.settings), float32."""
+        if self._settings is None:
+            width = max((len(item.settings) for item in self.items), default=0)
+            rows = np.zeros((self.num_rows, width), np.float32)
+            for item in self.items:
+                rows[item.row: item.row + item.num_tokens] = item.settings
+            self._settings = rows
+        return self._settings
+
+    def settings_tensor(self) -> torch.Tensor:
+        if self._settings_tensor is None:
+            self._settings_tensor = torch.from_numpy(self.settings()).to(self.device)
+        return self._settings_tensor
 
     def item_of_row(self) -> np.ndarray:
         """[num_rows] index of the item each packed row belongs to."""
@@ -239,5 +276,5 @@ class StepBatch:
         )
 
     def _count_routed(self, item: BatchItem, name: str, count: int) -> None:
-        key = (item.seq.seq_id, name)
+        key = (item.seq_id, name)
         self.routed_counts[key] = self.routed_counts.get(key, 0) + count

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from depthserve.archs.base import BuildOptions, DepthModel, StaticDecodeSpec
+from depthserve.archs.base import BuildOptions, DepthModel, RequestState, StaticDecodeSpec
 from depthserve.archs.llama.format import PACKED_MODULES, LlamaConfig
 from depthserve.archs.llama.model import LlamaAttention, LlamaDecoderLayer, fp32_rope_tables, tie_lm_head
 from depthserve.archs.put.format import (
@@ -54,6 +54,7 @@ from depthserve.layers.attention import AttentionMetadata, KVPool, StaticRows, p
 from depthserve.layers.batch import StepBatch
 from depthserve.layers.norm import RMSNorm
 from depthserve.layers.rotary import rope_tables
+from depthserve.layers.rows import StepRows, step_rows
 
 
 class ConvContext:
@@ -77,6 +78,11 @@ class ConvContext:
             for i, offset in zip(carried, _state_offsets(pool, page_lists)):
                 own = self.states[i, : step.items[i].plan.loops]
                 own.copy_(values[offset : offset + own.numel()].view_as(own))
+
+    def apply(self, level: StepRows, t: int, layer: int, z: torch.Tensor, conv: CausalDWConv) -> torch.Tensor:
+        """DWConv_k(Z) of core layer `layer` at step t for the rows of `level` (Z [rows, d_ff])."""
+        history, taps = self.window(level.item_indices, t, layer, z)  # Z_{n-j}, carried across chunks
+        return conv(history, taps)
 
     def window(self, indices: list[int], t: int, layer: int,
                z: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -158,21 +164,48 @@ def _scatter_state_pages(pool: KVPool, page_lists: list[np.ndarray], values: tor
     pool.v_pages.index_copy_(0, index, halves[:, 1])
 
 
-def _read_static_states(pool: KVPool, static: StaticRows) -> torch.Tensor:
-    """[rows, pages * page values] the state pages of each row of a static decode step (zeros for a
-    row at position 0; pages of -1 read page 0, never kept)."""
-    values = _read_pages(pool, static.state_pages.clamp(min=0)).reshape(static.state_pages.shape[0], -1)
-    return torch.where((static.positions > 0)[:, None], values, torch.zeros_like(values))
+class DecodeConv:
+    """The conv states of a decode step at static shapes (one token per row): read from every row's
+    state pages (zeros for a row at position 0), and a pass's new state kept where the row runs it."""
 
+    def __init__(self, spec: PUTSpec, d_ff: int, pool: KVPool, static: StaticRows, kernels, x: torch.Tensor):
+        self.spec, self.pool, self.static, self.kernels = spec, pool, static, kernels
+        self.shape = (x.shape[0], spec.steps, spec.n_core, spec.conv_kernel - 1, d_ff)
+        if spec.conv_kernel > 1:
+            values = _read_pages(pool, static.state_pages.clamp(min=0)).reshape(static.state_pages.shape[0], -1)
+            self.stored = torch.where((static.positions > 0)[:, None], values, torch.zeros_like(values))
+            self.states = self.stored[:, : math.prod(self.shape[1:])].view(self.shape)
+        else:
+            self.states = x.new_zeros(self.shape)
+        self.new: dict[tuple[int, int], torch.Tensor] = {}  # (step, layer) -> the states after it
 
-def _write_static_states(pool: KVPool, static: StaticRows, kernels, values: torch.Tensor) -> None:
-    """Store [rows, pages * page values] into each row's state pages (pages of -1: nothing)."""
-    rows, (num_pages, bs, hd) = values.shape[0], static.state_pages.shape[1:] + pool.k_pages.shape[1:]
-    halves = values.view(rows, num_pages, 2, bs, hd)
-    offsets = torch.arange(bs, device=values.device)
-    index = torch.where(static.state_pages[:, :, None] >= 0, static.state_pages[:, :, None] * bs + offsets, -1)
-    kernels.store_kv(halves[:, :, 0].reshape(rows, num_pages * bs, hd), halves[:, :, 1].reshape(rows, num_pages * bs, hd),
-                     pool.k_pages, pool.v_pages, index.reshape(rows, num_pages * bs))
+    def apply(self, level: StepRows, t: int, layer: int, z: torch.Tensor, conv: CausalDWConv) -> torch.Tensor:
+        state = self.states[:, t - 1, layer]  # [rows, k-1, d_ff], oldest first
+        k1 = state.shape[1]
+        history = torch.cat([state, z[:, None]], dim=1)  # Z_{n-k+1} .. Z_n
+        out = conv.weight[0] * z
+        for j in range(1, k1 + 1):
+            out = out + conv.weight[j] * history[:, k1 - j]
+        self.new[t, layer] = level.merge(state, history[:, 1:])
+        return out
+
+    def write_back(self) -> None:
+        """Store every row's states (those of passes no row ran as they were) into its state pages
+        (pages of -1: nothing)."""
+        if self.spec.conv_kernel == 1:
+            return
+        rows = self.shape[0]
+        kept = torch.stack([self.new.get((t, j), self.states[:, t - 1, j]) for t in range(1, self.spec.steps + 1)
+                            for j in range(self.spec.n_core)], dim=1).reshape(rows, -1)
+        values = torch.cat([kept, self.stored[:, kept.shape[1]:]], dim=1)
+        pages = self.static.state_pages
+        (num_pages, bs, hd) = pages.shape[1:] + self.pool.k_pages.shape[1:]
+        halves = values.view(rows, num_pages, 2, bs, hd)
+        offsets = torch.arange(bs, device=values.device)
+        index = torch.where(pages[:, :, None] >= 0, pages[:, :, None] * bs + offsets, -1)
+        self.kernels.store_kv(halves[:, :, 0].reshape(rows, num_pages * bs, hd),
+                              halves[:, :, 1].reshape(rows, num_pages * bs, hd),
+                              self.pool.k_pages, self.pool.v_pages, index.reshape(rows, num_pages * bs))
 
 
 # ==== the modules ===================================================================================
@@ -211,25 +244,13 @@ class PUTMLP(nn.Module):
         self.step_embedding = nn.Parameter(torch.zeros(spec.steps, ffn), requires_grad=False)  # P(1..T)
         self.conv = CausalDWConv(spec.conv_kernel, ffn)
 
-    def forward(self, H: torch.Tensor, t: int, conv: ConvContext, indices: list[int]) -> torch.Tensor:
+    def forward(self, H: torch.Tensor, t: int, conv: ConvContext | DecodeConv, level: StepRows) -> torch.Tensor:
         z = self.z(H, t)
-        history, taps = conv.window(indices, t, self.index, z)  # Z_{n-j}, carried across chunks
-        return self.down_proj(F.silu(z + self.conv(history, taps)))  # Eq. 8
+        return self.down_proj(F.silu(z + conv.apply(level, t, self.index, z, self.conv)))  # Eq. 8
 
     def z(self, H: torch.Tensor, t: int) -> torch.Tensor:
         gate, up = self.gate_up_proj(H).chunk(2, dim=-1)
         return F.relu(gate + self.step_embedding[t - 1]) * up  # Eq. 9
-
-    def decode(self, H: torch.Tensor, t: int, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """One token per row, the taps before it in `state` [rows, k-1, d_ff] (oldest first): the
-        output and the new state."""
-        z = self.z(H, t)
-        k1 = state.shape[1]
-        history = torch.cat([state, z[:, None]], dim=1)  # Z_{n-k+1} .. Z_n
-        conv = self.conv.weight[0] * z
-        for j in range(1, k1 + 1):
-            conv = conv + self.conv.weight[j] * history[:, k1 - j]
-        return self.down_proj(F.silu(z + conv)), history[:, 1:]
 
 
 class PUTCoreLayer(nn.Module):
@@ -240,15 +261,9 @@ class PUTCoreLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = PUTMLP(cfg, spec, index)
 
-    def forward(self, x, t: int, cos, sin, pool, meta, columns, conv: ConvContext, indices: list[int]):
+    def forward(self, x, t: int, cos, sin, pool, meta, columns, conv: ConvContext | DecodeConv, level: StepRows):
         h = x + self.self_attn(self.input_layernorm(x), cos, sin, pool, meta, columns)
-        return h + self.mlp(self.post_attention_layernorm(h), t, conv, indices)
-
-    def decode(self, x, t: int, cos, sin, pool, meta, columns, state: torch.Tensor):
-        """A static decode step (one token per row): the output and the new conv state."""
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, pool, meta, columns)
-        out, state = self.mlp.decode(self.post_attention_layernorm(h), t, state)
-        return h + out, state
+        return h + self.mlp(self.post_attention_layernorm(h), t, conv, level)
 
 
 class PUTForCausalLM(nn.Module, DepthModel):
@@ -270,7 +285,6 @@ class PUTForCausalLM(nn.Module, DepthModel):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.base_columns = base_columns(cfg, spec)  # the base slots sit alike in every request's table
-        self.static_columns: dict[str, slice] = {}  # slot columns of a static decode row (static_decode_spec)
 
     @property
     def head_dim(self) -> int:
@@ -282,83 +296,32 @@ class PUTForCausalLM(nn.Module, DepthModel):
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         for i, layer in enumerate(self.prefix_layers):
             x = layer(x, cos, sin, pool, meta, base[prefix_slot_name(i)])
-        if meta.static is None:
-            x = self.core(x, cos, sin, pool, meta)
-        else:
-            x = self.static_core(x, cos, sin, pool, meta)
+        x = self.core(x, cos, sin, pool, meta)
         for i, layer in enumerate(self.suffix_layers):
             x = layer(x, cos, sin, pool, meta, base[suffix_slot_name(i)])
         return self.norm(x)
 
     def core(self, x, cos, sin, pool, meta) -> torch.Tensor:
-        """The core's passes 1..loops for each item: pass t over the rows of the items that run it.
+        """The core's passes 1..loops: pass t over the rows whose requests run it.
 
-        An item runs its plan's loops, or with a range knob the depth policy's level for this step
-        (section 6; all its tokens in the step alike). Pass t's slot of an item is a column slice of
-        its page table while every token of the request runs t (up to the range's minimum), else the
-        routed slot that holds only the tokens that ran t. An item that stops before t leaves its
-        pass-t conv state as it was: the state is that of the tokens that ran pass t."""
-        step, base, spec = meta.batch, self.base_columns, self.spec
-        conv = ConvContext(step, spec, self.config.intermediate_size, pool, x.dtype, x.device)
-        loops = [self._loops(item) for item in step.items]
-        for t in range(1, max(loops) + 1):
-            indices = [i for i, n in enumerate(loops) if n >= t]
-            items = [step.items[i] for i in indices]
-            rows = step.rows(items)
-            if rows is None:
-                xs, cs, ss = x, cos, sin
-            else:  # gather the rows of the items that run step t -> the core -> scatter
-                xs, cs, ss = x.index_select(0, rows), cos.index_select(0, rows), sin.index_select(0, rows)
-            for j, layer in enumerate(self.core_layers):
-                name = core_slot_name(j, t)
-                if t == 1:  # every request runs step 1: its slots are in the batch's base table
-                    sub_meta, columns = meta, base[name]
-                else:
-                    sub_meta = step.level_meta(items, [self._pass_slot(item, name, t) for item in items])
-                    columns = slice(None)
-                xs = layer(xs, t, cs, ss, pool, sub_meta, columns, conv, indices)
-            x = xs if rows is None else x.index_copy(0, rows, xs)
-        conv.write_back()
-        return x
-
-    @staticmethod
-    def _loops(item) -> int:
-        """The core passes the item's tokens run this step: the depth policy's level for a range knob."""
-        return item.plan.step_level(item.level)
-
-    @staticmethod
-    def _pass_slot(item, name: str, t: int) -> slice | str:
-        """Pass t's slot of the item: its columns while every token runs pass t, else the routed slot."""
-        return item.plan.columns[name] if t <= item.plan.min_loops else name
-
-    def static_core(self, x, cos, sin, pool, meta) -> torch.Tensor:
-        """The same for a decode step at static shapes: every row runs T passes and keeps pass t (its
-        output and conv states) where its own loop count is at least t."""
-        spec, d_ff = self.spec, self.config.intermediate_size
-        loops = meta.static.settings[:, 0]
-        shape = (x.shape[0], spec.steps, spec.n_core, spec.conv_kernel - 1, d_ff)
-        if spec.conv_kernel > 1:
-            stored = _read_static_states(pool, meta.static)
-            states = stored[:, : math.prod(shape[1:])].view(shape)
+        A request runs its plan's loops, or with a range knob the depth policy's level for this step
+        (section 6; all its tokens in the step alike). Pass t attends over its own slots, which
+        with a range knob past its minimum hold only the tokens that ran t. A request that stops
+        before t leaves its pass-t conv state as it was: the state is that of the tokens that ran t."""
+        rows, spec = step_rows(meta), self.spec
+        loops = rows.setting(0)
+        if rows.static_shapes:
+            conv = DecodeConv(spec, self.config.intermediate_size, pool, meta.static, meta.kernels, x)
         else:
-            states = x.new_zeros(shape)
-        new_states = []
-        cap = meta.static.level_cap or spec.steps
-        for t in range(1, spec.steps + 1):
-            if t > cap:  # no row runs pass t: its conv states stay as stored
-                new_states += [states[:, t - 1, j] for j in range(spec.n_core)]
-                continue
-            runs = (loops >= t)[:, None]
-            xs = x
+            conv = ConvContext(meta.batch, spec, self.config.intermediate_size, pool, x.dtype, x.device)
+        for t in range(1, rows.deepest(loops, spec.steps) + 1):
+            level = rows.narrow(loops, t)
+            xs, cs, ss = level.take(x), level.take(cos), level.take(sin)
             for j, layer in enumerate(self.core_layers):
-                columns = self.static_columns[core_slot_name(j, t)]
-                xs, state = layer.decode(xs, t, cos, sin, pool, meta, columns, states[:, t - 1, j])
-                new_states.append(torch.where(runs[:, :, None], state, states[:, t - 1, j]))
-            x = torch.where(runs, xs, x)
-        if spec.conv_kernel > 1:
-            kept = torch.stack(new_states, dim=1).reshape(x.shape[0], -1)
-            _write_static_states(pool, meta.static, meta.kernels,
-                                 torch.cat([kept, stored[:, kept.shape[1]:]], dim=1))
+                sub_meta, columns = level.attend(core_slot_name(j, t))
+                xs = layer(xs, t, cs, ss, pool, sub_meta, columns, conv, level)
+            x = level.merge(x, xs)
+        conv.write_back()
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -374,16 +337,15 @@ class PUTForCausalLM(nn.Module, DepthModel):
     def static_decode_spec(self) -> StaticDecodeSpec:
         """Rows hold every core pass's slots and state (T passes); a row's setting is its loop count."""
         deepest = self.plan(DepthParams(loops=self.spec.steps)).layout
-        self.static_columns = deepest.slot_columns()
         return StaticDecodeSpec(deepest, settings=1, state_bytes=deepest.state_bytes,
                                 levels=tuple(range(1, self.spec.steps + 1)))
 
-    def static_settings(self, plan: PUTPlan) -> np.ndarray:
-        return np.array([plan.loops], dtype=np.float32)
+    def row_settings(self, plan: PUTPlan, level: int | None) -> np.ndarray:
+        return np.array([plan.step_level(level)], dtype=np.float32)
 
-    def report(self, seq) -> DepthReport:
-        return put_report(self.config, self.spec, seq.plan, seq.num_computed_tokens, len(seq.output_token_ids),
-                          seq.levels)
+    def report(self, request: RequestState) -> DepthReport:
+        return put_report(self.config, self.spec, request.plan, request.num_computed_tokens,
+                          request.num_output_tokens, request.levels)
 
     # ---- weights ----------------------------------------------------------------------------------
     def after_load(self, loaded: set[str]) -> set[str]:

@@ -17,16 +17,17 @@ import numpy as np
 import torch
 from torch import nn
 
-from depthserve.archs.base import BuildOptions, StaticDecodeSpec
+from depthserve.archs.base import BuildOptions, RequestState, StaticDecodeSpec
 from depthserve.archs.llama.format import LlamaConfig
 from depthserve.archs.llama.model import LlamaDecoderLayer, LlamaForCausalLM
 from depthserve.archs.sgt.format import SGTLayer, SGTPlan, SGTSpec, kv_heads_of, loop_slot_name, loops_knob
 from depthserve.archs.sgt.format import plan as sgt_plan
 from depthserve.archs.sgt.format import report as sgt_report
 from depthserve.depth import DepthParams, DepthReport, KnobSpec
-from depthserve.layers.attention import decode_slot_meta, paged_attention
+from depthserve.layers.attention import paged_attention
 from depthserve.layers.quantized import served_weight
 from depthserve.layers.rotary import apply_rope
+from depthserve.layers.rows import StepRows, step_rows
 
 
 class HeadSubsetAttention(nn.Module):
@@ -48,7 +49,7 @@ class HeadSubsetAttention(nn.Module):
             self.read_heads = None
         else:
             # Uneven groups: attend through one table row per query head (a KV head may repeat).
-            self.read_heads = np.array([self.kv_heads.index(g) for g in kv_of], dtype=np.int64)
+            self.read_heads = tuple(self.kv_heads.index(g) for g in kv_of)
         self.head_dim = cfg.head_dim
         self.num_q, self.num_kv = len(self.q_heads), len(self.kv_heads)
         self.qkv_proj = nn.Linear(cfg.hidden_size, (self.num_q + 2 * self.num_kv) * cfg.head_dim,
@@ -74,67 +75,40 @@ class HeadSubsetAttention(nn.Module):
             columns[:, j * d : (j + 1) * d] *= scale
         self.o_proj.weight.copy_(columns)
 
-    def forward(self, x, cos, sin, pool, meta) -> torch.Tensor:
+    def forward(self, x, cos, sin, pool, meta, columns: slice) -> torch.Tensor:
         n = x.shape[0]
         qk, v = self.qkv_proj(x).split([(self.num_q + self.num_kv) * self.head_dim, self.num_kv * self.head_dim], -1)
         qk = apply_rope(qk.reshape(n, self.num_q + self.num_kv, self.head_dim), cos, sin)
         q, k = qk.split([self.num_q, self.num_kv], dim=1)
         v = v.reshape(n, self.num_kv, self.head_dim)
-        out = paged_attention(q, k, v, pool, meta, slice(None), self.scale)
+        out = paged_attention(q, k, v, pool, meta, columns, self.scale)
         return self.o_proj(out.reshape(n, self.num_q * self.head_dim))
 
 
 class SGTDecoderLayer(LlamaDecoderLayer):
-    def __init__(self, cfg: LlamaConfig, index: int, spec: SGTLayer):
+    def __init__(self, cfg: LlamaConfig, index: int, spec: SGTLayer, setting: int, max_loops: int):
         super().__init__(cfg, index)
         self.spec = spec
         self.loop_attn = HeadSubsetAttention(cfg, spec)
-        # Static decode (SGTForCausalLM.static_decode_spec): the loop slots' columns, iteration by
-        # iteration, and which of a row's settings is this layer's loop count.
-        self.static_columns: list[slice] = []
-        self.setting = 0
-        heads = self.loop_attn.read_heads
-        self.static_read_heads = None if heads is None else tuple(int(h) for h in heads)
+        self.setting = setting  # which of a request's row settings is this layer's loop count
+        self.max_loops = max_loops
 
-    def forward(self, x, cos, sin, pool, meta, columns) -> torch.Tensor:
+    def forward(self, x, cos, sin, pool, meta, columns, rows: StepRows) -> torch.Tensor:
         h = x + self.self_attn(self.input_layernorm(x), cos, sin, pool, meta, columns)
-        if meta.static is None:
-            h = self.loops(h, cos, sin, pool, meta.batch)
-        else:
-            h = self.static_loops(h, cos, sin, pool, meta)
+        h = self.loops(h, cos, sin, pool, rows)
         return h + self.mlp(self.post_attention_layernorm(h))
 
-    def loops(self, h, cos, sin, pool, step) -> torch.Tensor:
-        """Eq. 6, iteration k for the rows of the requests whose tokens run at least k iterations
-        this step (a range knob: the depth policy's level). Iteration k's slot is the request's
-        head-subset columns while every one of its tokens runs k, else its routed slot, which holds
-        only the tokens that ran k (section 6)."""
-        counts = [item.plan.step_loops(self.index, item.level) for item in step.items]
-        for k in range(1, max(counts, default=0) + 1):
-            items = [item for item, n in zip(step.items, counts) if n >= k]
-            name = loop_slot_name(self.index, k)
-            slots = [item.plan.columns[name] if k <= item.plan.subset_loops(self.index) else name for item in items]
-            meta = step.level_meta(items, slots, self.loop_attn.read_heads)
-            rows = step.rows(items)
-            if rows is None:  # every row of the batch
-                h = h + self.loop_attn(self.input_layernorm(h), cos, sin, pool, meta)
-            else:  # gather -> iterate -> scatter
-                hs = h.index_select(0, rows)
-                hs = hs + self.loop_attn(self.input_layernorm(hs), cos.index_select(0, rows),
-                                         sin.index_select(0, rows), pool, meta)
-                h = h.index_copy(0, rows, hs)
-        return h
-
-    def static_loops(self, h, cos, sin, pool, meta) -> torch.Tensor:
-        """The same for a decode step at static shapes: every row runs the deepest request's
-        iterations and keeps iteration k where its own loop count is at least k."""
-        loops = meta.static.settings[:, self.setting]
-        read_heads = self.static_read_heads
-        cap = meta.static.level_cap
-        for k, columns in enumerate(self.static_columns[:cap], start=1):  # no row loops past the cap
-            sub = decode_slot_meta(meta, columns, read_heads)
-            step = h + self.loop_attn(self.input_layernorm(h), cos, sin, pool, sub)
-            h = torch.where((loops >= k)[:, None], step, h)
+    def loops(self, h, cos, sin, pool, rows: StepRows) -> torch.Tensor:
+        """Eq. 6, iteration k for the rows whose requests' tokens run at least k iterations this
+        step (a range knob: the depth policy's level). Iteration k attends over its own slot, which
+        with a range knob past its minimum holds only the tokens that ran k (section 6)."""
+        loops = rows.setting(self.setting)
+        for k in range(1, rows.deepest(loops, self.max_loops) + 1):
+            level = rows.narrow(loops, k)
+            meta, columns = level.attend(loop_slot_name(self.index, k), self.loop_attn.read_heads)
+            hs = level.take(h)
+            hs = hs + self.loop_attn(self.input_layernorm(hs), level.take(cos), level.take(sin), pool, meta, columns)
+            h = level.merge(h, hs)
         return h
 
 
@@ -145,16 +119,19 @@ class SGTForCausalLM(LlamaForCausalLM):
         super().__init__(cfg, max_positions)
         self.spec = spec
         self.max_loops = max_loops
-        for layer in spec.layers:
-            self.layers[layer.layer] = SGTDecoderLayer(cfg, layer.layer, layer)
-        # A static decode row holds every loop slot up to max_loops, each looped layer's loop count
-        # is one of its settings.
-        self._deepest = sgt_plan(cfg, spec, DepthParams(loops=max_loops))
-        columns = self._deepest.layout.slot_columns()
         for setting, layer in enumerate(spec.layers):
-            looped = self.layers[layer.layer]
-            looped.setting = setting
-            looped.static_columns = [columns[loop_slot_name(layer.layer, k)] for k in range(1, max_loops + 1)]
+            self.layers[layer.layer] = SGTDecoderLayer(cfg, layer.layer, layer, setting, max_loops)
+        self._deepest = sgt_plan(cfg, spec, DepthParams(loops=max_loops))  # a static decode row's slots
+
+    def forward(self, input_ids, positions, pool, meta) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        rows = step_rows(meta)
+        layout = self._base_plan.layout
+        for i, layer in enumerate(self.layers):
+            extra = (rows,) if isinstance(layer, SGTDecoderLayer) else ()
+            x = layer(x, cos, sin, pool, meta, layout.columns(i), *extra)
+        return self.norm(x)
 
     def depth_knobs(self) -> dict[str, KnobSpec]:
         return {"loops": loops_knob(self.spec, self.max_loops)}
@@ -166,12 +143,12 @@ class SGTForCausalLM(LlamaForCausalLM):
         return StaticDecodeSpec(self._deepest.layout, settings=len(self.spec.layers),
                                 levels=tuple(range(self.max_loops + 1)))
 
-    def static_settings(self, plan: SGTPlan) -> np.ndarray:
-        return np.array([plan.loops[layer.layer] for layer in self.spec.layers], dtype=np.float32)
+    def row_settings(self, plan: SGTPlan, level: int | None) -> np.ndarray:
+        return np.array([plan.step_loops(layer.layer, level) for layer in self.spec.layers], dtype=np.float32)
 
-    def report(self, seq) -> DepthReport:
-        return sgt_report(self.config, self.spec, seq.plan, seq.num_computed_tokens, len(seq.output_token_ids),
-                          seq.levels)
+    def report(self, request: RequestState) -> DepthReport:
+        return sgt_report(self.config, self.spec, request.plan, request.num_computed_tokens,
+                          request.num_output_tokens, request.levels)
 
     def after_load(self, loaded: set[str]) -> set[str]:
         """Each loop iteration runs the layer's own heads: the subset's rows of its W_Q/W_K/W_V."""
