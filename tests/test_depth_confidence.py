@@ -64,7 +64,7 @@ def test_confident_tokens_stop_early_and_the_engine_equals_the_reference():
         per_token = out.depth.per_token
         if per_token is None:
             continue
-        span = depth.normalized(llm.engine.model.depth_knobs()).depth
+        span = depth.normalized(llm.engine.model.depth_knobs())["depth"]
         tokens = prompt + out.token_ids[:-1]
         ids = torch.tensor([tokens])
         readouts, _ = dreamer_reference.run(cfg, spec, weights, ids, span.maximum, every_depth=True,

@@ -73,7 +73,7 @@ def test_random_levels_in_a_mixed_batch_equal_the_reference(path):
     stats = check_against_reference(path, prompts, depths, outputs)
     assert stats["tokens"] > 0
     for depth, out in zip(depths, outputs):
-        span = depth.normalized({"depth": _knob()}).depth
+        span = depth.normalized({"depth": _knob()})["depth"]
         if out.depth.per_token is not None:
             assert all(span.minimum <= d <= span.maximum for d in out.depth.per_token)
     levels = {d for out in outputs for d in out.depth.per_token or []}

@@ -101,7 +101,7 @@ def test_random_levels_in_a_mixed_batch_equal_the_reference(path):
     assert stats["tokens"] > 0 and stats["prompt_positions"] > 0
     turns = 0
     for depth, out in zip(depths, outputs):
-        loops = depth.normalized({"loops": _knob()}).loops
+        loops = depth.normalized({"loops": _knob()})["loops"]
         per_token = out.depth.per_token
         if per_token is None:
             assert out.outputs[0].token_depths is None

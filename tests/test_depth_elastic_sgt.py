@@ -90,7 +90,7 @@ def test_random_levels_in_a_mixed_batch_equal_the_reference(path):
     assert stats["tokens"] > 0 and stats["prompt_positions"] > 0
     ranged = 0
     for depth, out in zip(depths, outputs):
-        span = depth.normalized(model.depth_knobs()).loops
+        span = depth.normalized(model.depth_knobs())["loops"]
         if out.depth.per_token is not None:
             ranged += 1
             assert all(span.minimum <= level <= span.maximum for level in out.depth.per_token)
