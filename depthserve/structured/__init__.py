@@ -12,8 +12,8 @@ from depthserve.structured.backend import (
     GrammarLimits,
     GrammarMatcher,
     TokenizerInfo,
-    create_grammar_backend,
 )
+from depthserve.structured.factory import create_grammar_backend
 from depthserve.structured.bitmask import (
     allocate_token_bitmask,
     apply_token_bitmask_,

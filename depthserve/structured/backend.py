@@ -119,13 +119,3 @@ class BitmaskFillWorker:
 
     def close(self) -> None:
         self._thread.shutdown(wait=True)
-
-
-def create_grammar_backend(hf_tokenizer, eos_token_ids: Sequence[int] | None = None, name: str = "llguidance",
-                           **options) -> GrammarBackend:
-    """The grammar backend `name` for a model's tokenizer (build once per model; ~2 s for 49k tokens)."""
-    if name == "llguidance":
-        from depthserve.structured.llguidance_backend import LLGuidanceBackend
-
-        return LLGuidanceBackend(hf_tokenizer, eos_token_ids, **options)
-    raise ValueError(f"unknown grammar backend {name!r}; available: llguidance")

@@ -115,7 +115,9 @@ class LlamaForCausalLM(nn.Module, DepthModel):
     def finish_load(self, device: torch.device) -> None:
         fp32_rope_tables(self, device)
         for layer in self.layers:
-            layer.native_decode = NativeDecodeLayer.of(layer) if torch.device(device).type == "cpu" else None
+            plain = (type(layer) is LlamaDecoderLayer and type(layer.self_attn) is LlamaAttention
+                     and type(layer.mlp) is LlamaMLP)  # a subclass's parts are not what the native step computes
+            layer.native_decode = NativeDecodeLayer.of(layer) if plain and torch.device(device).type == "cpu" else None
 
 
 def tie_lm_head(model: nn.Module, loaded: set[str]) -> set[str]:

@@ -32,13 +32,9 @@ class NativeDecodeLayer:
 
     @classmethod
     def of(cls, layer) -> NativeDecodeLayer | None:
-        """The native step of a plain Llama layer whose projections all run on the native kernel;
-        None for any other layer (a subclass's attention or MLP is not the one the native step computes)."""
-        from depthserve.archs.llama.model import LlamaAttention, LlamaDecoderLayer, LlamaMLP
-
-        if not (type(layer) is LlamaDecoderLayer and type(layer.self_attn) is LlamaAttention
-                and type(layer.mlp) is LlamaMLP):
-            return None
+        """The native step of a plain Llama decoder layer (model.py checks that it is one: exactly
+        LlamaDecoderLayer, LlamaAttention and LlamaMLP) whose projections all run on the native
+        kernel; None where one does not."""
         attn, mlp = layer.self_attn, layer.mlp
         projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         if not all(isinstance(p, QuantLinear) and p.native is not None and p.bias is None and not p.refine_activations
