@@ -1,4 +1,4 @@
-"""The cache vocabulary of depth-semantics.md as plain types (no torch).
+"""The cache vocabulary of docs/depth-semantics.md as plain types (no torch).
 
 A model declares, for one request's depth settings, the KV slots it needs. Every KV slot is
 stored in the same page pool: one page holds `block_size` tokens of ONE KV head (keys and

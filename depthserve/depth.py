@@ -1,5 +1,5 @@
 """Per-request depth: the knobs a request sets, the plan a model makes of them, the report of
-what the request spent (depth-semantics.md; no torch, so the scheduler can carry plans).
+what the request spent (docs/depth-semantics.md; no torch, so the scheduler can carry plans).
 
 An architecture declares its knobs to the registry as `KnobInfo`s (name, meaning, value shape); a
 model declares the knobs it accepts, with the checkpoint's ranges, as `KnobSpec`s.
@@ -24,7 +24,7 @@ AUTO = "auto"  # a range knob written as its whole range
 
 @dataclass(frozen=True)
 class DepthRange:
-    """A knob value the server chooses within, token by token (depth-semantics.md section 6): the
+    """A knob value the server chooses within, token by token (docs/depth-semantics.md section 6): the
     request's inclusive range. Written `{"min": a, "max": b}`, or "auto" for the knob's whole range.
     The request is priced at its maximum; the depth policy picks each token's value."""
 

@@ -6,7 +6,7 @@ registered architecture, dispatched on the checkpoint's `depth.architecture`.
     logits = forward(model_dir, ids, depth, force={...})                      # teacher-forced
 
 Each architecture's own reference (`depthserve/archs/<name>/reference.py`) is written straight
-from depth-semantics.md and shares nothing with the engine but the checkpoint reader.
+from docs/depth-semantics.md and shares nothing with the engine but the checkpoint reader.
 """
 
 from __future__ import annotations

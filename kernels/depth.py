@@ -1,4 +1,4 @@
-"""Dreamer's per-token depth attention (depth-semantics.md section 3): a token attends over its own
+"""Dreamer's per-token depth attention (docs/depth-semantics.md section 3): a token attends over its own
 states at the depths it has run. The torch implementation; the Triton kernel is in `triton/depth.py`."""
 
 from __future__ import annotations

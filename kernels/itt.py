@@ -1,4 +1,4 @@
-"""ITT's routed thinking step (depth-semantics.md section 2): score and select rows, then apply the
+"""ITT's routed thinking step (docs/depth-semantics.md section 2): score and select rows, then apply the
 step's update. The torch implementations; Triton kernels in `triton/itt.py`."""
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def itt_update(
     alpha: float,
     skip_rule: str,  # "paper": y += y * phi_t for skipped rows; "identity": unchanged
 ) -> None:
-    """ITT step update (depth-semantics 2): selected y += alpha * s * f_t(y) * phi_t.
+    """ITT step update (docs/depth-semantics.md 2): selected y += alpha * s * f_t(y) * phi_t.
 
     Computed densely over all rows and blended with `where` (a decode batch has few rows, and a
     fixed handful of ops costs less than gathering and scattering the selected and skipped rows)."""

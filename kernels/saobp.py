@@ -1,4 +1,4 @@
-"""SAOBP attention with a running per-key bias (depth-semantics.md section 5). The torch
+"""SAOBP attention with a running per-key bias (docs/depth-semantics.md section 5). The torch
 implementations; Triton kernels (decode and bias update) in `triton/saobp.py`."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from depthserve.kernels.paged import gather_kv, masked_index_copy_
 
-# ---- SAOBP: attention with a running per-key bias (depth-semantics section 5) -----------------------
+# ---- SAOBP: attention with a running per-key bias (docs/depth-semantics.md section 5) -----------------------
 # The bias lives in `bias_pages` [num_rows, block_size] fp32; `bias_table[..., h, block]` is the row
 # holding (that head, that token block). log(M_ik / m_0) = log1p(A_ik * coef), coef = 1/m_0 - 1.
 

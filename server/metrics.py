@@ -57,7 +57,7 @@ class _EngineCollector:
 
 
 def _depth_policy_metrics(stats: dict):
-    """The depth policy's view (depth-semantics.md section 6): the levels tokens of range-knob requests
+    """The depth policy's view (docs/depth-semantics.md section 6): the levels tokens of range-knob requests
     ran, as a histogram over levels; tokens run below their range's maximum; the policy's cap."""
     levels = stats.get("depth_levels_run", {})
     histogram = HistogramMetricFamily("depthserve_depth_token_level",

@@ -111,7 +111,7 @@ def _registered_knobs(schema: dict[str, Any]) -> None:
 
 
 class DepthRequest(BaseModel):
-    """The depth extension: knob name -> value (depth-semantics.md). The names, types and ranges
+    """The depth extension: knob name -> value (docs/depth-semantics.md). The names, types and ranges
     are the served model's (GET /v1/models lists them; the schema lists every registered
     architecture's) and are checked by the engine, whose 400 names the knob, what it accepts and
     what was sent (so neither names nor values are fixed here)."""

@@ -1,4 +1,4 @@
-"""The confidence depth policy (early exit; depth-semantics.md section 6): a token of a request with
+"""The confidence depth policy (early exit; docs/depth-semantics.md section 6): a token of a request with
 a depth range whose readout is sampled (each generated token and the prompt's last) stops at the
 first level of its range whose readout's top-1 probability reaches the threshold; the other
 prompt tokens run the range's maximum. On the trained Dreamer demo: the engine's exits follow that rule on the

@@ -1,4 +1,4 @@
-"""Per-token depth in the engine (depth-semantics.md section 6), Dreamer: a request whose `depth`
+"""Per-token depth in the engine (docs/depth-semantics.md section 6), Dreamer: a request whose `depth`
 is a range runs each step's tokens at the level the depth policy picks, its slots past the range's
 minimum holding only the tokens that ran them. Incremental = recompute with any schedule: random
 levels in mixed batches (fixed and range requests, chunked prefill, preemption, prefix hits of the

@@ -1,4 +1,4 @@
-"""Per-token depth in the engine (depth-semantics.md section 6), ITT: a request whose
+"""Per-token depth in the engine (docs/depth-semantics.md section 6), ITT: a request whose
 `thinking_steps` is a range runs each step's tokens with the first `level` thinking steps on (the
 depth policy's level); a token whose step is off gets no update and enters no routed slot. Random
 levels in mixed batches (fixed and range requests, chunked prefill, preemption) equal the reference

@@ -1,4 +1,4 @@
-"""Per-token depth in the engine (depth-semantics.md section 6), PUT: a request whose `loops` is a
+"""Per-token depth in the engine (docs/depth-semantics.md section 6), PUT: a request whose `loops` is a
 range runs each step's tokens at the level the depth policy picks; the core passes up to the
 range's minimum have dense slots, each later pass a routed slot holding only the tokens that ran
 it, and the pass-t conv state is that of the tokens that ran pass t. Incremental = recompute with

@@ -1,4 +1,4 @@
-"""Per-token depth in the engine (depth-semantics.md section 6), SGT: a request whose `loops` is a
+"""Per-token depth in the engine (docs/depth-semantics.md section 6), SGT: a request whose `loops` is a
 range runs each step's tokens with the depth policy's level as the loop count of every looped layer.
 Slot (l, k) holds the tokens with loops >= k: iterations up to the range's minimum are head-subset
 slots as for a fixed knob, the deeper ones routed slots that grow only with the tokens that ran

@@ -1,4 +1,4 @@
-"""Per-token depth in the references (depth-semantics.md section 6): every architecture's reference
+"""Per-token depth in the references (docs/depth-semantics.md section 6): every architecture's reference
 takes a schedule (one knob setting per token). A constant schedule is the fixed knob; a token's
 result depends only on its prefix and their settings; a token that runs a level attends only to
 the earlier tokens that ran it, so a lone token of depth d reads what the model reads at depth d."""

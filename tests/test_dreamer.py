@@ -1,4 +1,4 @@
-"""Dreamer (depth-semantics.md section 3) in the engine and its reference.
+"""Dreamer (docs/depth-semantics.md section 3) in the engine and its reference.
 
 Incremental = recompute: mixed batches (different prompt lengths and `depth` per request) run with
 chunked prefill, forced preemption and prefix caching on; expert choices (EA top-k and the top-1

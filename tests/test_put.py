@@ -1,4 +1,4 @@
-"""PUT (depth-semantics.md section 4): the native format, make-tiny, the reference forward, and the
+"""PUT (docs/depth-semantics.md section 4): the native format, make-tiny, the reference forward, and the
 engine against it (incremental = recompute).
 
 The engine runs mixed batches (loops 1..T in one batch of 13 requests) with chunked prefill of

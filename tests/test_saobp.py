@@ -1,4 +1,4 @@
-"""SAOBP (depth-semantics section 5): the format, the reference and the engine = reference.
+"""SAOBP (docs/depth-semantics.md section 5): the format, the reference and the engine = reference.
 
 The reference (depthserve.archs.saobp.reference.forward) computes the refined attention from each
 head's materialised [n, n] attention matrix in float64; here it is itself checked against a literal

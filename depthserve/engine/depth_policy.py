@@ -1,5 +1,5 @@
 """Depth policies: how deep the tokens of requests with a range knob run, step by step
-(depth-semantics.md section 6). No torch: the policy sees the scheduler's view of a step.
+(docs/depth-semantics.md section 6). No torch: the policy sees the scheduler's view of a step.
 
 A request whose knob is a range (`"depth": {"min": 1, "max": 4}`, or `"auto"`: the knob's whole
 range) is elastic: the server may run each of its tokens at any level of the range. After the
@@ -33,7 +33,7 @@ took. Requests with a fixed knob always run it and are never touched.
   reads their readouts, and every later token reads their deeper levels (a token that stopped
   early is absent from them). Only for models with a readout at every level (Dreamer). `slo`
   takes the threshold too: tokens then exit early within the slo cap.
-The exit decision depends only on the token, its prefix and the threshold (depth-semantics.md
+The exit decision depends only on the token, its prefix and the threshold (docs/depth-semantics.md
 section 6), so a request under `confidence` alone is reproducible.
 """
 

@@ -200,7 +200,7 @@ class StepBatch:
         """Attention metadata over one depth level for `items`, every row of each running it: per
         item, its slot of that level is token-covering (`slots[i]` its columns) or, past the
         minimum of a range knob, routed (`slots[i]` its name: it holds only the tokens that ran
-        the level, depth-semantics.md section 6). `read_heads` as for `slot_meta` (an SGT head
+        the level, docs/depth-semantics.md section 6). `read_heads` as for `slot_meta` (an SGT head
         subset with uneven KV groups), for either kind of slot. `counts`: how many of each item's
         rows run the level (the first ones of a token-covering slot must be all; a routed slot
         takes any subset, in order: tokens that stopped at a lower level are not in it)."""

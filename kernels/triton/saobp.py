@@ -10,7 +10,7 @@ import triton.language as tl
 from depthserve.kernels.triton.common import (DECODE_TILE, MIN_DOT, group_rows, group_scores, online_softmax,
                                               paged_kv_offsets, pow2, running_logsumexp)
 
-# ---- SAOBP: decode attention with a per-key bias, and the bias update (depth-semantics 5) ------------
+# ---- SAOBP: decode attention with a per-key bias, and the bias update (docs/depth-semantics.md 5) ------------
 # bias_pages [num_rows, block_size] fp32; bias_table [batch, num_q_heads, blocks] row ids (any strides).
 # log(M_jk / m_0) = log1p(A_jk * coef) with coef = 1/m_0 - 1; A_jk = exp(s_jk - lse_j).
 

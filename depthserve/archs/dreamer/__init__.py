@@ -1,5 +1,5 @@
 """Dreamer: one shared block applied `depth` times, with depth attention and expert attention
-(depth-semantics.md section 3; paper 002)."""
+(docs/depth-semantics.md section 3; paper 002)."""
 
 from depthserve.archs.dreamer import format, tiny
 from depthserve.archs.registry import Architecture, imported, register

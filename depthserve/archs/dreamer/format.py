@@ -1,5 +1,5 @@
 """Dreamer's checkpoint section and tensors, knob, cache plan, decision record and FLOP counting
-(depth-semantics.md section 3).
+(docs/depth-semantics.md section 3).
 
 config.json `depth.dreamer`: the trained depth D, the depth-attention width and heads, its RoPE
 mode, the expert-attention MoE (E experts, top-k, router rank r, expert width) and the number of

@@ -1,4 +1,4 @@
-"""Dreamer: depth recurrence with depth attention and expert attention (depth-semantics.md section 3;
+"""Dreamer: depth recurrence with depth attention and expert attention (docs/depth-semantics.md section 3;
 paper 002, Eq. 2, 5, 7, 8).
 
 One shared block applied `depth` times (the request's knob, 1..D). x_0 is the token embedding; for

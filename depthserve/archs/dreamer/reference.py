@@ -1,4 +1,4 @@
-"""Reference forward of Dreamer (depth-semantics.md section 3), the test oracle.
+"""Reference forward of Dreamer (docs/depth-semantics.md section 3), the test oracle.
 
 Plain full-sequence equations in float64: no cache, no paging, no batching, no grouping, and
 nothing of the engine's model code or kernels (it shares only the checkpoint reader of

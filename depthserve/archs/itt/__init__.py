@@ -1,4 +1,4 @@
-"""ITT: token-routed thinking steps (depth-semantics.md section 2; paper 001)."""
+"""ITT: token-routed thinking steps (docs/depth-semantics.md section 2; paper 001)."""
 
 from depthserve.archs.itt import format, tiny
 from depthserve.archs.registry import Architecture, Command, imported, register

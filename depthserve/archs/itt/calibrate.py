@@ -1,5 +1,5 @@
 """`depthserve calibrate`: an ITT checkpoint's table of 101 router-score quantiles per (layer, step),
-computed on real text (depth-semantics.md section 2, causal routing)."""
+computed on real text (docs/depth-semantics.md section 2, causal routing)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """ITT's checkpoint section and tensors, knobs, routing plan, decision record and FLOP counting
-(depth-semantics.md section 2).
+(docs/depth-semantics.md section 2).
 
 config.json `depth.itt`: the ITT `layers`, `steps` T, step scales `alphas`, `trained_ratios` (the
 request default), `skip_rule` and the `calibration` metadata. Per ITT layer the weights hold the

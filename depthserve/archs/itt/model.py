@@ -1,4 +1,4 @@
-"""ITT: token-routed thinking steps (depth-semantics.md section 2; paper 001, Eq. 4-7, Algorithm 1).
+"""ITT: token-routed thinking steps (docs/depth-semantics.md section 2; paper 001, Eq. 4-7, Algorithm 1).
 
 For an ITT layer with full layer function f (attention + MLP, both residuals):
 

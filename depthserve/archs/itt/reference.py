@@ -1,4 +1,4 @@
-"""The ITT reference (depth-semantics.md section 2; paper 001, Eq. 4-7): each ITT layer's dense pass
+"""The ITT reference (docs/depth-semantics.md section 2; paper 001, Eq. 4-7): each ITT layer's dense pass
 and T routed thinking steps over the full sequence, no cache. A step's attention is masked to the
 tokens selected at that step (and each token to itself); skipped tokens take the skip update.
 

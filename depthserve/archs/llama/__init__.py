@@ -1,4 +1,4 @@
-"""The Llama family (Llama, Mistral, SmolLM2): depth-semantics.md section 0."""
+"""The Llama family (Llama, Mistral, SmolLM2): docs/depth-semantics.md section 0."""
 
 from depthserve.archs.llama import format, tiny
 from depthserve.archs.registry import Architecture, imported, register

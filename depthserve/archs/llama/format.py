@@ -1,5 +1,5 @@
 """The Llama family (Llama, Mistral, SmolLM2): its config, checkpoint names, cache plan and FLOP
-counting (depth-semantics.md section 0). The depth architectures built on Llama layers (SGT, ITT,
+counting (docs/depth-semantics.md section 0). The depth architectures built on Llama layers (SGT, ITT,
 PUT, SAOBP) read their base config and count their base FLOPs here."""
 
 from __future__ import annotations

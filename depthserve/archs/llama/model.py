@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama, SmolLM2): depth-semantics.md section 0.
+"""Llama-family decoder (Llama, SmolLM2): docs/depth-semantics.md section 0.
 
 h  = x + W_O · Attn(RMSNorm_a(x))
 x' = h + W_down · (SiLU(W_gate · RMSNorm_m(h)) ⊙ W_up · RMSNorm_m(h))

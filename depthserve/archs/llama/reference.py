@@ -1,4 +1,4 @@
-"""The reference decoder (depth-semantics.md section 0): a plain full-sequence forward, the test
+"""The reference decoder (docs/depth-semantics.md section 0): a plain full-sequence forward, the test
 oracle of the Llama family and the base the other Llama-built references (SGT, ITT, PUT, SAOBP)
 compose.
 
@@ -142,7 +142,7 @@ def causal_mask(B: int, n: int) -> torch.Tensor:
 
 def level_mask(mask: torch.Tensor, ran: torch.Tensor) -> torch.Tensor:
     """The attention of a level only some tokens run (an ITT step's selected tokens; with per-token
-    depth, depth-semantics.md section 6, the tokens deep enough): each token attends to the earlier
+    depth, docs/depth-semantics.md section 6, the tokens deep enough): each token attends to the earlier
     tokens that ran the level and to itself. mask [B, n, n], ran [B, n] bool."""
     return mask & ran[:, None, :] | torch.eye(mask.shape[-1], dtype=torch.bool)[None]
 

@@ -1,5 +1,5 @@
 """PUT: polymorphic universal transformer, a looped core with step embeddings and a causal conv
-(depth-semantics.md section 4; paper 004)."""
+(docs/depth-semantics.md section 4; paper 004)."""
 
 from depthserve.archs.put import format, tiny
 from depthserve.archs.registry import Architecture, imported, register

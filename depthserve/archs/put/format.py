@@ -1,4 +1,4 @@
-"""PUT's checkpoint section and tensors, knob, cache plan and FLOP counting (depth-semantics.md
+"""PUT's checkpoint section and tensors, knob, cache plan and FLOP counting (docs/depth-semantics.md
 section 4).
 
 config.json `depth.put`: `n_prefix` plain layers, a core of `n_core` layers run up to `T` times,

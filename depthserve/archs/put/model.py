@@ -1,4 +1,4 @@
-"""PUT: Polymorphic Universal Transformer (depth-semantics.md section 4; paper 004, Eq. 6-9).
+"""PUT: Polymorphic Universal Transformer (docs/depth-semantics.md section 4; paper 004, Eq. 6-9).
 
 `n_prefix` plain Llama layers, a core of `n_core` layers run `loops` times (1..T, the request's
 knob, default T), `n_suffix` plain Llama layers. A core layer at step t (H the normed input):
@@ -18,7 +18,7 @@ pages*. So the state lives exactly as long as the sequence holds cache, needs no
 its own, and is recomputed with the prompt after a preemption (a chunk at position 0 starts from
 zeros). Prefix caching is off for PUT (the state is not part of any KV block).
 
-Per-token loops (depth-semantics.md section 6): a request whose `loops` is a range runs each
+Per-token loops (docs/depth-semantics.md section 6): a request whose `loops` is a range runs each
 step's tokens at the depth policy's level (`BatchItem.level`). Passes up to the range's minimum
 have dense slots; each later pass's slot is routed and holds only the tokens that ran it. The
 pass-t conv state is the last k-1 rows of Z of the tokens that ran pass t: a step whose tokens

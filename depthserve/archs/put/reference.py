@@ -1,4 +1,4 @@
-"""The PUT reference (depth-semantics.md section 4; paper 004, Eq. 6-9): the test oracle.
+"""The PUT reference (docs/depth-semantics.md section 4; paper 004, Eq. 6-9): the test oracle.
 
 A plain full-sequence forward written from the equations, in float64 by default: no cache, no
 paging, no batching, nothing of the engine's model code.

@@ -1,4 +1,4 @@
-"""SAOBP: one-step belief-propagation attention (depth-semantics.md section 5; paper 003)."""
+"""SAOBP: one-step belief-propagation attention (docs/depth-semantics.md section 5; paper 003)."""
 
 from depthserve.archs.registry import Architecture, imported, register
 from depthserve.archs.saobp import format, tiny

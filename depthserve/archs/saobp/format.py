@@ -1,4 +1,4 @@
-"""SAOBP's checkpoint section and cache plan (depth-semantics.md section 5).
+"""SAOBP's checkpoint section and cache plan (docs/depth-semantics.md section 5).
 
 config.json `depth.saobp`: the trained `lambda`, the `variant` ("high": m_0 = e^lambda, repulsive;
 "low": m_0 = e^-lambda, attractive), `self_message`, and the `layers` it applies to (null: every

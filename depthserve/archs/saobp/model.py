@@ -1,4 +1,4 @@
-"""SAOBP: one-step belief-propagation attention (depth-semantics.md section 5; paper 003, Eq. 9-11).
+"""SAOBP: one-step belief-propagation attention (docs/depth-semantics.md section 5; paper 003, Eq. 9-11).
 
 For query row j of an SAOBP layer's head, with raw scores s_jk and unrefined causal softmax row A_j:
 

@@ -1,4 +1,4 @@
-"""The SAOBP reference (depth-semantics.md section 5; paper 003, Eq. 9-11): the plain decoder whose
+"""The SAOBP reference (docs/depth-semantics.md section 5; paper 003, Eq. 9-11): the plain decoder whose
 SAOBP layers refine each head's attention with the one-step belief-propagation bias, computed from
 the materialised [n, n] attention matrix of the full sequence, no cache."""
 

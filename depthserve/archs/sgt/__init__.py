@@ -1,4 +1,4 @@
-"""SGT: static head-subset attention loops (depth-semantics.md section 1; paper 000)."""
+"""SGT: static head-subset attention loops (docs/depth-semantics.md section 1; paper 000)."""
 
 from depthserve.archs.registry import Architecture, Command, imported, register
 from depthserve.archs.sgt import format, tiny

@@ -1,4 +1,4 @@
-"""SGT's checkpoint section, knob, cache plan and FLOP counting (depth-semantics.md section 1).
+"""SGT's checkpoint section, knob, cache plan and FLOP counting (docs/depth-semantics.md section 1).
 
 config.json `depth.sgt`: `looped_layers`, one ordered query-head set per looped layer
 (`head_sets`), the trained `loop_counts`, optional fractional `head_scales`, and `max_loops`

@@ -4,7 +4,7 @@ The SGT paper's released training code is built on OLMo v1. Its checkpoints hold
 weights plus, per block, the loop state of the head-subset attention loop (paper 000, Eq. 6).
 This module maps them onto the native SGT format (docs/checkpoint-format.md): Hugging Face Llama
 weight names and a `depth.sgt` section built from the loop state, following the contract
-(../shared/design/depth-semantics.md, sections 0 and 1):
+(docs/depth-semantics.md, sections 0 and 1):
 
 - `att_proj` (rows [q; k; v]) is split into q/k/v_proj; `ff_proj` is split with the FIRST half
   of its rows as up_proj (OLMo's `x, gate = ff_proj(h).chunk(2, -1); silu(gate) * x`) and the

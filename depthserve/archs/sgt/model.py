@@ -1,4 +1,4 @@
-"""SGT: static head-subset attention loops (depth-semantics.md section 1; paper 000, Eq. 6).
+"""SGT: static head-subset attention loops (docs/depth-semantics.md section 1; paper 000, Eq. 6).
 
 For a looped layer l with ordered query-head set S_l, after the layer's attention residual and
 before its MLP, repeat k = 1..n (n = the request's `loops` for l):

@@ -1,4 +1,4 @@
-"""The SGT reference (depth-semantics.md section 1; paper 000, Eq. 6): the plain decoder where
+"""The SGT reference (docs/depth-semantics.md section 1; paper 000, Eq. 6): the plain decoder where
 each looped layer runs its head-subset attention `loops` extra times between its attention
 residual and its MLP, on the full sequence, no cache."""
 
