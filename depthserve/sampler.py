@@ -10,8 +10,11 @@ keep their mass). A seeded row draws that number only from its own generator, ex
 step, so its tokens depend on nothing but its seed, its logits and its history, never on the batch
 around it. Unseeded rows draw from the sampler's own generator (seeded with EngineArgs.seed).
 
-Logprobs (`SampledToken.logprob`, `rank`, `top_logprobs`) always describe the raw model
-distribution log_softmax(logits), before any penalty, bias or temperature.
+Logprobs (`SampledToken.logprob`, `rank`, `top_logprobs`) always describe the distribution
+log_softmax(logits) of the logits the sampler is given, before any penalty, bias or temperature:
+the model's, or for a request with a structured-output constraint the model's masked to the tokens
+the constraint allows (the runner masks before sampling). Tokens at -inf are never listed among
+the top alternatives.
 
 Non-finite scores never reach the arithmetic: NaN logits count as -inf (never sampled) and +inf
 as the largest float, before and after temperature. A row left with no finite score (the model
@@ -228,7 +231,8 @@ class Sampler:
                 ids = ids.tolist()
                 for j, i in enumerate(wanted):
                     n = rows[i].params.logprobs
-                    tops[i] = list(zip(ids[j][:n], values[j][:n]))
+                    # A token that cannot be drawn (-inf: masked by a constraint) is no alternative.
+                    tops[i] = [(t, v) for t, v in zip(ids[j][:n], values[j][:n]) if v != float("-inf")]
         return [
             SampledToken(token_id=t, logprob=logprobs[i], rank=ranks[i], top_logprobs=tops.get(i, []))
             for i, t in enumerate(token_ids.tolist())

@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass, field
 
 from depthserve.errors import InvalidSamplingParamsError
+from depthserve.structured.constraints import Constraint
+from depthserve.structured.params import StructuredOutputsParams, as_constraint
 
 _GREEDY_EPS = 1e-5
 REPETITION_PENALTY_MIN = 0.01
@@ -41,6 +43,9 @@ class SamplingParams:
     logprobs: int | None = None  # None: no logprobs; k >= 0: chosen token plus top-k
     prompt_logprobs: int | None = None  # None: no prompt logprobs; k >= 0 as above
     skip_special_tokens: bool = True
+    # What the output must match (a JSON schema, regex, choice, grammar or tool calls), enforced by
+    # masking the logits each step: vLLM's StructuredOutputsParams, or a constraint itself.
+    structured_outputs: StructuredOutputsParams | Constraint | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -57,6 +62,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
+
+    @property
+    def constraint(self) -> Constraint | None:
+        """The constraint `structured_outputs` asks for (StructuredOutputError if it is malformed)."""
+        return as_constraint(self.structured_outputs)
 
     def validate(self) -> None:
         def fail(msg: str) -> None:
@@ -102,6 +112,7 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or not 0 <= value <= 20):
                 fail(f"{name} must be an integer in [0, 20], got {value!r}")
+        self.constraint  # noqa: B018 - raises for a malformed structured_outputs
 
     def check_vocab(self, vocab_size: int) -> None:
         """Checks that need the model: token ids must exist in its vocabulary."""

@@ -10,6 +10,7 @@ traceback; the connection stays usable).
 from __future__ import annotations
 
 import asyncio
+import copy
 import importlib.resources
 import hmac
 import json
@@ -89,9 +90,16 @@ def _validation_message(exc: RequestValidationError, content_type: str) -> tuple
 
 
 def build_app(llm: AsyncLLM, served_model_name: str | None = None, api_key: str | None = None,
-              depth_presets: dict[str, dict] | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+              depth_presets: dict[str, dict] | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+              chat_template: str | None = None) -> FastAPI:
+    """The app. `chat_template` (Jinja text, `--chat-template FILE`) replaces the model's chat template
+    in this app's copy of the tokenizer."""
+    tokenizer = llm.model_info.tokenizer
+    if chat_template is not None:
+        tokenizer = copy.deepcopy(tokenizer)
+        tokenizer.chat_template = chat_template
     metrics = ServerMetrics(llm.stats, served_model_name or llm.model_name, llm.model_info.depth_knobs)
-    worker = TokenizerWorker(llm.model_info.tokenizer, llm.model_info.max_model_len)
+    worker = TokenizerWorker(tokenizer, llm.model_info.max_model_len)
     shared = (llm, served_model_name or llm.model_name, depth_presets, metrics, worker)
     serving = OpenAIServing(*shared)
     completions = OpenAIServingCompletion(*shared)
@@ -364,13 +372,14 @@ async def _unless_disconnected(request: Request, work: Awaitable[BaseModel]) -> 
 
 def run_server(llm: AsyncLLM, host: str, port: int, served_model_name: str | None = None,
                api_key: str | None = None, depth_presets: dict[str, dict] | None = None,
-               log_level: str = "info", max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+               log_level: str = "info", max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               chat_template: str | None = None) -> None:
     import uvicorn
 
     from depthserve.server.connections import uvicorn_config
 
     configure_logging(log_level)
-    app = build_app(llm, served_model_name, api_key, depth_presets, max_body_bytes)
+    app = build_app(llm, served_model_name, api_key, depth_presets, max_body_bytes, chat_template)
     names = [served_model_name or llm.model_name]
     names += [f"{names[0]}:{preset}" for preset in depth_presets or {}]
     logger.info("serving %s at http://%s:%d (OpenAI API under /v1, API docs at /docs)%s", ", ".join(names),

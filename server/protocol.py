@@ -30,12 +30,12 @@ from depthserve.sampling_params import (
 
 logger = logging.getLogger("depthserve.server")
 
-CHAT_ROLES = ("system", "user", "assistant", "developer")
+CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")
 # OpenAI fields that exist in the API but that this server does not implement: they would change
 # the output, so a request that sets one is refused.
 UNSUPPORTED_FIELDS = (
-    "suffix", "best_of", "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "audio",
-    "modalities", "prediction", "reasoning_effort", "web_search_options",
+    "suffix", "best_of", "functions", "function_call", "audio", "modalities", "prediction", "reasoning_effort",
+    "web_search_options",
 )
 # OpenAI fields that never change what is generated (storage, billing tier, tracing and caching
 # hints): accepted and ignored, as vLLM does.
@@ -73,14 +73,6 @@ class OpenAIRequest(StrictModel):
             logger.debug("ignoring OpenAI field(s) %s (they do not change the output)", ", ".join(dropped))
             data = {key: value for key, value in data.items() if key not in IGNORED_FIELDS}
         return data
-
-    @field_validator("response_format", check_fields=False)
-    @classmethod
-    def _text_only(cls, value: Any) -> Any:
-        if value is not None and value != {"type": "text"}:
-            raise ValueError("only {\"type\": \"text\"} is supported (no JSON mode or schemas)")
-        return value
-
 
 def _check_unicode(value: Any) -> None:
     """Strings anywhere in value (lists, dict keys and values) must encode as UTF-8."""
@@ -149,7 +141,14 @@ class SamplingFields(OpenAIRequest):
     min_tokens: int = Field(default=0, ge=0)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    response_format: dict[str, Any] | None = None  # {"type": "text"} only
+    # Structured outputs (docs/server.md): OpenAI's response_format, vLLM's structured_outputs, and
+    # vLLM's older guided_* names; checked and turned into one constraint by server/structured_request.py.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | bool | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     depth: DepthRequest | None = None
 
     @field_validator("logit_bias")
@@ -186,31 +185,34 @@ class CompletionRequest(SamplingFields):
 
 class ChatMessage(StrictModel):
     role: str
-    content: str | list[dict[str, Any]]
+    content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls, sent back in the conversation
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     @field_validator("role")
     @classmethod
     def _known_role(cls, value: str) -> str:
-        if value == "tool":
-            raise ValueError("role 'tool' is not supported: this server has no tool calling")
         if value not in CHAT_ROLES:
             raise ValueError(f"role must be one of {', '.join(CHAT_ROLES)}, got {value!r}")
         return value
 
-    def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
-        parts = []
-        for part in self.content:
-            if part.get("type") != "text":
-                raise InvalidRequestError(f"message content of type {part.get('type')!r} is not supported (text only)")
-            parts.append(str(part.get("text", "")))
-        return "".join(parts)
+    @model_validator(mode="after")
+    def _content_or_calls(self) -> "ChatMessage":
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (only an assistant message with tool_calls may omit it)")
+        return self
+
+    def as_dict(self) -> dict[str, Any]:
+        """The message as the chat template and the tool template read it."""
+        return self.model_dump(exclude_none=True)
 
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[dict[str, Any]] | None = None  # checked by server/tool_calls.py (400s name the entry)
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
@@ -313,9 +315,21 @@ class ChatLogprobs(ResponseModel):
     content: list[TokenLogprob]
 
 
+class FunctionCallOut(ResponseModel):
+    name: str
+    arguments: str  # a JSON string, as OpenAI sends it
+
+
+class ToolCallOut(ResponseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class ChatMessageOut(ResponseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None  # None when the reply is only tool calls
+    tool_calls: list[ToolCallOut] | None = Field(default=None, exclude_if=_absent_if_none)
 
 
 class ChatChoice(ResponseModel):
@@ -340,6 +354,9 @@ class ChatCompletionResponse(ResponseModel):
 class ChatDelta(ResponseModel):
     role: Literal["assistant"] | None = Field(default=None, exclude_if=_absent_if_none)
     content: str | None = Field(default=None, exclude_if=_absent_if_none)
+    # Pieces of tool calls: {"index", "id", "type", "function": {"name", "arguments"}} on a call's
+    # first piece, {"index", "function": {"arguments"}} on the rest (OpenAI's stream shape).
+    tool_calls: list[dict[str, Any]] | None = Field(default=None, exclude_if=_absent_if_none)
 
 
 class ChatChunkChoice(ResponseModel):

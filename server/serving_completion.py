@@ -10,6 +10,7 @@ from depthserve.depth import DepthParams
 from depthserve.outputs import RequestOutput, TokenLogprobs
 from depthserve.sampling_params import SamplingParams
 from depthserve.server.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
+from depthserve.server.structured_request import request_constraint
 from depthserve.server.serving_engine import ADMITTED, Job, OpenAIServing, new_depths, sse, usage
 
 TokenEntry = tuple[int, TokenLogprobs | None]  # a token id and its logprobs entry
@@ -18,8 +19,9 @@ TokenEntry = tuple[int, TokenLogprobs | None]  # a token id and its logprobs ent
 class OpenAIServingCompletion(OpenAIServing):
     async def jobs(self, req: CompletionRequest) -> tuple[list[Job], SamplingParams, DepthParams]:
         scoring = req.echo and req.logprobs is not None
+        constraint = await self.checked_constraint(request_constraint(req))
         params = self.sampling_params(req, req.max_tokens, req.logprobs,
-                                      prompt_logprobs=req.logprobs if scoring else None)
+                                      prompt_logprobs=req.logprobs if scoring else None, constraint=constraint)
         depth = self.depth_params(req)
         jobs = await self.tokenizer_worker.run(self._encode_prompts, _prompt_list(req.prompt))
         return jobs, params, depth

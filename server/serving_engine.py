@@ -31,7 +31,10 @@ from depthserve.server.protocol import (
     TokenizeResponse,
     UsageInfo,
 )
+from depthserve.server.structured_request import RequestConstraint
 from depthserve.server.tokenization import TokenizerWorker
+from depthserve.server.tool_calls import NO_TOOLS, ToolSetup
+from depthserve.structured import Constraint, StructuredOutputError
 
 # First item of every SSE generator: all its prompts were admitted. The route consumes it before
 # the response starts, so a refusal (queue full, engine dead) is an HTTP error, not an empty stream.
@@ -84,7 +87,7 @@ class OpenAIServing:
     def list_models(self) -> ModelList:
         knobs = {name: spec.as_dict() for name, spec in self.info.depth_knobs.items()}
         created = int(time.time())
-        chat = self.info.tokenizer.chat_template is not None
+        chat = self.tokenizer_worker.tokenizer.chat_template is not None
         return ModelList(data=[ModelCard(id=model_id, created=created, max_model_len=self.max_model_len,
                                          depth_knobs=knobs, depth_preset=self.preset_depth(model_id) or None,
                                          supports_chat=chat)
@@ -95,9 +98,10 @@ class OpenAIServing:
         return next(card for card in self.list_models().data if card.id == model_id)
 
     # ---- tokenizer endpoints (tokenizing runs on the tokenizer worker's thread) -----------------
-    async def chat_prompt_ids(self, messages) -> list[int]:
-        conversation = [{"role": m.role, "content": m.text()} for m in messages]
-        return await self.tokenizer_worker.run(self.tokenizer_worker.encode_chat, conversation)
+    async def chat_prompt_ids(self, messages, tools: ToolSetup = NO_TOOLS) -> list[int]:
+        """The chat prompt's token ids: the messages (and the tools offered) through the chat template."""
+        conversation = [message.as_dict() for message in messages]
+        return await self.tokenizer_worker.run(self.tokenizer_worker.encode_chat, conversation, tools)
 
     async def tokenize(self, prompt: str | None, messages, add_special_tokens: bool) -> TokenizeResponse:
         if messages is not None:
@@ -118,9 +122,20 @@ class OpenAIServing:
         merged = {**self.preset_depth(req.model), **(req.depth.knobs() if req.depth else {})}
         return DepthParams.from_dict(merged)
 
+    async def checked_constraint(self, found: RequestConstraint | None) -> Constraint | None:
+        """The request's constraint, compiled now (off the engine thread; the engine finds it in the
+        backend's cache) so that one that cannot be enforced is a 400 naming the field it came from."""
+        if found is None:
+            return None
+        try:
+            await self.llm.compile_constraint(found.constraint)
+        except StructuredOutputError as exc:
+            raise (exc if exc.field else exc.located(found.field)) from None
+        return found.constraint
+
     @staticmethod
     def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int | None,
-                        prompt_logprobs: int | None = None) -> SamplingParams:
+                        prompt_logprobs: int | None = None, constraint: Constraint | None = None) -> SamplingParams:
         return SamplingParams(
             n=req.n,
             temperature=1.0 if req.temperature is None else req.temperature,
@@ -141,6 +156,7 @@ class OpenAIServing:
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=req.skip_special_tokens,
+            structured_outputs=constraint,
         )
 
     # ---- running requests ----------------------------------------------------------------------------

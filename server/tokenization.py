@@ -10,6 +10,7 @@ token covers more characters than the vocabulary's longest entry, so a text of m
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -17,6 +18,7 @@ from typing import Any, TypeVar
 import jinja2
 
 from depthserve.errors import InvalidRequestError, PromptTooLongError
+from depthserve.server.tool_calls import NO_TOOLS, ToolSetup, render_chat_prompt
 
 T = TypeVar("T")
 
@@ -50,15 +52,18 @@ class TokenizerWorker:
                 "characters)")
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-    def encode_chat(self, conversation: list[dict[str, str]]) -> list[int]:
+    def encode_chat(self, conversation: list[dict[str, Any]], tools: ToolSetup = NO_TOOLS) -> list[int]:
+        """The messages (OpenAI's shape, tool calls and results included) and the tools offered,
+        rendered by the chat template (with the default tool template where the chat template
+        knows no tools: server/tool_calls.py), as token ids."""
         if self.tokenizer.chat_template is None:
             raise InvalidRequestError("this model has no chat template; use /v1/completions")
-        total = sum(len(message["content"]) for message in conversation)
+        total = sum(len(json.dumps(message, ensure_ascii=False)) for message in conversation)
         if total > self.max_prompt_chars:
             raise PromptTooLongError(
                 f"the messages have {total} characters: more than {self.max_model_len} tokens, this model's context")
         try:
-            rendered = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+            rendered = render_chat_prompt(self.tokenizer, conversation, tools.tools, tools.choice, tools.parallel_calls)
         except (ValueError, jinja2.TemplateError) as exc:  # the template refuses this conversation
             raise InvalidRequestError(f"the model's chat template cannot render these messages: {exc}") from exc
         return self.tokenizer.encode(rendered, add_special_tokens=False)

@@ -241,6 +241,32 @@ def tool_call_constraint(tools: Sequence[FunctionTool], choice: ToolChoice,
     return ToolCallConstraint(specs, require_call=True, parallel_calls=parallel_calls)
 
 
+@dataclass(frozen=True)
+class ToolSetup:
+    """A chat request's tools, checked: what its prompt offers and what its grammar enforces."""
+
+    tools: tuple[FunctionTool, ...] = ()
+    choice: ToolChoice = "none"
+    parallel_calls: bool = True
+
+    @property
+    def offered(self) -> bool:
+        """Tools are offered: the reply is parsed for calls."""
+        return bool(offered_tools(self.tools, self.choice))
+
+    def constraint(self) -> ToolCallConstraint | None:
+        return tool_call_constraint(self.tools, self.choice, self.parallel_calls)
+
+
+NO_TOOLS = ToolSetup()
+
+
+def tool_setup(tools: Any, tool_choice: Any, parallel_tool_calls: bool | None) -> ToolSetup:
+    """A request's `tools`, `tool_choice` and `parallel_tool_calls`, checked (400s name the field)."""
+    parsed = parse_tools(tools)
+    return ToolSetup(parsed, parse_tool_choice(tool_choice, parsed), parallel_tool_calls is not False)
+
+
 # ==== prompt side ================================================================================
 _CHOICE_INSTRUCTIONS = {
     ("auto", True): "Call a function only when it helps; otherwise answer in plain text.",
@@ -281,8 +307,9 @@ def message_text(content: Any, where: str) -> str:
     if isinstance(content, Sequence):
         parts = []
         for i, part in enumerate(content):
-            if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise InvalidToolMessageError("only text parts are supported", f"{where}[{i}]")
+            kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+            if kind != "text" or not isinstance(part.get("text"), str):
+                raise InvalidToolMessageError(f"only text parts are supported, not {kind!r}", f"{where}[{i}]")
             parts.append(part["text"])
         return "".join(parts)
     raise InvalidToolMessageError("must be a string or a list of text parts", where)

@@ -67,3 +67,12 @@ def smollm_tokenizer():
     from depthserve.loading.tokenizer import load_tokenizer
 
     return load_tokenizer(resolve_model("smollm2-135m-instruct"))
+
+
+@pytest.fixture(scope="session")
+def alone_outputs(smollm_tokenizer):
+    """The batch-invariance workload's requests each run alone (tests/batch_workload.py), shared by
+    the modules that compare batches with it."""
+    from tests.batch_workload import run_alone
+
+    return run_alone(smollm_tokenizer)

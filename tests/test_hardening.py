@@ -121,13 +121,34 @@ BAD_REQUESTS = [
     ("/detokenize without the API key", "POST", "/detokenize", {"tokens": [1]}, {"Authorization": ""}, 401,
      "authentication_error", "API key"),
     ("a body over the limit", "POST", "/v1/completions", b"x" * (5 << 20), JSON, 413, "request_too_large", "limit"),
-    ("tools", "POST", "/v1/chat/completions", {**_chat("hi"), "tools": [{"type": "function"}]}, None, 400,
-     "invalid_request_error", "'tools' is not supported"),
-    ("a tool message", "POST", "/v1/chat/completions",
+    ("a tool without a function", "POST", "/v1/chat/completions", {**_chat("hi"), "tools": [{"type": "function"}]},
+     None, 400, "invalid_request_error", "tools[0]"),
+    ("a tool message without its call id", "POST", "/v1/chat/completions",
      {**_chat("hi"), "messages": [{"role": "tool", "content": "42"}]}, None, 400, "invalid_request_error",
-     "role 'tool' is not supported"),
-    ("JSON mode", "POST", "/v1/chat/completions", {**_chat("hi"), "response_format": {"type": "json_object"}}, None,
-     400, "invalid_request_error", "response_format: only"),
+     "tool_call_id"),
+    ("a named tool that is not offered", "POST", "/v1/chat/completions",
+     {**_chat("hi"), "tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": {"type": "function", "function": {"name": "g"}}}, None, 400, "invalid_request_error",
+     "tool_choice.function.name"),
+    ("tool parameters that are not a schema", "POST", "/v1/chat/completions",
+     {**_chat("hi"), "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}]},
+     None, 400, "invalid_request_error", "tools[0]"),
+    ("an unknown response_format", "POST", "/v1/chat/completions", {**_chat("hi"), "response_format": {"type": "xml"}},
+     None, 400, "invalid_request_error", "response_format.type"),
+    ("an invalid JSON schema", "POST", "/v1/completions",
+     {**_completion(), "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}}},
+     None, 400, "invalid_request_error", "response_format.json_schema.schema"),
+    ("an unsupported JSON schema feature", "POST", "/v1/completions",
+     {**_completion(), "response_format": {"type": "json_schema",
+                                           "json_schema": {"name": "x", "schema": {"not": {"type": "string"}}}}},
+     None, 400, "invalid_request_error", "response_format.json_schema.schema"),
+    ("a regex that does not compile", "POST", "/v1/completions", {**_completion(), "structured_outputs": {"regex": "(a"}},
+     None, 400, "invalid_request_error", "structured_outputs.regex"),
+    ("a grammar that does not compile", "POST", "/v1/completions", {**_completion(), "guided_grammar": "start: nope"},
+     None, 400, "invalid_request_error", "guided_grammar"),
+    ("two constraints", "POST", "/v1/completions",
+     {**_completion(), "guided_regex": "a", "response_format": {"type": "json_object"}}, None, 400,
+     "invalid_request_error", "one way only"),
     ("a misspelt field", "POST", "/v1/completions", {**_completion(), "max_token": 4}, None, 400,
      "invalid_request_error", "unknown field 'max_token'"),
     ("a raw NUL in the body", "POST", "/v1/completions", b'{"model": "tiny", "prompt": "a\x00b"}', JSON, 400,
@@ -193,7 +214,7 @@ def test_refused_generation_requests_are_counted_in_the_metrics(server):
     before = invalid()
     for body in (_completion(top_k=-5), _completion(model="nope"), {**_completion(), "max_token": 4}):
         assert _send(base, "POST", "/v1/completions", body, None).status_code in (400, 404)
-    assert _send(base, "POST", "/v1/chat/completions", {**_chat("hi"), "tools": []}, None).status_code == 400
+    assert _send(base, "POST", "/v1/chat/completions", {**_chat("hi"), "tools": [{}]}, None).status_code == 400
     assert invalid() == before + 4
 
 

@@ -369,3 +369,29 @@ def test_plain_smollm2_behind_an_api_key_has_no_depth_knobs(browser):
         assert "".join(s.get_attribute("textContent") for s in spans) == api["choices"][0]["message"]["content"]
         assert len(spans) == api["usage"]["completion_tokens"]
         assert not any(s.get_attribute("data-depth") for s in spans)
+
+
+def test_the_json_schema_box_holds_the_reply_to_the_schema(browser, demo):
+    base, _ = demo
+    _open(browser, base, "demo-dreamer")
+    schema = {"type": "integer", "minimum": 0, "maximum": 9}  # the demo's word-level vocabulary has digits
+    _fill(browser, prompt=PROMPT, max_tokens=20, temperature=0, json_schema=json.dumps(schema))
+    assert _generate(browser) == "done"
+    body = _sent_body(browser)
+    assert body["response_format"] == {"type": "json_schema", "json_schema": {"name": "playground", "schema": schema}}
+    text = "".join(token.get_attribute("textContent") for token in _tokens(browser))
+    assert 0 <= json.loads(text) <= 9
+
+
+def test_a_token_without_text_is_explained_in_its_tooltip(browser, demo):
+    from selenium.webdriver.common.action_chains import ActionChains
+
+    base, _ = demo
+    _open(browser, base, "demo-dreamer")
+    _fill(browser, prompt=PROMPT, max_tokens=6, temperature=0)
+    assert _generate(browser) == "done"
+    empty = [span for span in _tokens(browser) if not span.get_attribute("textContent")]
+    assert empty, "the demo answers, then ends its sequence"
+    ActionChains(browser).move_to_element(empty[-1]).perform()
+    tip = _wait(browser, lambda p: p.find_element(*_by("#tip")) if p.find_element(*_by("#tip")).is_displayed() else None)
+    assert "a token with no text (such as the end of sequence)" in tip.text and tip.text.startswith("∎")

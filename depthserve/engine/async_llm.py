@@ -31,6 +31,8 @@ from depthserve.errors import (
 )
 from depthserve.outputs import RequestOutput
 from depthserve.sampling_params import SamplingParams
+from depthserve.structured import Constraint
+from depthserve.structured.backend import CompiledGrammar
 
 logger = logging.getLogger("depthserve.async_llm")
 STATS_INTERVAL_S = 10.0  # the periodic stats line while the engine is busy
@@ -140,18 +142,27 @@ class AsyncLLM:
         Close (or fully iterate) every stream, or its request runs on.
         """
         arrival = time.monotonic()
+        grammar = await self.compile_constraint(sampling_params.constraint)
         streams: list[_Stream] = []
         try:
             for request_id in request_ids:
                 streams.append(self._open(request_id, arrival))
             await self._call_on_engine_thread(
-                lambda: self._admit(prompts, sampling_params, depth, request_ids, arrival, overflow))
+                lambda: self._admit(prompts, sampling_params, depth, request_ids, arrival, overflow, grammar))
         except BaseException:
             for request_id in request_ids[: len(streams)]:
                 self._close(request_id)
                 self._send((_ABORT, request_id))  # admitted after all if the caller was cancelled meanwhile
             raise
         return [RequestStream(self, request_id, stream) for request_id, stream in zip(request_ids, streams)]
+
+    async def compile_constraint(self, constraint: Constraint | None) -> CompiledGrammar | None:
+        """Compiles a structured-output constraint on a worker thread, never the engine's (it may
+        take up to the grammar backend's time bound); the backend caches it. Raises a
+        `StructuredOutputError` (a 400) for a constraint that cannot be enforced."""
+        if constraint is None:
+            return None
+        return await asyncio.get_running_loop().run_in_executor(None, self.engine.structured.compile, constraint)
 
     async def add_request(
         self,
@@ -180,13 +191,13 @@ class AsyncLLM:
             stream.close()
 
     def _admit(self, prompts: list[str | list[int]], sampling_params: SamplingParams, depth: DepthParams | None,
-               request_ids: list[str], arrival: float, overflow: ContextOverflow) -> None:
+               request_ids: list[str], arrival: float, overflow: ContextOverflow, grammar: Any = None) -> None:
         """On the engine thread: validate every prompt, check the queue, then queue them all.
 
         The queue holds `max_num_seqs` requests that can run plus `max_waiting_requests` that wait
         (a request counts once whatever its n): requests the engine has not started yet count as
         waiting only beyond the free running slots."""
-        validated = [self.engine.check_request(prompt, sampling_params, depth, overflow) for prompt in prompts]
+        validated = [self.engine.check_request(prompt, sampling_params, depth, overflow, grammar) for prompt in prompts]
         capacity = self.engine.args.max_num_seqs + self.max_waiting_requests
         if len(prompts) > capacity:
             raise UnadmittableRequestError(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -28,6 +29,7 @@ from depthserve.engine.output_processor import OutputProcessor, eos_token_ids
 from depthserve.engine.requests import Request, RequestValidator, ValidatedRequest, new_request
 from depthserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
 from depthserve.engine.step_clock import DecodeWaitClock
+from depthserve.engine.structured_output import StructuredOutputs
 from depthserve.errors import ConfigurationError, InvalidRequestError
 from depthserve.kernels.dispatch import Kernels
 from depthserve.engine.model_loader import load_model
@@ -66,10 +68,12 @@ class LLMEngine:
             raise ConfigurationError("without chunked prefill, max_num_batched_tokens must be >= max_model_len")
         self.depth_policy = _depth_policy(args, self.model)
         self.depth_accounting = DepthAccounting(self.model, self.capacity.step_cache_reserved_bytes)
-        self.validator = RequestValidator(self.model, self.tokenizer, self.vocab_size, self.max_model_len, self.block_manager)
+        self.structured = StructuredOutputs(self.tokenizer, self.eos_token_ids, _core_to_spare(self.device))
+        self.validator = RequestValidator(self.model, self.tokenizer, self.vocab_size, self.max_model_len, self.block_manager,
+                                          self.structured)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
         self.runner = ModelRunner(self.model, self.block_manager, Sampler(self.eos_token_ids, self.vocab_size, args.seed),
-                                  self.dtype, self.device, kernels)
+                                  self.dtype, self.device, kernels, self.structured)
         _compile_decode_steps(self.runner, self.model, args, self.device, self.max_model_len)
         self._requests: dict[str, Request] = {}
         self.prompt_tokens_computed = self.tokens_generated = 0  # since start (recomputed prompts count again)
@@ -82,10 +86,10 @@ class LLMEngine:
 
     # ---- requests ----------------------------------------------------------------------------
     def check_request(self, prompt: str | list[int], sampling: SamplingParams, depth: DepthParams | None = None,
-                      overflow: ContextOverflow = ContextOverflow.CLAMP) -> ValidatedRequest:
-        """Validate a request (typed `InvalidRequestError`s) without touching engine state; `add_validated`
-        queues the result. `overflow`: what prompt + max_tokens past the context gets (context_length.py)."""
-        return self.validator.check(prompt, sampling, depth, overflow)
+                      overflow: ContextOverflow = ContextOverflow.CLAMP, grammar: Any = None) -> ValidatedRequest:
+        """Validate a request (typed `InvalidRequestError`s) without touching engine state; `add_validated` queues
+        it. `overflow`: context_length.py; `grammar`: its constraint compiled already (`self.structured.compile`)."""
+        return self.validator.check(prompt, sampling, depth, overflow, grammar)
 
     def add_request(self, request_id: str, prompt: str | list[int], sampling: SamplingParams,
                     depth: DepthParams | None = None, arrival_time: float | None = None) -> None:
@@ -255,6 +259,11 @@ def _resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
+
+
+def _core_to_spare(device: torch.device) -> bool:
+    """Whether a thread beside the model's can run without taking a core from it."""
+    return device.type != "cpu" or torch.get_num_threads() < (os.cpu_count() or 1)
 
 
 def _compile_decode_steps(runner: ModelRunner, model: DepthModel, args: EngineArgs, device: torch.device,

@@ -14,11 +14,21 @@ from depthserve.engine.block_manager import BlockManager
 from depthserve.engine.page_tables import RowTable
 from depthserve.engine.scheduler import ScheduledSeq
 from depthserve.engine.sequence import Sequence
+from depthserve.engine.structured_output import StepMasks, StructuredOutputs
 from depthserve.engine.static_decode import DecodeRow, StaticDecode, spec_columns
 from depthserve.kernels.dispatch import Kernels
 from depthserve.layers.attention import AttentionMetadata, KVPool, PrefillSeqMeta
 from depthserve.layers.batch import BatchItem, StepBatch, decode_tables_tensors, page_table_tensor
 from depthserve.sampler import Sampler, SampledToken, SamplingFault, SamplingRow, prompt_logprobs
+
+
+_NO_ALLOWED_TOKEN = ("no token can be sampled: the structured-output constraint allows none of the tokens the "
+                     "model scored (can this model's vocabulary write what the constraint asks for?)")
+
+
+def _samples(item: ScheduledSeq) -> bool:
+    """The sequence samples a token after this step (its logits row is read out)."""
+    return item.samples and len(item.seq.output_token_ids) < item.seq.max_tokens
 
 
 @dataclass
@@ -45,8 +55,10 @@ def request_state(seq: Sequence) -> RequestState:
 
 class ModelRunner:
     def __init__(self, model: DepthModel, block_manager: BlockManager, sampler: Sampler,
-                 dtype: torch.dtype, device: torch.device, kernels: Kernels):
+                 dtype: torch.dtype, device: torch.device, kernels: Kernels,
+                 structured: StructuredOutputs | None = None):
         self.model = model
+        self.structured = structured
         self.kernels = kernels
         self.static: StaticDecode | None = None  # set by enable_static_decode
         self._columns: dict[CacheLayout, np.ndarray] = {}  # request layout -> static spec columns
@@ -82,14 +94,24 @@ class ModelRunner:
     def execute(self, scheduled: list[ScheduledSeq]) -> list[SeqStepOutput]:
         # Multi-token chunks first, then single-token (decode-shaped) rows batched together.
         batch = sorted(scheduled, key=lambda s: s.num_tokens == 1)
+        # Constrained rows' masks: filled beside the forward pass where a core is free (structured_output.py).
+        masks = None if self.structured is None else self.structured.start_step(
+            [item.seq for item in batch if _samples(item)])
+        try:
+            return self._execute(batch, masks)
+        finally:
+            if masks is not None:
+                masks.settle()  # a failed step must not leave the worker on the matchers
+
+    def _execute(self, batch: list[ScheduledSeq], masks: StepMasks | None) -> list[SeqStepOutput]:
         if self._is_static_decode(batch):
             hidden = self.static.run([self._decode_row(item) for item in batch])
             if self.static.spec.decisions:
                 for item, decisions in zip(batch, self.static.decisions[: len(batch)].cpu().numpy()):
                     stored = self.model.record_decisions(item.seq.depth_record, item.start, decisions[None])
                     self._commit_routed_slots(item.seq, lambda name: stored.get(name, 0))
-            return self._postprocess_logits(batch, hidden)
-        input_ids, positions, meta = self._prepare(batch)
+            return self._postprocess_logits(batch, hidden, masks)
+        input_ids, positions, meta = self._prepare(batch, masks)
         hidden = self.model(input_ids, positions, self.pool, meta)
         if meta.batch is not None:
             step = meta.batch
@@ -102,7 +124,7 @@ class ModelRunner:
             # Tokens that stopped early (the confidence exit) report the level they ran.
             batch = [replace(item, ran_levels=tuple(step.ran_levels[i])) if i in step.ran_levels else item
                      for i, item in enumerate(batch)]
-        return self._postprocess_logits(batch, hidden)
+        return self._postprocess_logits(batch, hidden, masks)
 
     def _is_static_decode(self, batch: list[ScheduledSeq]) -> bool:
         # A range knob's deeper slots grow with the tokens that ran them: such steps run eagerly.
@@ -165,7 +187,7 @@ class ModelRunner:
         for slot in seq.layout.routed_slots:
             self.block_manager.commit_routed(seq, slot.name, stored(slot.name))
 
-    def _prepare(self, batch: list[ScheduledSeq]):
+    def _prepare(self, batch: list[ScheduledSeq], masks: StepMasks | None):
         bs = self.block_size
         ids: list[int] = []
         pos_chunks: list[np.ndarray] = []
@@ -185,9 +207,11 @@ class ModelRunner:
                 seq = item.seq
                 routed = {slot.name: self.block_manager.routed_table(seq, slot.name)
                           for slot in seq.layout.routed_slots}
+                allowed = (masks.for_sequence(seq.seq_id)
+                           if masks is not None and item.exit_threshold is not None and _samples(item) else None)
                 items.append(BatchItem(seq.seq_id, seq.plan, item.start, item.num_tokens, row, full_table, routed,
                                        self.block_manager.state_table(seq), item.level, item.exit_threshold,
-                                       item.samples, self.model.row_settings(seq.plan, item.level)))
+                                       item.samples, self.model.row_settings(seq.plan, item.level), allowed))
             positions = np.arange(item.start, item.end)
             ids.extend(item.seq.token_ids(item.start, item.end))
             pos_chunks.append(positions)
@@ -218,7 +242,8 @@ class ModelRunner:
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64)).to(self.device)
 
-    def _postprocess_logits(self, batch: list[ScheduledSeq], hidden: torch.Tensor) -> list[SeqStepOutput]:
+    def _postprocess_logits(self, batch: list[ScheduledSeq], hidden: torch.Tensor,
+                            masks: StepMasks | None) -> list[SeqStepOutput]:
         sample_rows: list[int] = []
         sample_items: list[ScheduledSeq] = []
         outputs: dict[int, SeqStepOutput] = {}
@@ -227,7 +252,7 @@ class ModelRunner:
         for item in batch:
             seq = item.seq
             outputs[seq.seq_id] = SeqStepOutput(item, None, [])
-            if item.samples and len(seq.output_token_ids) < seq.max_tokens:
+            if _samples(item):
                 sample_rows.append(row + item.num_tokens - 1)
                 sample_items.append(item)
             if seq.prompt_logprobs is not None:
@@ -239,10 +264,12 @@ class ModelRunner:
             row += item.num_tokens
         if sample_rows:
             logits = self.model.compute_logits(hidden[sample_rows])
+            if masks is not None:
+                masks.apply(logits)  # before penalties, temperature and the sampler
             rows = [self._sampling_row(item) for item in sample_items]
             for item, token in zip(sample_items, self.sampler(logits, rows)):
                 if isinstance(token, SamplingFault):
-                    outputs[item.seq.seq_id].fault = token.reason
+                    outputs[item.seq.seq_id].fault = token.reason if item.seq.matcher is None else _NO_ALLOWED_TOKEN
                 else:
                     outputs[item.seq.seq_id].sampled = token
         for item, row_start, wanted in prompt_jobs:

@@ -1,5 +1,6 @@
 """From what a step sampled to what a caller sees: each sequence's logprobs and incremental text,
-the checks that finish it (stop strings, EOS, stop token ids, max_tokens, the context), and the
+the checks that finish it (stop strings, EOS, stop token ids, a complete structured-output
+constraint, max_tokens, the context), and the
 `RequestOutput`s built from them. The engine applies a `Finish` through its scheduler, which
 frees the sequence's pages."""
 
@@ -14,6 +15,7 @@ from depthserve.detokenizer import IncrementalDetokenizer
 from depthserve.engine.model_runner import PromptLogprob, SeqStepOutput
 from depthserve.engine.requests import Request
 from depthserve.engine.sequence import Sequence
+from depthserve.engine.structured_output import StructuredOutputs
 from depthserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, TokenLogprobs
 from depthserve.sampler import SampledToken
 
@@ -86,6 +88,8 @@ class OutputProcessor:
         seq.cumulative_logprob += sampled.logprob
         if seq.logprobs is not None:
             seq.logprobs.append(self._entry(token, sampled.logprob, sampled.rank, sampled.top_logprobs))
+        # A complete constraint admits nothing but the end: it stops the sequence even before min_tokens.
+        constraint_complete = seq.matcher is not None and StructuredOutputs.accept(seq, token)
         stop_string = seq.detokenizer.add_token(token)
         sampling = seq.sampling
         num_out = len(seq.output_token_ids)
@@ -95,6 +99,8 @@ class OutputProcessor:
             return Finish("stop")
         if token in sampling.stop_token_ids and num_out >= sampling.min_tokens:
             return Finish("stop", token)
+        if constraint_complete:
+            return Finish("stop")
         if num_out >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
             return Finish("length")
         return None

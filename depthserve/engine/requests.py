@@ -13,6 +13,7 @@ from depthserve.depth import DepthParams, DepthPlan
 from depthserve.engine.block_manager import BlockManager
 from depthserve.engine.context_length import ContextOverflow, completion_budget
 from depthserve.engine.sequence import Sequence
+from depthserve.engine.structured_output import StructuredOutputs
 from depthserve.errors import EmptyPromptError, InvalidRequestError, UnadmittableRequestError
 from depthserve.sampling_params import SamplingParams
 
@@ -27,6 +28,7 @@ class ValidatedRequest:
     sampling: SamplingParams
     plan: DepthPlan
     max_tokens: int
+    grammar: Any = None  # the compiled structured-output constraint (CompiledGrammar), if any
 
 
 @dataclass
@@ -54,11 +56,13 @@ class RequestValidator:
     vocab_size: int
     max_model_len: int
     block_manager: BlockManager
+    structured: StructuredOutputs
 
     def check(self, prompt: str | list[int], sampling: SamplingParams, depth: DepthParams | None,
-              overflow: ContextOverflow) -> ValidatedRequest:
+              overflow: ContextOverflow, grammar: Any = None) -> ValidatedRequest:
         """Raises a typed `InvalidRequestError` subclass for anything wrong with the request. The
-        depth plan is made here, once per request."""
+        depth plan is made here, once per request; its constraint is compiled here unless `grammar`
+        is the caller's compilation of it (`StructuredOutputs.compile`, run off the engine thread)."""
         depth = (depth or DepthParams()).normalized(self.model.depth_knobs())  # "this model": no path in errors
         plan = self.model.plan(depth)
         sampling.validate()
@@ -69,7 +73,9 @@ class RequestValidator:
             raise UnadmittableRequestError(
                 f"the KV cache ({self.block_manager.num_pages} pages) can never hold this request "
                 f"({len(token_ids)} prompt tokens + {max_tokens} new); lower max_tokens")
-        return ValidatedRequest(prompt_text, token_ids, sampling, plan, max_tokens)
+        if grammar is None:
+            grammar = self.structured.compile(sampling.constraint)
+        return ValidatedRequest(prompt_text, token_ids, sampling, plan, max_tokens, grammar)
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -94,6 +100,7 @@ def new_request(request_id: str, request: ValidatedRequest, arrival_time: float 
         if arrival_time is not None:
             seq.arrival_time = arrival_time
         seq.generator = _generator(sampling.seed, index)
+        seq.matcher = None if request.grammar is None else request.grammar.new_matcher()
         entry.seqs.append(seq)
     return entry
 

@@ -51,6 +51,7 @@ class Sequence:
     cumulative_logprob: float = 0.0
     prompt_logprobs: list | None = None  # filled as the prompt is computed, when asked for
     depth_record: Any = None  # the model's per-position decisions (DepthModel.new_record)
+    matcher: Any = None  # GrammarMatcher of a constrained request (structured outputs), else None
     output_levels: list[int] = field(default_factory=list)  # a range knob: each output token's level
     # A range knob: the level each computed position ran at. Kept through preemption: recomputed
     # positions run at their recorded level again (depth_policy.replay_recorded_levels).

@@ -38,6 +38,9 @@ class BatchItem:
     exit_threshold: float | None = None  # the confidence exit's top-1 probability (ScheduledSeq)
     samples: bool = False  # the sequence samples after this step: its last token is read out
     settings: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))  # DepthModel.row_settings
+    # A constrained request's allowed next tokens (int32 bitmask row, structured outputs): the
+    # confidence exit reads the masked distribution, as the sampler will.
+    allowed_tokens: torch.Tensor | None = None
 
     @property
     def end(self) -> int:

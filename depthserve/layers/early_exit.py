@@ -2,7 +2,8 @@
 per-level readouts: for a model whose every depth level's state can be read out by its LM head
 (DepthModel.readout_every_level), a token whose readout is sampled stops at the first level of its
 range, below its own level, at which the readout gives its top-1 next token at least its request's
-exit probability (BatchItem.exit_threshold).
+exit probability (BatchItem.exit_threshold). A constrained request's readout is masked first
+(BatchItem.allowed_tokens), so its confidence is that of the distribution it will sample from.
 
 Only eager steps exit early: a step with an exit threshold runs a range knob's level, which the
 static decode step never does, so `NoExit` stands in there.
@@ -16,6 +17,7 @@ import numpy as np
 import torch
 
 from depthserve.layers.batch import StepBatch
+from depthserve.structured.bitmask import apply_token_bitmask_
 
 
 class LevelExit:
@@ -61,6 +63,9 @@ class ConfidenceExit(LevelExit):
                 lowest[i] = item.plan.elastic.minimum
         self.lowest = lowest[step.item_of_row()]
         self._readouts = np.zeros(step.num_rows, dtype=np.int32)
+        # Rows of constrained requests: their readout is masked to the tokens the constraint allows.
+        self.allowed = {item.row + item.num_tokens - 1: item.allowed_tokens for item in step.items
+                        if item.allowed_tokens is not None and item.exit_threshold is not None}
 
     def check(self, readout: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, rows: np.ndarray | None,
               level: int) -> None:
@@ -69,7 +74,11 @@ class ConfidenceExit(LevelExit):
         if not asks.any():
             return
         at = np.flatnonzero(asks)
-        top = torch.softmax(readout(x.index_select(0, torch.from_numpy(at).to(x.device))), dim=-1)
+        logits = readout(x.index_select(0, torch.from_numpy(at).to(x.device)))
+        masked = [(j, self.allowed[row]) for j, row in enumerate(rows[at].tolist()) if row in self.allowed]
+        if masked:
+            apply_token_bitmask_(logits, torch.stack([mask for _, mask in masked]), [j for j, _ in masked])
+        top = torch.softmax(logits, dim=-1)
         confident = top.amax(dim=-1).cpu().numpy() >= self.threshold[rows[at]]
         self._readouts[rows[at]] += 1
         self.levels[rows[at[confident]]] = level

@@ -2,24 +2,11 @@
 
 `constraints` says what a request asks for; `backend` is the interface the engine uses (compile once,
 fill a bitmask per step, accept tokens, roll back); `llguidance_backend` implements it; `bitmask`
-applies a step's masks to the logits; `errors` are the 400s a bad constraint raises.
+applies a step's masks to the logits; `errors` are the 400s a bad constraint raises; `params` is
+`SamplingParams.structured_outputs`. The modules that need torch load on first use, so that
+sampling parameters stay importable without it.
 """
 
-from depthserve.structured.backend import (
-    BitmaskFillWorker,
-    CompiledGrammar,
-    GrammarBackend,
-    GrammarLimits,
-    GrammarMatcher,
-    TokenizerInfo,
-)
-from depthserve.structured.factory import create_grammar_backend
-from depthserve.structured.bitmask import (
-    allocate_token_bitmask,
-    apply_token_bitmask_,
-    bitmask_words,
-    unpack_token_bitmask,
-)
 from depthserve.structured.constraints import (
     ChoiceConstraint,
     Constraint,
@@ -30,6 +17,7 @@ from depthserve.structured.constraints import (
     ToolCallConstraint,
     ToolSpec,
 )
+from depthserve.structured.params import StructuredOutputsParams, as_constraint
 from depthserve.structured.errors import (
     GrammarCompileTimeoutError,
     GrammarTooComplexError,
@@ -49,4 +37,20 @@ __all__ = [
     "JsonSchemaConstraint", "RegexConstraint", "ToolCallConstraint", "ToolSpec", "GrammarCompileTimeoutError",
     "GrammarTooComplexError", "InvalidChoiceError", "InvalidGrammarError", "InvalidJsonSchemaError",
     "InvalidRegexError", "InvalidToolError", "StructuredOutputError", "UnsupportedJsonSchemaError",
+    "StructuredOutputsParams", "as_constraint",
 ]
+
+_LAZY = {
+    "BitmaskFillWorker": "backend", "CompiledGrammar": "backend", "GrammarBackend": "backend",
+    "GrammarLimits": "backend", "GrammarMatcher": "backend", "TokenizerInfo": "backend",
+    "create_grammar_backend": "factory", "allocate_token_bitmask": "bitmask", "apply_token_bitmask_": "bitmask",
+    "bitmask_words": "bitmask", "unpack_token_bitmask": "bitmask",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f"depthserve.structured.{_LAZY[name]}"), name)
+    raise AttributeError(name)

@@ -27,6 +27,11 @@ class StructuredOutputError(InvalidRequestError):
         self.field = field
         super().__init__(f"{field}: {self.reason}" if field else self.reason)
 
+    @property
+    def param(self) -> str | None:
+        """The field, as an OpenAI error body's `param`."""
+        return self.field
+
     def located(self: _E, field: str) -> _E:
         """The same error, naming the request field the constraint came from."""
         return type(self)(self.reason, field)

@@ -65,9 +65,30 @@ def build_llguidance_tokenizer(
     eos_ids = tuple(sorted(set(int(token) for token in eos_token_ids)))
     if not eos_ids:
         raise ValueError("at least one EOS token id is needed")
-    lltokenizer = llguidance.LLTokenizer(json.dumps(spec), eos_token=list(eos_ids))
     special = tuple(sorted(token["id"] for token in spec.get("added_tokens", []) if token.get("special")))
+    if spec.get("decoder") is not None:
+        lltokenizer = llguidance.LLTokenizer(json.dumps(spec), eos_token=list(eos_ids))
+    else:  # llguidance reads token bytes from a byte-level or byte-fallback decoder; here there is none
+        lltokenizer = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_TokenTexts(backend, eos_ids, special)),
+                                             eos_token=list(eos_ids))
     return lltokenizer, TokenizerInfo(lltokenizer.vocab_size, eos_ids, special)
+
+
+class _TokenTexts:
+    """A tokenizer without a decoder (the demo models' word-level ones) as llguidance's
+    TokenizerWrapper reads it: each token's bytes are its own text, so a constraint sees the tokens
+    concatenated without the separators such a tokenizer puts between them when it decodes."""
+
+    def __init__(self, backend: Any, eos_ids: tuple[int, ...], special: tuple[int, ...]):
+        size = backend.get_vocab_size(with_added_tokens=True)
+        self.tokens = [(backend.id_to_token(i) or "").encode("utf-8") for i in range(size)]
+        self.eos_token_id = eos_ids[0]
+        self.bos_token_id = None
+        self.special_token_ids = list(special)
+        self._backend = backend
+
+    def __call__(self, text: str) -> list[int]:
+        return self._backend.encode(text, add_special_tokens=False).ids
 
 
 # ---- constraint -> llguidance grammar text -----------------------------------------------------

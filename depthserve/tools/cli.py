@@ -11,6 +11,7 @@ import logging
 import socket
 import sys
 from dataclasses import fields
+from pathlib import Path
 
 from depthserve.archs import Command, architectures, knob_names
 from depthserve.config import EngineArgs
@@ -192,6 +193,12 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     problem = _serve_option_problem(ns) or _listen_problem(ns.host, ns.port)
     if problem:
         return fail(problem)
+    chat_template = None
+    if ns.chat_template is not None:
+        try:
+            chat_template = Path(ns.chat_template).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            return fail(f"--chat-template: cannot read {ns.chat_template}: {exc}")
     from depthserve.engine.async_llm import AsyncLLM
     from depthserve.engine.llm_engine import LLMEngine
     from depthserve.server.app import configure_logging, run_server
@@ -208,7 +215,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     except DepthServeError as exc:
         return fail(str(exc))
     run_server(llm, ns.host, ns.port, ns.served_model_name, ns.api_key, presets, ns.log_level,
-               max_body_bytes=int(ns.max_body_mb * (1 << 20)))
+               max_body_bytes=int(ns.max_body_mb * (1 << 20)), chat_template=chat_template)
     return 0
 
 
@@ -351,6 +358,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                          help="largest request body accepted; larger ones get HTTP 413")
     p_serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                          help="debug adds /health and /metrics polls and ignored request fields")
+    p_serve.add_argument("--chat-template", default=None, metavar="FILE",
+                         help="a Jinja chat template replacing the model's (one that reads `tools` renders them "
+                              "itself; otherwise the default tool template applies: docs/server.md)")
     p_serve.set_defaults(func=cmd_serve)
 
     p_chat = add("chat", help="terminal chat with a running server (streams tokens)")

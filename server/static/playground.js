@@ -359,7 +359,20 @@ function requestBody(chat, prompt) {
   } else {
     Object.assign(body, {prompt, logprobs: top});
   }
+  const schema = jsonSchema();
+  if (schema !== undefined) body.response_format = {type: "json_schema", json_schema: {name: "playground", schema}};
   return Object.assign(body, extraFields());  // the box has the last word
+}
+
+/** The "Output JSON schema" box: a schema the reply must match (the server checks it). */
+function jsonSchema() {
+  const text = $("json-schema").value.trim();
+  if (!text) return undefined;
+  try {
+    return JSON.parse(text);
+  } catch (err) {
+    throw new Error(`"Output JSON schema" is not valid JSON: ${err.message}`);
+  }
 }
 
 /** The "More fields" box: any other fields of the API (the server checks them). */
@@ -494,7 +507,8 @@ function clearOutput() {
 function showTip(span) {
   const {text, depths, logprobs} = state.info.get(span);
   const tip = $("tip");
-  const heading = text || !logprobs ? visible(text) : `${logprobs.map((lp) => visible(lp.token)).join(" ")} (no text)`;
+  const heading = text || !logprobs ? visible(text)
+    : `∎ ${logprobs.map((lp) => visible(lp.token)).join(" ")}: a token with no text (such as the end of sequence)`;
   const lines = [el("div", {className: "tip-token", textContent: heading})];
   if (depths && depths.length) {
     const of = state.legend ? ` of ${state.legend.lo}–${state.legend.hi}` : "";
