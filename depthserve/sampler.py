@@ -28,7 +28,7 @@ therefore not safe to call from two threads at once.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -82,9 +82,13 @@ EXP_FLOOR = -87.0
 
 
 class Sampler:
-    def __init__(self, eos_token_ids: set[int], vocab_size: int, seed: int | None = None):
+    def __init__(self, eos_token_ids: set[int], vocab_size: int, seed: int | None = None,
+                 greedy_pick: Callable[[torch.Tensor, float], tuple[torch.Tensor, ...]] | None = None):
         self.eos_token_ids = set(eos_token_ids)
         self.vocab_size = vocab_size
+        # (argmax, maximum, log-normalizer) of fp32 logits in one call (kernels/csrc/sampling.cpp), for
+        # steps whose every row is greedy with nothing to apply; None: torch's reductions only.
+        self.greedy_pick = greedy_pick
         # Unseeded rows draw from this sampler's own generator, never from torch's global one.
         self._generator = torch.Generator()
         if seed is None:
@@ -98,6 +102,9 @@ class Sampler:
         A row with no finite score gets a SamplingFault instead of a token."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must be [len(rows), V], got {tuple(logits.shape)} for {len(rows)} rows")
+        picked = self._pick_greedy(logits.float()[:, : self.vocab_size], rows)
+        if picked is not None:
+            return picked
         logits, peak = finite_logits(logits.float()[:, : self.vocab_size])
         log_z = self._log_normalizer(logits, peak)  # before the scratch buffer is reused below
         token_ids = torch.empty(len(rows), dtype=torch.long, device=logits.device)
@@ -110,6 +117,17 @@ class Sampler:
             token_ids[random], sampled_ok[random] = self._random(logits, random, rows)
         tokens = self._with_logprobs(logits, log_z, token_ids, rows)
         return [token if ok else SamplingFault(_NO_FINITE_SCORE) for token, ok in zip(tokens, sampled_ok.tolist())]
+
+    def _pick_greedy(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken] | None:
+        """The step through `greedy_pick` where it applies: every row greedy with no bias, penalty or
+        ban to apply, fp32 CPU rows, every maximum finite (else None: the general path decides)."""
+        if (self.greedy_pick is None or logits.device.type != "cpu" or logits.stride(1) != 1
+                or not all(row.params.greedy and not self._needs_processing(row) for row in rows)):
+            return None
+        token_ids, peak, log_z = self.greedy_pick(logits, EXP_FLOOR)
+        if not bool(torch.isfinite(peak).all()):
+            return None
+        return self._with_logprobs(logits, log_z, token_ids, rows)
 
     def processed_logits(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """A copy of logits [B, V] after each row's logit_bias, penalties and min_tokens ban: what

@@ -2,12 +2,12 @@
 VNNI dot products, and the same weights dequantized for prefill GEMMs (`csrc/group_gemm.cpp`); the
 decode step's paged attention and KV store (`csrc/paged_attention.cpp`); RMSNorm (`csrc/norm.cpp`)
 and the rotary embedding (`csrc/rotary.cpp`); a Llama decoder layer's decode step made of those
-(`csrc/decode_layer.cpp`).
+(`csrc/decode_layer.cpp`); greedy sampling's argmax and log-normalizer in one call (`csrc/sampling.cpp`).
 
 Built on first use with torch's extension builder (g++ and ninja, ~1 minute; the build is cached
 under `TORCH_EXTENSIONS_DIR`, `make test` and `make serve` build it once at install) and loaded as
 the torch ops `depthserve_cpu::group_gemm`, `group_dequantize`, `paged_decode_attention`,
-`store_kv`, `rms_norm`, `apply_rope` and `llama_decode_layer`. Only on CPUs
+`store_kv`, `rms_norm`, `apply_rope`, `llama_decode_layer` and `greedy_pick`. Only on CPUs
 with AVX-512 F/BW/VL and AVX-512 VNNI: elsewhere, or where the build fails, `available()` is False
 and the quantized layers use torch's weight-only kernels (the reason is logged once).
 """
@@ -27,7 +27,8 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).resolve().parent / "csrc" / name
-           for name in ("group_gemm.cpp", "paged_attention.cpp", "norm.cpp", "rotary.cpp", "decode_layer.cpp")]
+           for name in ("group_gemm.cpp", "paged_attention.cpp", "norm.cpp", "rotary.cpp", "decode_layer.cpp",
+                        "sampling.cpp")]
 CFLAGS = ["-O3", "-fopenmp", "-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
           "-mavx512vnni"]
 FLOAT_DTYPES = (torch.float32, torch.bfloat16)  # the activations, norms, tables and pages the kernels take
@@ -102,6 +103,11 @@ def _register_fakes() -> None:
     @torch.library.register_fake("depthserve_cpu::store_kv")
     def _(k, v, k_pages, v_pages, slot_index):
         return None
+
+    @torch.library.register_fake("depthserve_cpu::greedy_pick")
+    def _(logits, floor):
+        rows = logits.shape[0]
+        return logits.new_empty(rows, dtype=torch.long), logits.new_empty(rows), logits.new_empty(rows)
 
     @torch.library.register_fake("depthserve_cpu::group_dequantize")
     def _(codes, scale, low, bits, out_features, dtype):
@@ -219,6 +225,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     return torch.ops.depthserve_cpu.rms_norm(rows, weight, eps).view(x.shape)
+
+
+def greedy_pick(logits: torch.Tensor, floor: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(first argmax [B] int64, maximum [B], log-normalizer [B]) of fp32 logits [B, V] with contiguous
+    rows, in one native call (csrc/sampling.cpp); `floor` bounds each exp's argument from below. A
+    row's maximum is NaN where it holds a NaN."""
+    return torch.ops.depthserve_cpu.greedy_pick(logits, floor)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

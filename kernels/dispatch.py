@@ -41,7 +41,9 @@ OP_NAMES = tuple(name for names in FAMILIES.values() for name in names)
 # paged_prefill_attention: the varlen kernel covers single prompts; saobp_prefill_attention: torch only
 TRITON_OPS = frozenset(OP_NAMES) - {"paged_prefill_attention", "saobp_prefill_attention"}
 BACKENDS = ("auto", "torch", "triton")
-NATIVE_CPU_OPS = frozenset({"store_kv", "paged_decode_attention"})  # kernels/csrc/paged_attention.cpp
+# kernels/csrc/paged_attention.cpp; greedy_pick (csrc/sampling.cpp) has no torch twin here: the sampler's
+# own torch code is its fallback
+NATIVE_CPU_OPS = frozenset({"store_kv", "paged_decode_attention", "greedy_pick"})
 
 
 def native_cpu_op(name: str) -> Callable | None:
@@ -81,6 +83,8 @@ class Kernels:
                                      "(pip install 'depthserve[gpu]')")
         self.backend = backend
         self.traceable = traceable
+        # Greedy sampling's argmax and log-normalizer as one native call on the CPU (Sampler), else None.
+        self.greedy_pick = native_cpu_op("greedy_pick") if backend == "auto" else None
         for family, names in FAMILIES.items():
             for name in names:
                 setattr(self, name, self._bind(family, name))

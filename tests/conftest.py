@@ -76,3 +76,21 @@ def alone_outputs(smollm_tokenizer):
     from tests.batch_workload import run_alone
 
     return run_alone(smollm_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def smollm_llm():
+    """The offline API on SmolLM2 in fp32, shared by the modules that only run requests on it
+    (each test must leave it idle and holding no page: `_shared_llm_left_clean`)."""
+    from depthserve import LLM
+
+    return LLM("smollm2-135m-instruct", device="cpu", dtype="float32", load_progress=False, max_model_len=1024)
+
+
+@pytest.fixture(autouse=True)
+def _shared_llm_left_clean(request):
+    yield
+    if "smollm_llm" in request.fixturenames:
+        engine = request.getfixturevalue("smollm_llm").engine
+        assert not engine.has_unfinished_requests()
+        assert engine.block_manager.num_used_pages == 0, "a finished or failed request kept cache pages"

@@ -213,3 +213,28 @@ def test_apply_rope_equals_the_torch_form(dtype, head_dim):
     tol = 1e-6 if dtype == torch.float32 else 2 ** -8
     assert got.dtype == dtype and got.is_contiguous()
     assert ((got.double() - want).abs() <= tol * (x64.abs().amax(dim=-1, keepdim=True) * 2) + 1e-7).all()
+
+
+@pytest.mark.parametrize("width", [49152, 1000, 17, 5])
+def test_greedy_pick_is_torchs_argmax_and_log_normalizer(width):
+    from depthserve.sampler import EXP_FLOOR
+
+    generator = torch.Generator().manual_seed(width)
+    padded = torch.randn(7, width + 3, generator=generator) * 8  # rows strided past their width
+    logits = padded[:, :width]
+    logits[1, :] = 3.0  # all tied: the first index
+    logits[2, width // 2] = logits[2, -1] = 1e3  # a tie across lanes: the first of the two
+    logits[3, : width // 2] = float("-inf")
+    logits[4, :] -= 200.0  # spread past the exp floor
+    token, peak, log_z = cpu_native.greedy_pick(logits, EXP_FLOOR)
+    assert torch.equal(token, logits.argmax(dim=-1))
+    assert torch.equal(peak, logits.amax(dim=-1))
+    shifted = (logits.double() - peak.double()[:, None]).clamp(min=EXP_FLOOR)
+    expected = shifted.exp().sum(dim=-1).log() + peak.double()
+    assert torch.allclose(log_z.double(), expected, rtol=0, atol=2e-6 * max(1.0, float(expected.abs().max())))
+    special = torch.zeros(3, width)
+    special[0, width - 1] = float("nan")
+    special[1, :] = float("-inf")
+    special[2, 0] = float("inf")
+    token, peak, _ = cpu_native.greedy_pick(special, EXP_FLOOR)
+    assert torch.isnan(peak[0]) and peak[1] == float("-inf") and token[1] == 0 and peak[2] == float("inf")

@@ -406,3 +406,24 @@ def test_every_sampling_parameter_has_a_finite_range(field, value):
 
     with pytest.raises(InvalidSamplingParamsError, match=field):
         SamplingParams(**{field: value})
+
+
+def test_the_native_greedy_pick_gives_what_the_torch_path_gives():
+    from depthserve.kernels import cpu_native
+
+    if cpu_native.unavailable_reason() is not None:
+        pytest.skip(f"native CPU kernels unavailable: {cpu_native.unavailable_reason()}")
+    logits = random_logits(9, 1003, seed=4, scale=6.0)  # a vocabulary padded past the sampler's 1000
+    logits[2, 10] = logits[2, 500] = 50.0
+    logits[5, :600] = float("-inf")
+    rows = [row(SamplingParams(temperature=0.0, logprobs=3)) for _ in range(9)]
+    plain = Sampler({EOS}, 1000)(logits.clone(), rows)
+    native = Sampler({EOS}, 1000, greedy_pick=cpu_native.greedy_pick)(logits.clone(), rows)
+    for a, b in zip(plain, native):
+        assert (a.token_id, a.rank) == (b.token_id, b.rank)
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-5)
+        assert [t for t, _ in a.top_logprobs] == [t for t, _ in b.top_logprobs]
+        assert [v for _, v in a.top_logprobs] == pytest.approx([v for _, v in b.top_logprobs], abs=1e-5)
+    nan = logits.clone()
+    nan[1, 3] = float("nan")  # the native call reports it; the torch path handles the step
+    assert Sampler({EOS}, 1000, greedy_pick=cpu_native.greedy_pick)(nan, rows)[1].token_id == plain[1].token_id

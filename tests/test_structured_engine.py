@@ -34,17 +34,8 @@ SCHEMAS_IN_SUITE = 24  # a few hundred: bench/structured_outputs.py
 
 
 @pytest.fixture(scope="module")
-def llm():
-    return LLM("smollm2-135m-instruct", device="cpu", dtype="float32", load_progress=False, max_model_len=1024)
-
-
-@pytest.fixture(autouse=True)
-def _no_leaked_pages(request):
-    yield
-    if "llm" in request.fixturenames:
-        engine = request.getfixturevalue("llm").engine
-        assert not engine.has_unfinished_requests()
-        assert engine.block_manager.num_used_pages == 0, "a finished or failed request kept cache pages"
+def llm(smollm_llm):
+    return smollm_llm  # conftest.py: shared, and checked to be left idle and holding no page after each test
 
 
 def _chat(llm, text: str) -> list[int]:

@@ -72,8 +72,9 @@ class LLMEngine:
         self.validator = RequestValidator(self.model, self.tokenizer, self.vocab_size, self.max_model_len, self.block_manager,
                                           self.structured)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
-        self.runner = ModelRunner(self.model, self.block_manager, Sampler(self.eos_token_ids, self.vocab_size, args.seed),
-                                  self.dtype, self.device, kernels, self.structured)
+        sampler = Sampler(self.eos_token_ids, self.vocab_size, args.seed,
+                          kernels.greedy_pick if self.device.type == "cpu" else None)
+        self.runner = ModelRunner(self.model, self.block_manager, sampler, self.dtype, self.device, kernels, self.structured)
         _compile_decode_steps(self.runner, self.model, args, self.device, self.max_model_len)
         self._requests: dict[str, Request] = {}
         self.prompt_tokens_computed = self.tokens_generated = 0  # since start (recomputed prompts count again)
