@@ -102,10 +102,11 @@ class Sampler:
         A row with no finite score gets a SamplingFault instead of a token."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must be [len(rows), V], got {tuple(logits.shape)} for {len(rows)} rows")
-        picked = self._pick_greedy(logits.float()[:, : self.vocab_size], rows)
+        logits = logits.float()[:, : self.vocab_size]
+        picked = self._pick_greedy(logits, rows)
         if picked is not None:
             return picked
-        logits, peak = finite_logits(logits.float()[:, : self.vocab_size])
+        logits, peak = finite_logits(logits)
         log_z = self._log_normalizer(logits, peak)  # before the scratch buffer is reused below
         token_ids = torch.empty(len(rows), dtype=torch.long, device=logits.device)
         sampled_ok = torch.empty(len(rows), dtype=torch.bool, device=logits.device)

@@ -90,7 +90,8 @@ class StructuredOutputs:
         with self._lock:
             if self._backend is None:
                 self._backend = create_grammar_backend(self._tokenizer, self._eos_token_ids, self._backend_name)
-                self._worker = BitmaskFillWorker(self._backend)
+                if self.overlap:
+                    self._worker = BitmaskFillWorker(self._backend)
             return self._backend
 
     def compile(self, constraint: Constraint | None) -> CompiledGrammar | None:
@@ -133,7 +134,3 @@ class StructuredOutputs:
             raise ConstraintViolationError(
                 f"token {token_id} does not continue the output's constraint: {matcher.error or 'rejected'}")
         return matcher.is_finished()
-
-    def close(self) -> None:
-        if self._worker is not None:
-            self._worker.close()
