@@ -15,7 +15,7 @@ if cpu_native.unavailable_reason() is not None:
 
 # (out, in): SmolLM2's qkv, outputs that are no whole block of 16 rows, one group of inputs
 SHAPES = [(960, 576), (100, 64), (33, 96), (16, 32)]
-ROWS = [1, 3, 4, 5, 8, 9, 17]  # the kernel's row tiles are 8, 4 and 1
+ROWS = [1, 3, 4, 5, 8, 9, 17, 33]  # the kernel's row tiles are 8, 4 and 1
 
 
 def _weight(shape: tuple[int, int], bits: int, seed: int):
@@ -71,6 +71,22 @@ def test_dequantize_and_row_reads_give_the_weight(bits, shape):
     index = torch.tensor([0, shape[0] - 1, shape[0] // 2, 0])
     assert torch.equal(cpu_native.dequantize_rows(packed, index).double(), weight[index])
     assert torch.equal(cpu_native.unpack_rows(packed, index)[0], codes[index])
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("refine", [False, True])
+def test_each_row_is_bit_identical_in_any_batch(bits, refine):
+    """A row's output depends on that row only (batch invariance): one row alone and the same row in
+    batches of 16, 21 and 48 (row tiles of 8, 4 and 1 in every mix) give the same bits, fp32 and
+    bf16, the refined (LM head) arithmetic too."""
+    packed, _, _ = _weight((100, 96), bits, seed=bits)
+    generator = torch.Generator().manual_seed(9)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = (torch.randn(48, 96, generator=generator) * 3).to(dtype)
+        x[5, 32:64] = 0.0  # an all-zero group
+        alone = torch.cat([cpu_native.group_gemm(x[i:i + 1], packed, refine) for i in range(48)])
+        for rows in (16, 21, 48):
+            assert torch.equal(cpu_native.group_gemm(x[:rows], packed, refine), alone[:rows]), (dtype, rows)
 
 
 def test_quant_linear_and_tied_embedding_on_the_native_kernel():
