@@ -6,7 +6,8 @@ reference) and, for the hot ones, a Triton kernel of the same signature and mean
 
 - "auto": the Triton kernel when the op's first tensor lives on a CUDA device (and triton
   imports); on the CPU, the decode step's KV store and attention (`NATIVE_CPU_OPS`) as native
-  kernels where they load (kernels/cpu_native.py), else the torch implementation;
+  kernels where they load (kernels/cpu_native.py; bound only for a CPU engine, `native_cpu`, so
+  that a GPU engine never builds them), else the torch implementation;
 - "torch": always torch;
 - "triton": the Triton kernel on any device (on CPU that needs `TRITON_INTERPRET=1` set before
   the first kernel runs: the tests' Triton variants).
@@ -16,8 +17,7 @@ Kernels to the model in every step's metadata (`AttentionMetadata.kernels`), so 
 one process may run different backends. The torch implementations of the ops a decode step calls
 (kernels/library.py) take no host synchronisation (no data-dependent branch or shape: padding rows
 are written as harmless duplicates, `paged.masked_index_copy_`), so a compiled decode step captures
-as a CUDA graph on every backend (tests/test_kernel_fallbacks.py). `ops` is the "auto" binding, for
-code outside an engine step (benchmarks timing one op).
+as a CUDA graph on every backend (tests/test_kernel_fallbacks.py).
 """
 
 from __future__ import annotations
@@ -73,9 +73,10 @@ def triton_available() -> bool:
 class Kernels:
     """Every op of OP_NAMES as an attribute, bound by `backend` (see the module docstring);
     `traceable`: the ops of a decode step as torch.library custom ops (kernels/library.py), for
-    forwards compiled with torch.compile."""
+    forwards compiled with torch.compile; `native_cpu`: bind the native CPU kernels where they load
+    (an engine on the CPU; building them costs a minute on 2 cores, which a GPU engine need not pay)."""
 
-    def __init__(self, backend: str = "auto", traceable: bool = False):
+    def __init__(self, backend: str = "auto", traceable: bool = False, native_cpu: bool = True):
         if backend not in BACKENDS:
             raise ConfigurationError(f"kernel backend must be one of {BACKENDS}, got {backend!r}")
         if backend == "triton" and not triton_available():
@@ -83,8 +84,9 @@ class Kernels:
                                      "(pip install 'depthserve[gpu]')")
         self.backend = backend
         self.traceable = traceable
+        self.native_cpu = native_cpu = native_cpu and backend == "auto"
         # Greedy sampling's argmax and log-normalizer as one native call on the CPU (Sampler), else None.
-        self.greedy_pick = native_cpu_op("greedy_pick") if backend == "auto" else None
+        self.greedy_pick = native_cpu_op("greedy_pick") if native_cpu else None
         for family, names in FAMILIES.items():
             for name in names:
                 setattr(self, name, self._bind(family, name))
@@ -96,7 +98,7 @@ class Kernels:
 
     def _bind(self, family: str, name: str) -> Callable:
         fallback = getattr(module(family, False), name)
-        if self.backend == "auto":
+        if self.native_cpu:
             fallback = native_cpu_op(name) or fallback
         kernels = module(family, True) if name in TRITON_OPS and self.backend != "torch" else None
         if kernels is None:
@@ -112,7 +114,3 @@ class Kernels:
             return (kernel if on_gpu else fallback)(*args, **kwargs)
 
         return by_device
-
-
-ops = Kernels("auto")
-

@@ -176,6 +176,9 @@ def test_the_auto_backend_runs_the_native_decode_ops_on_cpu():
     assert cpu_implementation(auto.paged_decode_attention) is cpu_native.paged_decode_attention
     assert cpu_implementation(auto.store_kv) is cpu_native.store_kv
     assert reference.paged_decode_attention is paged.paged_decode_attention
+    gpu_engine = Kernels("auto", native_cpu=False)  # an engine on CUDA: no native CPU kernel bound or built
+    assert cpu_implementation(gpu_engine.paged_decode_attention) is paged.paged_decode_attention
+    assert gpu_engine.greedy_pick is None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -154,6 +154,10 @@ setup() {
     link_tree || fail "could not lay out the depthserve namespace in $GPU_WORK/root"
     export PYTHONPATH="$GPU_WORK/root:$GPU_WORK/site${PYTHONPATH:+:$PYTHONPATH}" PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1
     export DEPTHSERVE_TEST_TOKENIZER="$KIT/tokenizer"  # the tests' SmolLM2 tokenizer (tests/conftest.py)
+    # The CPU engines beside the GPU ones (the tests' fp32 references) run torch's CPU ops: building the
+    # native CPU kernels would spend device time (and, in a dry run, rebuild this machine's copy for
+    # another interpreter).
+    export DEPTHSERVE_NO_NATIVE_KERNELS=1
     # Compile caches outside the carried kit (a carried folder is replaced on each call), git-ignored,
     # so the next call on a warm machine reuses them.
     local cache; if dry; then cache=$GPU_WORK/cache; else cache=$REPO/gpu-out/compile-cache; fi

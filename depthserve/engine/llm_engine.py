@@ -51,7 +51,7 @@ class LLMEngine:
         self.device = _resolve_device(args.device)
         self.dtype = resolve_dtype(args.dtype, self.device)
         self.args = args = replace(args, max_num_batched_tokens=args.step_token_budget(self.device.type))
-        kernels = Kernels(args.kernel_backend)
+        kernels = Kernels(args.kernel_backend, native_cpu=self.device.type == "cpu")
         source = resolve_model(args.model)
         self.model_name, self.tokenizer = source.name, load_tokenizer(source)
         loaded = load_model(source, self.dtype, self.device, args.max_model_len, args.load_progress,

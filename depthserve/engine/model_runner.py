@@ -80,7 +80,7 @@ class ModelRunner:
         """Run decode-only steps padded to batch buckets through the compiled forward, compiling it
         now (and on CUDA capturing every bucket's graph)."""
         self.static = StaticDecode(
-            self.model.forward, self.pool, Kernels(self.kernels.backend, traceable=True), spec,
+            self.model.forward, self.pool, Kernels(self.kernels.backend, traceable=True, native_cpu=self.kernels.native_cpu), spec,
             block_size=self.block_size, max_blocks=max_blocks, max_num_seqs=max_num_seqs, device=self.device,
             scratch_page=self.scratch_page, cuda_graphs=cuda_graphs)
         self.static.warm_up()
