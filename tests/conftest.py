@@ -49,9 +49,24 @@ def _read_each_gguf_once():
         return dataclasses.replace(read, config=copy.deepcopy(read.config), dense={n: t.clone() for n, t in read.dense.items()},
                                    quantized=dict(read.quantized) if keep_codes else {}, types=dict(read.types))
 
+    # gguf's reader of a file is shared too: the transformers oracle (tests/hf_oracle.py) parses the
+    # same file with it, ~11 s a parse (the parsed fields are only read, by both).
+    import gguf
+
+    original_reader = gguf.GGUFReader
+    readers: dict[str, gguf.GGUFReader] = {}
+
+    def reader_once(path, mode: str = "r"):
+        key = f"{Path(path).resolve()}:{mode}"
+        if key not in readers:
+            readers[key] = original_reader(path, mode)
+        return readers[key]
+
     gguf_loader.load_gguf = model_loader.load_gguf = load_once
+    gguf.GGUFReader = reader_once
     yield
     gguf_loader.load_gguf = model_loader.load_gguf = original
+    gguf.GGUFReader = original_reader
 
 
 @pytest.fixture(scope="session")

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from depthserve import LLM, SamplingParams
+from depthserve import SamplingParams
 from tests.conftest import shared_data_file
 from tests.hf_oracle import hf_greedy, hf_prompt_logprobs
 
@@ -25,8 +25,8 @@ CHAT_PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def llm():
-    return LLM("smollm2-135m-instruct", dtype="float32", device="cpu", load_progress=False)
+def llm(smollm_llm):
+    return smollm_llm  # SmolLM2 in fp32 (tests/conftest.py)
 
 
 def test_greedy_chat_continuations_match_transformers(llm):

@@ -345,14 +345,15 @@ def teacher_forced_differences(expected, scored) -> list[str]:
 
 
 @pytest.mark.slow
-def test_gguf_q4_1_codes_give_the_dequantized_greedy_tokens():
+def test_gguf_q4_1_codes_give_the_dequantized_greedy_tokens(smollm_llm):
     """fp32 activations: the file's Q4_1 codes (`quantization="gguf"`; its tied Q8_0 table served as
     the file has it, dequantized) against today's path, the same codes dequantized to fp32. Today's path generates 64 greedy tokens; the int4
     engine generates the first 8 itself (decode steps through the int4 kernel) and scores all 64
     teacher-forced (prefill: dequantize + GEMM), each of them its argmax: the same 64 greedy tokens
     as its own generation would give, up to the kernel's summation order (~1e-6), at a fraction of
     the time (the int4 kernel is several times slower than an fp32 GEMM with fp32 activations)."""
-    dequantized = smollm2("none").generate(SMOLLM_PROMPTS, SamplingParams(
+    assert smollm_llm.engine.quantization.mode == "none"  # the shared fp32 engine (tests/conftest.py): dequantized
+    dequantized = smollm_llm.generate(SMOLLM_PROMPTS, SamplingParams(
         temperature=0.0, max_tokens=GREEDY_TOKENS, ignore_eos=True, logprobs=2))
     llm = smollm2("gguf")
     model, report = llm.engine.model, llm.engine.quantization
