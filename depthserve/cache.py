@@ -8,6 +8,8 @@ exactly (heads stored)/(heads of the layer) of a dense one.
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
 
@@ -67,6 +69,13 @@ class CacheLayout:
             raise ValueError("base_slots must lie in 0..len(slots)")
         if self.state_bytes < 0:
             raise ValueError("state_bytes must be >= 0")
+        # Each slot's first column (the row width last) and the columns by slot name, computed once:
+        # the models ask for them every step, for every layer and request (plain attributes, which a
+        # compiled forward reads as constants; not fields, so equality and hashing ignore them).
+        offsets = tuple(itertools.accumulate((slot.num_heads for slot in self.slots), initial=0))
+        object.__setattr__(self, "_offsets", offsets)
+        object.__setattr__(self, "_columns_by_name",
+                           {slot.name: slice(offsets[i], offsets[i + 1]) for i, slot in enumerate(self.slots)})
 
     @property
     def row_width(self) -> int:
@@ -100,12 +109,11 @@ class CacheLayout:
         return not any(slot.kind in (SlotKind.PER_KEY_BIAS, SlotKind.SEQ_STATE) for slot in self.slots)
 
     def columns(self, index: int) -> slice:
-        start = sum(slot.num_heads for slot in self.slots[:index])
-        return slice(start, start + self.slots[index].num_heads)
+        return slice(self._offsets[index], self._offsets[index + 1])
 
-    def slot_columns(self) -> dict[str, slice]:
-        """Name -> columns of every token-covering slot."""
-        return {slot.name: self.columns(i) for i, slot in enumerate(self.slots)}
+    def slot_columns(self) -> Mapping[str, slice]:
+        """Name -> columns of every token-covering slot (shared: read it, copy it to change it)."""
+        return self._columns_by_name
 
     def pages_by_kind(self) -> dict[SlotKind, int]:
         counts: dict[SlotKind, int] = {}

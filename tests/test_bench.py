@@ -353,3 +353,16 @@ def test_decode_profile_counts_busy_time_once_and_subtracts_the_prefill_run():
     assert step["kernels_per_step"] == 4 and step["graph_launch_calls_per_step"] == 1
     assert [k["name"] for k in step["top_kernels"]] == ["gemm", "attn", "argmax"]
     assert step["top_kernels"][0]["ms_per_step"] == pytest.approx(0.2)
+
+
+def test_the_ab_ratio_cancels_which_side_steps_first():
+    """bench/ab.py: B truly 10% slower, and whichever side steps second 30% slower still: each
+    order's median is off by 1.3x, their geometric mean is 1.1 exactly, and its interval holds it."""
+    import ab
+
+    true_ratio, second_penalty = 1.1, 1.3
+    a_first = [math.log(true_ratio * second_penalty * (1 + 0.01 * (i % 5 - 2))) for i in range(50)]
+    b_first = [math.log(true_ratio / second_penalty * (1 + 0.01 * (i % 7 - 3))) for i in range(50)]
+    assert ab.order_balanced_ratio(a_first, b_first) == pytest.approx(true_ratio, rel=1e-9)
+    low, high = ab.bootstrap_interval(a_first, b_first, seed=0, rounds=400)
+    assert low <= true_ratio <= high and high / low < 1.05

@@ -160,7 +160,7 @@ class StaticDecodeSpec:
 
     def columns(self) -> dict[str, slice]:
         """Name -> columns of a static decode row's page table (token-covering slots, then routed)."""
-        columns = self.layout.slot_columns()
+        columns = dict(self.layout.slot_columns())
         start = self.layout.row_width
         for slot in self.layout.routed_slots:
             columns[slot.name] = slice(start, start + slot.num_heads)

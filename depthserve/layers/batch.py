@@ -11,7 +11,7 @@ runner makes it from the scheduled sequence and reads what the forward left in t
 
 from __future__ import annotations
 
-import functools
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,8 +50,8 @@ class BatchItem:
     def decode(self) -> bool:
         return self.num_tokens == 1
 
-    @functools.cached_property
-    def slot_columns(self) -> dict[str, slice]:
+    @property
+    def slot_columns(self) -> Mapping[str, slice]:
         """Name -> columns of the request's token-covering slots."""
         return self.plan.layout.slot_columns()
 

@@ -124,7 +124,7 @@ def base_slots(cfg: LlamaConfig, spec: PUTSpec) -> tuple[SlotSpec, ...]:
 
 def base_columns(cfg: LlamaConfig, spec: PUTSpec) -> dict[str, slice]:
     """Name -> columns of the base slots, alike in every request's page table."""
-    return CacheLayout(base_slots(cfg, spec)).slot_columns()
+    return dict(CacheLayout(base_slots(cfg, spec)).slot_columns())
 
 
 def state_bytes(cfg: LlamaConfig, spec: PUTSpec, loops: int, itemsize: int) -> int:
@@ -171,7 +171,7 @@ def plan(cfg: LlamaConfig, spec: PUTSpec, depth: DepthParams, itemsize: int) -> 
                          state_bytes=state_bytes(cfg, spec, loops, itemsize))
     plain = cfg.num_layers * layer_weight_flops(cfg)
     return PUTPlan(depth=depth, layout=layout, flops_per_token=plain + extra_weight_flops(cfg, spec, loops),
-                   plain_flops_per_token=plain, loops=loops, columns=layout.slot_columns(), elastic=elastic,
+                   plain_flops_per_token=plain, loops=loops, columns=dict(layout.slot_columns()), elastic=elastic,
                    level=loops, level_work=level_work(spec))
 
 
