@@ -53,17 +53,11 @@ def _read_each_gguf_once():
     # same file with it, ~11 s a parse (the parsed fields are only read, by both).
     import gguf
 
+    from tests.hf_oracle import reading_each_gguf_once
+
     original_reader = gguf.GGUFReader
-    readers: dict[str, gguf.GGUFReader] = {}
-
-    def reader_once(path, mode: str = "r"):
-        key = f"{Path(path).resolve()}:{mode}"
-        if key not in readers:
-            readers[key] = original_reader(path, mode)
-        return readers[key]
-
     gguf_loader.load_gguf = model_loader.load_gguf = load_once
-    gguf.GGUFReader = reader_once
+    gguf.GGUFReader = reading_each_gguf_once(original_reader)
     yield
     gguf_loader.load_gguf = model_loader.load_gguf = original
     gguf.GGUFReader = original_reader

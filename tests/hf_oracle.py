@@ -4,8 +4,22 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from pathlib import Path
 
 import torch
+
+
+def reading_each_gguf_once(read):
+    """gguf's reader class `read` made to parse each file once (the parsed fields are only read)."""
+    readers = {}
+
+    def read_once(path, mode: str = "r"):
+        key = f"{Path(path).resolve()}:{mode}"
+        if key not in readers:
+            readers[key] = read(path, mode)
+        return readers[key]
+
+    return read_once
 
 
 @contextlib.contextmanager
@@ -17,15 +31,7 @@ def _gguf_read_once():
     import gguf
 
     original_reader, original_map = gguf.GGUFReader, gguf.get_tensor_name_map
-    readers: dict[str, gguf.GGUFReader] = {}
-
-    def read_once(path, mode: str = "r"):
-        key = f"{path}:{mode}"
-        if key not in readers:
-            readers[key] = original_reader(path, mode)
-        return readers[key]
-
-    gguf.GGUFReader, gguf.get_tensor_name_map = read_once, functools.cache(original_map)
+    gguf.GGUFReader, gguf.get_tensor_name_map = reading_each_gguf_once(original_reader), functools.cache(original_map)
     try:
         yield
     finally:
