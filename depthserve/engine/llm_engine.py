@@ -72,8 +72,7 @@ class LLMEngine:
         self.validator = RequestValidator(self.model, self.tokenizer, self.vocab_size, self.max_model_len, self.block_manager,
                                           self.structured)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
-        sampler = Sampler(self.eos_token_ids, self.vocab_size, args.seed,
-                          kernels.greedy_pick if self.device.type == "cpu" else None)
+        sampler = Sampler(self.eos_token_ids, self.vocab_size, args.seed, kernels.greedy_pick)  # None off the CPU
         self.runner = ModelRunner(self.model, self.block_manager, sampler, self.dtype, self.device, kernels, self.structured)
         _compile_decode_steps(self.runner, self.model, args, self.device, self.max_model_len)
         self._requests: dict[str, Request] = {}
