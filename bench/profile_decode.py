@@ -47,6 +47,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quantization", default="auto", choices=["auto", "none", "gguf", "int8", "int4"])
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--no-anchor", action="store_true", help="profile the engine only (always so on CPU)")
+    p.add_argument("--scheduler-steps", type=int, default=None,
+                   help="the engine's num_scheduler_steps (default: the engine's, 8 with CUDA graphs)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="concurrency 1, input 16, output 4")
     p.add_argument("--out", default=None, help="result name under bench/results (default: decode-profile-<device>)")

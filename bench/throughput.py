@@ -18,7 +18,8 @@ decode step time over their median gives the decode ratio that the engine could 
 everything else in its step were free.
 
 Optional systems, each taking its turn in the same repeats: `--compiled` (the engine's decode
-steps compiled at static shapes, on CUDA replayed as CUDA graphs), `--hf-compiled` (transformers'
+steps compiled at static shapes, on CUDA replayed as CUDA graphs, with its default steps ahead, or
+`--scheduler-steps`), `--compiled-one-step` (the same, one decode step per engine step), `--hf-compiled` (transformers'
 static cache, which its generate compiles on CUDA), `--anchor` (bench/anchor.py: a plain Llama
 with a static KV cache, its decode step compiled with CUDA graphs, gpt-fast style: the speed
 paging, continuous batching and depth support should not cost), `--llamacpp` (llama.cpp through
@@ -66,6 +67,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compiled", action="store_true",
                    help="also time the engine with decode steps compiled at static shapes (enforce_eager=False), "
                         "taking turns with the eager engine and transformers")
+    p.add_argument("--scheduler-steps", type=int, default=None,
+                   help="the compiled engine's num_scheduler_steps (decode steps run ahead per engine step; "
+                        "default: the engine's, 8 with CUDA graphs)")
+    p.add_argument("--compiled-one-step", action="store_true",
+                   help="also time the compiled engine one decode step at a time (num_scheduler_steps=1)")
     p.add_argument("--hf-compiled", action="store_true",
                    help="also time transformers with its static cache (compiled by its generate on CUDA)")
     p.add_argument("--anchor", action="store_true",
@@ -85,15 +91,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 class EngineRunner:
-    def __init__(self, ns: argparse.Namespace, max_batch: int, compiled: bool = False, fp32: bool = False):
+    def __init__(self, ns: argparse.Namespace, max_batch: int, compiled: bool = False, fp32: bool = False,
+                 one_step: bool = False):
         from depthserve import LLM
 
-        self.name = "engine_fp32" if fp32 else "engine_compiled" if compiled else "engine"
+        self.name = ("engine_fp32" if fp32 else "engine_compiled_1step" if one_step
+                     else "engine_compiled" if compiled else "engine")
         formats = {"dtype": "float32", "quantization": "none"} if fp32 else {"dtype": ns.dtype, "quantization": ns.quantization}
 
         extra = {}
         if ns.max_num_batched_tokens:
             extra["max_num_batched_tokens"] = ns.max_num_batched_tokens
+        if compiled and (one_step or ns.scheduler_steps):
+            extra["num_scheduler_steps"] = 1 if one_step else ns.scheduler_steps
         # Prefix caching off: every repeat must prefill its prompts again.
         self.llm = LLM(ns.model, device=ns.device, num_threads=ns.threads,
                        max_num_seqs=max(max_batch, 1), enable_prefix_caching=False,
@@ -346,6 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = EngineRunner(ns, max(batch_sizes))
     sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
     compiled = EngineRunner(ns, max(batch_sizes), compiled=True) if ns.compiled else None
+    one_step = EngineRunner(ns, max(batch_sizes), compiled=True, one_step=True) if ns.compiled_one_step else None
     hf_model = (common.load_hf_model(ns.model, engine.dtype, str(engine.device))
                 if not ns.no_hf or ns.hf_compiled or ns.anchor else None)
     hf = None if ns.no_hf else HFRunner(hf_model, engine.device)
@@ -355,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     llamacpp = llamacpp_runner(ns, torch.get_num_threads()) if ns.llamacpp else None
     extra += [llamacpp] if llamacpp is not None else []
     extra += [EngineRunner(ns, max(batch_sizes), fp32=True)] if ns.engine_fp32 else []
-    runners = [r for r in (engine, compiled, hf) if r is not None] + extra
+    runners = [r for r in (engine, compiled, one_step, hf) if r is not None] + extra
 
     name = ns.out or f"throughput-{common.device_slug(str(engine.device))}" + ("-quick" if ns.quick else "")
     rows = []
@@ -378,6 +389,9 @@ def main(argv: list[str] | None = None) -> int:
             row.update({"compiled_decode_tok_s": c["decode_tok_s"], "compiled_prefill_tok_s": c["prefill_tok_s"]})
             if hf is not None and c["decode_tok_s"] and h["decode_tok_s"]:
                 row["compiled_decode_ratio"] = c["decode_tok_s"] / h["decode_tok_s"]
+        if one_step is not None:
+            o = figures["engine_compiled_1step"]
+            row.update({"compiled_1step_decode_tok_s": o["decode_tok_s"], "compiled_1step_prefill_tok_s": o["prefill_tok_s"]})
         for runner in extra:  # hf_compiled, anchor, llamacpp: their figures, and the engine's against them
             row.update(baseline_columns(runner.name, figures[runner.name], e, row.get("compiled_decode_tok_s")))
         row.update(matmul_floor(matmul_ms, h if hf is not None else None))
@@ -436,6 +450,8 @@ def _format_row(row: dict) -> str:
         text += (f"\n                 compiled: prefill {row['compiled_prefill_tok_s']:8.1f} tok/s, decode "
                  f"{_figure(row['compiled_decode_tok_s'], 7, 1)} tok/s, decode ratio "
                  f"{_figure(row.get('compiled_decode_ratio'), 0, 2)}")
+    if "compiled_1step_decode_tok_s" in row:
+        text += f"; one step at a time: decode {_figure(row['compiled_1step_decode_tok_s'], 7, 1)} tok/s"
     for name in ("hf_compiled", "anchor", "llamacpp"):
         if f"{name}_decode_tok_s" in row:
             text += (f"\n                 {name}: prefill {row[f'{name}_prefill_tok_s']:8.1f} tok/s, decode "

@@ -40,6 +40,12 @@ class EngineArgs:
     # On CUDA, each batch bucket's compiled decode step captured as a CUDA graph at start-up and
     # replayed (one launch a step); False: the compiled step launches its kernels one by one.
     cuda_graphs: bool = True
+    # Decode steps run back to back per engine step, each one's greedy token fed to the next on the
+    # device (vLLM's multi-step scheduling; engine/static_decode.py "Steps ahead"): for compiled
+    # decode-only batches of greedy rows with nothing to apply, when no request is waiting. None: 8
+    # where decode steps are captured as CUDA graphs (the host's per-step work is then most of a
+    # step), else 1.
+    num_scheduler_steps: int | None = None
     # How deep the tokens of requests with a range knob run (depthserve/engine/depth_policy.py):
     # "fixed" (each range at its maximum), "slo" (as deep as keeps each step within tpot_slo_ms) or
     # "confidence" (each token until its readout is confident, confidence_threshold).
@@ -56,6 +62,12 @@ class EngineArgs:
             return self.max_num_batched_tokens
         return 8192 if device_type == "cuda" else 512
 
+    def scheduler_steps(self, cuda_graphs: bool) -> int:
+        """num_scheduler_steps, or its default for a decode step captured as CUDA graphs or not."""
+        if self.num_scheduler_steps is not None:
+            return self.num_scheduler_steps
+        return 8 if cuda_graphs else 1
+
     def validate(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ConfigurationError(f"block_size must be a power of two, got {self.block_size}")
@@ -67,6 +79,8 @@ class EngineArgs:
             raise ConfigurationError(f"num_threads must be positive, got {self.num_threads}")
         if self.kv_cache_memory_gib is not None and self.kv_cache_memory_gib <= 0:
             raise ConfigurationError("kv_cache_memory_gib must be positive")
+        if self.num_scheduler_steps is not None and not 1 <= self.num_scheduler_steps <= 256:
+            raise ConfigurationError(f"num_scheduler_steps must lie in 1..256, got {self.num_scheduler_steps}")
         if self.kernel_backend not in ("auto", "torch", "triton"):
             raise ConfigurationError(f"kernel_backend must be auto, torch or triton, got {self.kernel_backend!r}")
         if self.depth_policy not in ("fixed", "slo", "confidence"):

@@ -60,7 +60,7 @@ class SamplingFault:
     reason: str
 
 
-_NO_FINITE_SCORE = "the model produced no finite next-token score for this sequence (NaN or -inf logits)"
+NO_FINITE_SCORE = "the model produced no finite next-token score for this sequence (NaN or -inf logits)"
 _FLOAT_MAX = torch.finfo(torch.float32).max
 
 
@@ -117,7 +117,7 @@ class Sampler:
         if random:
             token_ids[random], sampled_ok[random] = self._random(logits, random, rows)
         tokens = self._with_logprobs(logits, log_z, token_ids, rows)
-        return [token if ok else SamplingFault(_NO_FINITE_SCORE) for token, ok in zip(tokens, sampled_ok.tolist())]
+        return [token if ok else SamplingFault(NO_FINITE_SCORE) for token, ok in zip(tokens, sampled_ok.tolist())]
 
     def _pick_greedy(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken] | None:
         """The step through `greedy_pick` where it applies: every row greedy with no bias, penalty or
@@ -153,6 +153,11 @@ class Sampler:
         if not params.ignore_eos:  # with ignore_eos, eos does not stop, so it needs no ban
             banned |= self.eos_token_ids
         return sorted(t for t in banned if t < self.vocab_size)
+
+    def picks_plainly(self, row: SamplingRow) -> bool:
+        """A greedy row with no bias, penalty or ban to apply and no logprob ranks or alternatives
+        asked for: `greedy_tokens` picks its token and logprob as this sampler would."""
+        return row.params.greedy and row.params.logprobs is None and not self._needs_processing(row)
 
     def _needs_processing(self, row: SamplingRow) -> bool:
         p = row.params
@@ -429,6 +434,20 @@ def prompt_logprobs(logits: torch.Tensor, target_ids: torch.Tensor,
 
 
 # ---- helpers -------------------------------------------------------------------------------------
+def greedy_tokens(logits: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Greedy picks of rows with nothing to apply, as `Sampler` makes them on its general path and
+    with the same arithmetic, but without a host synchronisation, so a CUDA graph can hold it:
+    (token [B], its logprob [B], whether the row had a finite score to pick [B])."""
+    logits = logits.float()[:, :vocab_size]
+    # finite_logits' replacement applied unconditionally: the identity where every score is finite or -inf
+    logits = torch.nan_to_num(logits, nan=float("-inf"), posinf=_FLOAT_MAX, neginf=float("-inf"))
+    peak = logits.amax(dim=-1, keepdim=True)
+    log_z = (logits - peak).clamp_(min=EXP_FLOOR).exp_().sum(dim=-1).log_().add_(peak.squeeze(1))
+    chosen = logits.argmax(dim=-1)
+    score = logits.gather(1, chosen.unsqueeze(1)).squeeze(1)
+    return chosen, score - log_z, score > float("-inf")
+
+
 def finite_logits(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(logits with NaN as -inf (never sampled) and +inf as the largest float, each row's maximum
     [B, 1]); the same tensor when every entry is already finite or -inf. A row's maximum is NaN

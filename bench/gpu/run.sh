@@ -32,7 +32,8 @@
 #
 # Settings (environment): OUT, PYTHON (python3), BATCH_SIZES (1,64), ARCHS (itt,sgt,dreamer,put),
 # DEPTH_ARGS, KERNELS_ARGS, PYTEST_ARGS (e.g. -k 'llama or sgt'), RUN_BUDGET_S (570),
-# STAGE_BUDGETS, KEEP_GOING, THROUGHPUT_SYSTEMS (--compiled --hf-compiled --anchor), PROFILE_BATCH_SIZES (1,64),
+# STAGE_BUDGETS, KEEP_GOING, THROUGHPUT_SYSTEMS (--compiled --compiled-one-step --hf-compiled --anchor), REPEATS (3),
+# PROFILE_BATCH_SIZES (1,64),
 # GPU_WORK (/tmp/depthserve-gpu), KIT (.gpu), DRY_RUN.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -47,6 +48,8 @@ KERNEL_TESTS=(tests/test_cuda.py::test_paged_decode_kernel_in_half_precision_mat
               tests/test_kernels.py tests/test_saobp_kernels.py)
 ENGINE_TESTS=(tests/test_cuda.py::test_engine_on_cuda_generates_the_cpu_engines_tokens_in_fp32
               tests/test_cuda.py::test_cuda_graphs_equal_the_eager_engine_on_a_mixed_depth_batch_with_preemption
+              "tests/test_steps_ahead.py::test_steps_ahead_equal_one_step_at_a_time_with_stops_inside_them_and_preemption[cuda]"
+              "tests/test_steps_ahead.py::test_steps_ahead_on_a_depth_model_with_mixed_depth[cuda]"
               tests/test_triton_engine.py tests/test_depth_triton.py)
 # Imports the tree's depthserve first: pytest's rootdir insertion then cannot shadow it. Leaves with
 # os._exit once pytest has written its report: inductor's exit handler waits up to 300 s for its
@@ -216,7 +219,8 @@ stage_throughput() {
     if dry; then bench_imports bench/throughput.py --optional llama_cpp; return; fi
     # shellcheck disable=SC2086  # THROUGHPUT_SYSTEMS: several arguments
     limited "$PY" bench/throughput.py --model "$model" --device cuda --dtype bfloat16 \
-        ${THROUGHPUT_SYSTEMS:---compiled --hf-compiled --anchor} --batch-sizes "${BATCH_SIZES:-1,64}" --repeats 3 2>&1 | tee "$OUT/throughput.log"
+        ${THROUGHPUT_SYSTEMS:---compiled --compiled-one-step --hf-compiled --anchor} --batch-sizes "${BATCH_SIZES:-1,64}" \
+        --repeats "${REPEATS:-3}" 2>&1 | tee "$OUT/throughput.log"
 }
 
 stage_profile() {  # where a decode step's time goes: launches, GPU busy share, top kernels (engine vs anchor)

@@ -28,6 +28,7 @@ from depthserve.engine.model_runner import ModelRunner, SeqStepOutput
 from depthserve.engine.output_processor import OutputProcessor, eos_token_ids
 from depthserve.engine.requests import Request, RequestValidator, ValidatedRequest, new_request
 from depthserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
+from depthserve.engine.sequence import SequenceStatus
 from depthserve.engine.step_clock import DecodeWaitClock
 from depthserve.engine.structured_output import StructuredOutputs
 from depthserve.errors import ConfigurationError, InvalidRequestError
@@ -170,22 +171,34 @@ class LLMEngine:
             self.decode_wait.idle()
             return []
         scheduled = replay_recorded_levels(self.depth_policy.assign(scheduler_output.scheduled))
+        steps = self._steps_ahead(scheduled)
         rewind_generators = _generator_rewinder(scheduled)
         try:
-            results = self.runner.execute(scheduled)
+            per_step = self.runner.execute_ahead(scheduled, steps) if steps > 1 else [self.runner.execute(scheduled)]
         except Exception as exc:
             if _is_device_fault(exc):
                 raise
             rewind_generators()
             return self._on_step_fault(scheduler_output.scheduled, exc)
         self.scheduler.step_succeeded(scheduled)
-        ran = [result.scheduled for result in results]  # with the levels tokens ran (confidence exits)
-        self.depth_accounting.count_step(scheduled, ran)
-        self.prompt_tokens_computed += sum(max(0, min(i.end, i.seq.num_prompt_tokens) - i.start) for i in ran)
-        self.tokens_generated += sum(result.sampled is not None for result in results)
-        outputs = self._postprocess(results)
-        self.depth_policy.observe(ran, self.decode_wait.lap(start, work_left=self.has_unfinished_requests()))
-        return outputs
+        outputs: dict[str, RequestOutput] = {}  # each request's latest (outputs are cumulative)
+        for results in per_step:
+            # Steps ahead: a sequence that finished at an earlier step drops the tokens computed past its end.
+            results = [result for result in results if result.scheduled.seq.status is SequenceStatus.RUNNING]
+            ran = [result.scheduled for result in results]  # with the levels tokens ran (confidence exits)
+            self.depth_accounting.count_step(scheduled if steps == 1 else ran, ran)
+            self.prompt_tokens_computed += sum(max(0, min(i.end, i.seq.num_prompt_tokens) - i.start) for i in ran)
+            self.tokens_generated += sum(result.sampled is not None for result in results)
+            outputs.update((output.request_id, output) for output in self._postprocess(results))
+        wait = self.decode_wait.lap(start, work_left=self.has_unfinished_requests())
+        self.depth_policy.observe(ran, wait / len(per_step))
+        return list(outputs.values())
+
+    def _steps_ahead(self, scheduled: list[ScheduledSeq]) -> int:
+        """Decode steps this batch runs in one go (engine/static_decode.py, "Steps ahead")."""
+        if not self.runner.can_run_ahead(scheduled):
+            return 1
+        return self.scheduler.look_ahead(scheduled, self.runner.static.steps_ahead)
 
     def _on_step_fault(self, scheduled: list[ScheduledSeq], exc: Exception) -> list[RequestOutput]:
         if len(scheduled) > 1:
@@ -274,7 +287,9 @@ def _compile_decode_steps(runner: ModelRunner, model: DepthModel, args: EngineAr
     spec = model.static_decode_spec()
     compiles = not args.enforce_eager if args.enforce_eager is not None else device.type == "cuda"
     if spec is not None and compiles:
-        runner.enable_static_decode(spec, -(-max_model_len // args.block_size), args.max_num_seqs, args.cuda_graphs)
+        graphs = args.cuda_graphs and device.type == "cuda"
+        runner.enable_static_decode(spec, -(-max_model_len // args.block_size), args.max_num_seqs, args.cuda_graphs,
+                                    args.scheduler_steps(graphs))
 
 
 def _depth_policy(args: EngineArgs, model: DepthModel) -> DepthPolicy:

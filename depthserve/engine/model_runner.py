@@ -19,7 +19,8 @@ from depthserve.engine.static_decode import DecodeRow, StaticDecode, spec_column
 from depthserve.kernels.dispatch import Kernels
 from depthserve.layers.attention import AttentionMetadata, KVPool, PrefillSeqMeta
 from depthserve.layers.batch import BatchItem, StepBatch, decode_tables_tensors, page_table_tensor
-from depthserve.sampler import Sampler, SampledToken, SamplingFault, SamplingRow, prompt_logprobs
+from depthserve.sampler import (NO_FINITE_SCORE, Sampler, SampledToken, SamplingFault, SamplingRow, greedy_tokens,
+                                prompt_logprobs)
 
 
 _NO_ALLOWED_TOKEN = ("no token can be sampled: the structured-output constraint allows none of the tokens the "
@@ -76,14 +77,19 @@ class ModelRunner:
         )
 
     def enable_static_decode(self, spec: StaticDecodeSpec, max_blocks: int, max_num_seqs: int,
-                             cuda_graphs: bool = True) -> None:
+                             cuda_graphs: bool = True, steps_ahead: int = 1) -> None:
         """Run decode-only steps padded to batch buckets through the compiled forward, compiling it
-        now (and on CUDA capturing every bucket's graph)."""
+        now (and on CUDA capturing every bucket's graph); with steps_ahead > 1, greedy batches may
+        run that many steps in one go (`execute_ahead`)."""
+        kernels = Kernels(self.kernels.backend, traceable=True, native_cpu=self.kernels.native_cpu)
         self.static = StaticDecode(
-            self.model.forward, self.pool, Kernels(self.kernels.backend, traceable=True, native_cpu=self.kernels.native_cpu), spec,
-            block_size=self.block_size, max_blocks=max_blocks, max_num_seqs=max_num_seqs, device=self.device,
-            scratch_page=self.scratch_page, cuda_graphs=cuda_graphs)
+            self.model.forward, self.pool, kernels, spec, block_size=self.block_size, max_blocks=max_blocks,
+            max_num_seqs=max_num_seqs, device=self.device, scratch_page=self.scratch_page, cuda_graphs=cuda_graphs,
+            pick=self._pick_greedy, steps_ahead=steps_ahead)
         self.static.warm_up()
+
+    def _pick_greedy(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return greedy_tokens(self.model.compute_logits(hidden), self.sampler.vocab_size)
 
     @staticmethod
     def page_bytes(block_size: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -126,15 +132,40 @@ class ModelRunner:
                      for i, item in enumerate(batch)]
         return self._postprocess_logits(batch, hidden, masks)
 
+    # ---- steps ahead (engine/static_decode.py) ---------------------------------------------------
+    def can_run_ahead(self, batch: list[ScheduledSeq]) -> bool:
+        """Whether the batch may run several decode steps in one go: a static decode step whose rows
+        all sample a greedy token with nothing to apply and no constraint (`Sampler.picks_plainly`)."""
+        return (self.static is not None and self.static.steps_ahead > 1 and self._is_static_decode(batch)
+                and all(_samples(item) and item.exit_threshold is None and item.seq.matcher is None
+                        and self.sampler.picks_plainly(self._sampling_row(item)) for item in batch))
+
+    @torch.inference_mode()
+    def execute_ahead(self, batch: list[ScheduledSeq], steps: int) -> list[list[SeqStepOutput]]:
+        """`steps` decode steps of the batch (each sequence's pages grown for them), one list of
+        outputs per step: step k's item of a sequence starts k positions after its scheduled one."""
+        rows = [self._decode_row(item, steps) for item in batch]
+        picked = self.static.run_ahead(rows, steps)
+        return [[self._picked_output(replace(item, start=item.start + k), picked.token_ids[k, i],
+                                     picked.logprobs[k, i], picked.finite[k, i]) for i, item in enumerate(batch)]
+                for k in range(steps)]
+
+    @staticmethod
+    def _picked_output(item: ScheduledSeq, token: int, logprob: float, finite: bool) -> SeqStepOutput:
+        if not finite:
+            return SeqStepOutput(item, None, [], fault=NO_FINITE_SCORE)
+        return SeqStepOutput(item, SampledToken(int(token), float(logprob), 0, []), [])
+
     def _is_static_decode(self, batch: list[ScheduledSeq]) -> bool:
         # A range knob's deeper slots grow with the tokens that ran them: such steps run eagerly.
         return (self.static is not None and len(batch) <= self.static.buckets[-1]
                 and all(item.num_tokens == 1 and item.level is None for item in batch))
 
-    def _decode_row(self, item: ScheduledSeq) -> DecodeRow:
-        """The sequence's decode step with its page-table columns moved to the static spec's."""
+    def _decode_row(self, item: ScheduledSeq, steps: int = 1) -> DecodeRow:
+        """The sequence's decode step with its page-table columns moved to the static spec's, its
+        table covering the positions of `steps` steps."""
         seq, bs = item.seq, self.block_size
-        table = self._row_table(seq, -(-item.end // bs))
+        table = self._row_table(seq, -(-(item.end + steps - 1) // bs))
         columns = self._spec_columns(seq.layout)
         write = np.where(columns >= 0, table.blocks(item.start // bs, item.start // bs + 1)[0] * bs + item.start % bs,
                          -1)

@@ -157,6 +157,23 @@ class Scheduler:
             self._schedule_waiting(out, budget)
         return out
 
+    def look_ahead(self, items: list[ScheduledSeq], steps: int) -> int:
+        """How many decode steps the scheduled batch runs back to back (engine/static_decode.py
+        "Steps ahead"): up to `steps` when every scheduled sequence decodes one token, nothing waits
+        to be admitted (a sequence preempted this step waits too) and every sequence's pages grow to
+        the tokens ahead without preempting (they then do); no sequence steps past its max_tokens.
+        Else 1."""
+        if steps <= 1 or self.waiting or not items:
+            return 1
+        if any(item.num_tokens != 1 or not item.samples or item.seq.isolate_until is not None for item in items):
+            return 1
+        steps = min([steps] + [item.seq.max_tokens - len(item.seq.output_token_ids) for item in items])
+        for item in items:
+            if steps <= 1 or not self.block_manager.can_grow(item.seq, item.start + steps):
+                return 1  # pages already grown stay with their sequences, which reach them in later steps
+            self.block_manager.grow(item.seq, item.start + steps)
+        return steps
+
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         index = 0
         while index < len(self.running) and budget > 0:

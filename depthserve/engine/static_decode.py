@@ -34,6 +34,19 @@ a bucket's inputs never change shape or address, and each bucket's step is captu
 graph at start-up (vLLM's design): a step is one host-to-device copy, the table update (at most
 two small device ops) and one graph replay, whatever the batch's depth settings, instead of a
 launch per kernel.
+
+Steps ahead (vLLM's multi-step scheduling): a step's host work (scheduling, the rows, the copy,
+the sampler's launches and its synchronisation, the outputs) keeps the GPU idle for most of a small
+batch's decode step. When every row of a decode-only batch is greedy with nothing to apply, the
+engine may run up to `num_scheduler_steps` steps in one go (`run_ahead`): each step's graph also
+holds the LM head, the greedy pick (`sampler.greedy_tokens`: the sampler's own arithmetic) and the
+advance of every real row's inputs on the device (its token becomes the next input, its position and
+context length grow by one, its cache write index moves to the next position's page), so the steps
+replay back to back with no host work between them, and the host reads all their tokens in one
+synchronisation. The scheduler gives each sequence the pages of the steps ahead first
+(Scheduler.look_ahead); the engine then takes the tokens in one at a time, so a sequence that stops
+within them keeps only the tokens up to its stop, and its pages (holding the keys of tokens past
+the stop, never read) are freed as at any finish.
 """
 
 from __future__ import annotations
@@ -67,6 +80,19 @@ def decode_buckets(max_num_seqs: int) -> tuple[int, ...]:
 
 
 @dataclass(frozen=True)
+class AheadTokens:
+    """What `StaticDecode.run_ahead` picked, [steps, rows] each (host arrays)."""
+
+    token_ids: np.ndarray
+    logprobs: np.ndarray
+    finite: np.ndarray  # the row had a finite score to pick at that step (else the sampler's fault)
+
+
+# hidden states [rows, hidden] -> (greedy token, its logprob, whether it was finite), each [rows], no host sync
+Pick = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True)
 class DecodeRow:
     """One sequence's decode step, laid out for the model's StaticDecodeSpec."""
 
@@ -97,7 +123,7 @@ class StaticDecode:
 
     def __init__(self, forward: Callable, pool: KVPool, kernels: Kernels, spec: StaticDecodeSpec, *,
                  block_size: int, max_blocks: int, max_num_seqs: int, device: torch.device, scratch_page: int,
-                 cuda_graphs: bool = True):
+                 cuda_graphs: bool = True, pick: Pick | None = None, steps_ahead: int = 1):
         self.pool, self.kernels, self.device, self.spec = pool, kernels, device, spec
         self.scratch_page = scratch_page  # where padding rows and missing slots point (no sequence holds it)
         self.block_size, self.width, self.max_blocks = block_size, spec.width, max_blocks
@@ -129,6 +155,13 @@ class StaticDecode:
         self._host = torch.zeros(sum(self._sizes), dtype=torch.int64, pin_memory=device.type == "cuda")
         self._device = self._host if device.type == "cpu" else torch.zeros_like(self._host, device=device)
         self.decisions = torch.zeros(rows, spec.decisions, dtype=torch.int32, device=device)
+        # Steps ahead (module docstring): where the spec keeps no per-step host record (routing decisions,
+        # routed slots' lengths), with the pick of each step's tokens.
+        self._pick = pick
+        self.steps_ahead = steps_ahead if pick is not None and not spec.decisions and not self.num_routed else 1
+        self._ahead_out = (torch.zeros(self.steps_ahead, rows, dtype=torch.int64, device=device),
+                           torch.zeros(self.steps_ahead, rows, dtype=torch.float32, device=device),
+                           torch.zeros(self.steps_ahead, rows, dtype=torch.bool, device=device))
         self.levels: tuple[int | None, ...] = spec.levels or (None,)  # one compiled graph per level cap
         # The batch (and on CPU the table and pool lengths) marked dynamic on every call; the level cap
         # is a constant of each graph. Dynamo keeps a graph per level and per model instance (each
@@ -138,6 +171,7 @@ class StaticDecode:
         self.forward = torch.compile(forward, fullgraph=True, dynamic=None)
         # CUDA: (bucket size, level cap) -> (captured graph, its output), filled by warm_up; one memory pool.
         self._graphs: dict[tuple[int, int | None], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._ahead_graphs: dict[tuple[int, int | None], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]] = {}
         self._graph_pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
         # Warm-up runs and captures on one side stream (as torch.cuda.graph's documentation does), so the
         # libraries' per-stream workspaces exist before capture.
@@ -166,10 +200,16 @@ class StaticDecode:
                 for size in reversed(self.buckets):
                     for row in idle:
                         self.run([row] * size)  # the eager run first: Triton's kernels compile outside capture
-                        self._capture(size, self._cap([row]))
+                        self._capture(self._graphs, self._step, size, self._cap([row]))
+                        if self.steps_ahead > 1:
+                            self.run_ahead([row] * size, 1)
+                            self._capture(self._ahead_graphs, self._step_ahead, size, self._cap([row]))
             torch.cuda.current_stream(self.device).wait_stream(self._capture_stream)
-            logger.info("captured %d CUDA graphs of the decode step in %.1f s", len(self._graphs),
+            logger.info("captured %d CUDA graphs of the decode step in %.1f s", len(self._graphs) + len(self._ahead_graphs),
                         time.perf_counter() - start)
+        elif self.steps_ahead > 1:
+            for row in idle:
+                self.run_ahead([row] * self.buckets[0], 1)
         self.level_steps.clear()
 
     def _cap(self, rows: list[DecodeRow]) -> int | None:
@@ -180,19 +220,45 @@ class StaticDecode:
         return next(level for level in self.spec.levels if level >= deepest)
 
     @torch.inference_mode()
-    def _capture(self, size: int, cap: int | None) -> None:
-        """Record the bucket's step on its buffers' current contents: a replay reruns it on whatever
-        the buffers then hold."""
-        args = self._arguments(size, self.max_blocks, cap)
+    def _capture(self, graphs: dict, step: Callable, size: int, cap: int | None) -> None:
+        """Record the bucket's step (`_step` or `_step_ahead`) on its buffers' current contents: a
+        replay reruns it on whatever the buffers then hold."""
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._graph_pool, stream=self._capture_stream):
-            out = self.forward(*args)
-        self._graphs[size, cap] = (graph, out)
+            out = step(size, self.max_blocks, cap)
+        graphs[size, cap] = (graph, out)
 
     @torch.inference_mode()
     def run(self, rows: list[DecodeRow]) -> torch.Tensor:
         """Hidden states [len(rows), hidden] of one decode step."""
+        size, blocks, cap = self._load(rows, 1)
+        if (size, cap) in self._graphs:
+            graph, out = self._graphs[size, cap]
+            graph.replay()
+            return out[: len(rows)]
+        return self._step(size, blocks, cap)[: len(rows)]
+
+    @torch.inference_mode()
+    def run_ahead(self, rows: list[DecodeRow], steps: int) -> AheadTokens:
+        """`steps` decode steps back to back, each row's greedy token the input of its next step
+        (module docstring, "Steps ahead"); the rows' tables cover every step's position."""
+        if not 1 <= steps <= self.steps_ahead:
+            raise ValueError(f"steps ahead must lie in 1..{self.steps_ahead}, got {steps}")
+        size, blocks, cap = self._load(rows, steps)
+        for k in range(steps):
+            if (size, cap) in self._ahead_graphs:
+                graph, picked = self._ahead_graphs[size, cap]
+                graph.replay()
+            else:
+                picked = self._step_ahead(size, blocks, cap)
+            for buffer, value in zip(self._ahead_out, picked):
+                buffer[k, :size].copy_(value)
+        return AheadTokens(*(buffer[:steps, : len(rows)].cpu().numpy() for buffer in self._ahead_out))
+
+    def _load(self, rows: list[DecodeRow], steps: int) -> tuple[int, int, int | None]:
+        """Fill the step's buffers with the rows (one host-to-device copy on CUDA) and count the
+        steps; returns (bucket size, table blocks the step reads, level cap)."""
         size = self.bucket(len(rows))
         blocks = self.max_blocks
         if self.dynamic:  # CPU: tables as long as the longest context, in powers of two from 2 blocks
@@ -218,14 +284,28 @@ class StaticDecode:
             used = sum(self._sizes[:-1]) + staged
             self._device[:used].copy_(self._host[:used], non_blocking=True)
             self.tables.apply_on_device(update, self._views(self._device, size)[-1][:staged])
-        self.steps += 1
+        self.steps += steps
         cap = self._cap(rows)
-        self.level_steps[cap] = self.level_steps.get(cap, 0) + 1
-        if (size, cap) in self._graphs:
-            graph, out = self._graphs[size, cap]
-            graph.replay()
-            return out[: len(rows)]
-        return self.forward(*self._arguments(size, blocks, cap))[: len(rows)]
+        self.level_steps[cap] = self.level_steps.get(cap, 0) + steps
+        return size, blocks, cap
+
+    def _step(self, size: int, blocks: int, cap: int | None) -> torch.Tensor:
+        return self.forward(*self._arguments(size, blocks, cap))
+
+    def _step_ahead(self, size: int, blocks: int, cap: int | None) -> tuple[torch.Tensor, ...]:
+        """A decode step whose picked tokens become the next step's inputs (module docstring)."""
+        token, logprob, finite = self._pick(self._step(size, blocks, cap))
+        ids, positions, lens, index = self._views(self._device, size)[:4]
+        live = (index >= 0).any(dim=1)  # padding rows write nothing and stay where they are
+        ids.copy_(torch.where(live, token, ids))
+        advance = live.to(positions.dtype)
+        positions.add_(advance)
+        lens.add_(advance)
+        table = self.tables.table[:size]
+        block = (positions // self.block_size).clamp_(max=table.shape[1] - 1)
+        pages = table.gather(1, block.view(size, 1, 1).expand(size, 1, table.shape[2])).squeeze(1).to(index.dtype)
+        index.copy_(torch.where(index >= 0, pages * self.block_size + (positions % self.block_size).unsqueeze(1), index))
+        return token, logprob, finite
 
     def _arguments(self, size: int, blocks: int, cap: int | None) -> tuple:
         """The forward's arguments for a step of `size` rows: views of the device buffer."""
