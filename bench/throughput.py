@@ -72,6 +72,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "default: the engine's, 8 with CUDA graphs)")
     p.add_argument("--compiled-one-step", action="store_true",
                    help="also time the compiled engine one decode step at a time (num_scheduler_steps=1)")
+    p.add_argument("--no-eager", action="store_true",
+                   help="leave the eager engine out of the timed systems (with --compiled: on CUDA it is launch-bound, "
+                        "and its turns take most of a run's time)")
     p.add_argument("--hf-compiled", action="store_true",
                    help="also time transformers with its static cache (compiled by its generate on CUDA)")
     p.add_argument("--anchor", action="store_true",
@@ -366,7 +369,8 @@ def main(argv: list[str] | None = None) -> int:
     llamacpp = llamacpp_runner(ns, torch.get_num_threads()) if ns.llamacpp else None
     extra += [llamacpp] if llamacpp is not None else []
     extra += [EngineRunner(ns, max(batch_sizes), fp32=True)] if ns.engine_fp32 else []
-    runners = [r for r in (engine, compiled, one_step, hf) if r is not None] + extra
+    timed_engine = None if ns.no_eager else engine
+    runners = [r for r in (timed_engine, compiled, one_step, hf) if r is not None] + extra
 
     name = ns.out or f"throughput-{common.device_slug(str(engine.device))}" + ("-quick" if ns.quick else "")
     rows = []
@@ -375,20 +379,21 @@ def main(argv: list[str] | None = None) -> int:
         row: dict = {"concurrency": concurrency}
         figures, matmul_ms = measure(runners, prompts, ns.output_len, ns.repeats, sync,
                                      probe=matmul_probe(engine, concurrency, sync))
-        e = figures["engine"]
+        e = figures.get("engine", {"decode_tok_s": None, "prefill_tok_s": None})
         row.update({"engine_decode_tok_s": e["decode_tok_s"], "engine_prefill_tok_s": e["prefill_tok_s"]})
         if hf is not None:
             h = figures["hf"]
             row.update({
                 "hf_decode_tok_s": h["decode_tok_s"], "hf_prefill_tok_s": h["prefill_tok_s"],
                 "decode_ratio": e["decode_tok_s"] / h["decode_tok_s"] if e["decode_tok_s"] and h["decode_tok_s"] else None,
-                "prefill_ratio": e["prefill_tok_s"] / h["prefill_tok_s"],
+                "prefill_ratio": e["prefill_tok_s"] / h["prefill_tok_s"] if e["prefill_tok_s"] else None,
             })
         if compiled is not None:
             c = figures["engine_compiled"]
             row.update({"compiled_decode_tok_s": c["decode_tok_s"], "compiled_prefill_tok_s": c["prefill_tok_s"]})
             if hf is not None and c["decode_tok_s"] and h["decode_tok_s"]:
                 row["compiled_decode_ratio"] = c["decode_tok_s"] / h["decode_tok_s"]
+                row["compiled_prefill_ratio"] = c["prefill_tok_s"] / h["prefill_tok_s"]
         if one_step is not None:
             o = figures["engine_compiled_1step"]
             row.update({"compiled_1step_decode_tok_s": o["decode_tok_s"], "compiled_1step_prefill_tok_s": o["prefill_tok_s"]})
@@ -434,16 +439,17 @@ def baseline_columns(name: str, baseline: dict, engine: dict, compiled_decode: f
     best = max((x for x in (engine["decode_tok_s"], compiled_decode) if x), default=None)
     if best and baseline["decode_tok_s"]:
         columns[f"engine_best_decode_over_{name}"] = best / baseline["decode_tok_s"]
-    columns[f"engine_prefill_over_{name}"] = engine["prefill_tok_s"] / baseline["prefill_tok_s"]
+    if engine["prefill_tok_s"]:
+        columns[f"engine_prefill_over_{name}"] = engine["prefill_tok_s"] / baseline["prefill_tok_s"]
     return columns
 
 
 def _format_row(row: dict) -> str:
-    text = (f"concurrency {row['concurrency']:>3}: engine prefill {row['engine_prefill_tok_s']:8.1f} tok/s, "
+    text = (f"concurrency {row['concurrency']:>3}: engine prefill {_figure(row['engine_prefill_tok_s'], 8, 1)} tok/s, "
             f"decode {_figure(row['engine_decode_tok_s'], 7, 1)} tok/s")
     if "hf_decode_tok_s" in row:
         text += (f" | transformers prefill {row['hf_prefill_tok_s']:8.1f}, decode {_figure(row['hf_decode_tok_s'], 7, 1)}"
-                 f" | decode ratio {_figure(row['decode_ratio'], 0, 2)}, prefill ratio {row['prefill_ratio']:.2f}"
+                 f" | decode ratio {_figure(row['decode_ratio'], 0, 2)}, prefill ratio {_figure(row['prefill_ratio'], 0, 2)}"
                  f" (matmuls alone {row['engine_decode_matmul_ms_per_step']:.1f} ms/step: decode ratio"
                  f" <= {_figure(row.get('decode_ratio_if_only_matmuls'), 0, 2)})")
     if "compiled_decode_tok_s" in row:
@@ -457,7 +463,7 @@ def _format_row(row: dict) -> str:
             text += (f"\n                 {name}: prefill {row[f'{name}_prefill_tok_s']:8.1f} tok/s, decode "
                      f"{_figure(row[f'{name}_decode_tok_s'], 7, 1)} tok/s; engine's best decode / {name}: "
                      f"{_figure(row.get(f'engine_best_decode_over_{name}'), 0, 2)}, engine's prefill / {name}: "
-                     f"{row[f'engine_prefill_over_{name}']:.2f}")
+                     f"{_figure(row.get(f'engine_prefill_over_{name}'), 0, 2)}")
     return text
 
 
