@@ -68,8 +68,11 @@ def plot_throughput(payload: dict[str, Any], out: Path) -> list[Path]:
     x = [row["concurrency"] for row in rows]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
     for ax, phase in zip(axes, ("decode", "prefill")):
-        ax.plot(x, figures(rows, f"engine_{phase}_tok_s"), "o-", label="depthserve engine (eager)")
-        others = (("compiled", "o-", "depthserve engine (compiled decode)"), ("hf", "s--", "transformers"),
+        if any(row.get(f"engine_{phase}_tok_s") is not None for row in rows):  # not timed with --no-eager
+            ax.plot(x, figures(rows, f"engine_{phase}_tok_s"), "o-", label="depthserve engine (eager)")
+        others = (("compiled", "o-", "depthserve engine (compiled decode)"),
+                  ("compiled_1step", "o:", "depthserve engine (compiled, one decode step per engine step)"),
+                  ("hf", "s--", "transformers"),
                   ("hf_compiled", "s:", "transformers, static cache compiled"),
                   ("anchor", "^--", "plain static-cache decoder, compiled (anchor)"))
         for key, style, label in others:
@@ -84,7 +87,7 @@ def plot_throughput(payload: dict[str, Any], out: Path) -> list[Path]:
         ax.set_ylabel(f"{phase} throughput (tokens/s)")
         ax.set_title(f"{phase.capitalize()} throughput vs concurrency")
         ax.grid(True, alpha=0.3)
-        ax.legend()
+        ax.legend(fontsize=7)
     fig.suptitle(f"{settings['model']}, input {settings['input_len']} / output {settings['output_len']} tokens, "
                  f"{payload['engine']['device']} {payload['engine']['dtype']}\n{machine_line(payload)}", fontsize=9)
     return [save(fig, out)]

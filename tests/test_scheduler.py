@@ -783,3 +783,31 @@ def test_runs_without_torch_in_a_fresh_interpreter():
     )
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
+
+
+def test_look_ahead_grows_pages_for_the_steps_ahead_only_when_every_sequence_can():
+    """Scheduler.look_ahead: a decode-only batch with nothing waiting gets up to the asked steps,
+    never past a sequence's max_tokens, its pages grown for them; a prefill chunk in the batch, a
+    waiting request or a page shortfall keeps it at one step."""
+    sim = Sim(num_pages=12, block_size=4, budget=64)
+    short, long = make_seq("short", 5, max_tokens=4), make_seq("long", 6, max_tokens=20)
+    sim.add(short, long)
+    out = sim.step()  # both prefills: no look-ahead for chunks
+    assert sim.sched.look_ahead(out.scheduled, 8) == 1
+    out = sim.sched.schedule()  # both decode
+    assert sim.sched.look_ahead(out.scheduled, 8) == 3  # "short" has 3 tokens left to generate
+    for item in out.scheduled:
+        assert sim.bm.pages_held(item.seq) >= sim.bm.pages_for(item.seq.layout, item.start + 3)
+    assert sim.sched.look_ahead(out.scheduled, 1) == 1
+    sim.add(make_seq("late", 3, max_tokens=2))
+    assert sim.sched.look_ahead(out.scheduled, 8) == 1, "a waiting request must not wait for steps ahead"
+    check_consistent(sim.bm)
+
+    tight = Sim(num_pages=4, block_size=4, budget=64)  # 16 tokens in all
+    a, b = make_seq("a", 7, max_tokens=8), make_seq("b", 4, max_tokens=8)
+    tight.add(a, b)
+    tight.step()
+    out = tight.sched.schedule()
+    assert [item.num_tokens for item in out.scheduled] == [1, 1]
+    assert tight.sched.look_ahead(out.scheduled, 8) == 1, "8 more tokens each do not fit 4 pages"
+    check_consistent(tight.bm)

@@ -11,6 +11,8 @@ import pytest
 import torch
 
 from depthserve import SamplingParams
+from depthserve.config import EngineArgs
+from depthserve.errors import ConfigurationError
 from depthserve.tiny import make_tiny
 from tests.depth_helpers import depth_params, stream_prompts, tiny_llm
 
@@ -126,3 +128,12 @@ def test_steps_ahead_on_a_depth_model_with_mixed_depth(tmp_path, smollm_tokenize
     assert_same_outputs(eager.generate(prompts, _params(stops), depth), got)
     assert any(steps > 1 for steps in calls)
     assert ahead.engine.block_manager.num_used_pages == 0
+
+
+def test_the_default_steps_ahead_and_their_bounds():
+    assert EngineArgs().scheduler_steps(cuda_graphs=True) == 8
+    assert EngineArgs().scheduler_steps(cuda_graphs=False) == 1
+    assert EngineArgs(num_scheduler_steps=3).scheduler_steps(cuda_graphs=True) == 3
+    for bad in (0, 257):
+        with pytest.raises(ConfigurationError, match="num_scheduler_steps"):
+            EngineArgs(num_scheduler_steps=bad).validate()

@@ -85,6 +85,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              "shapes; default: compiled on CUDA, eager on CPU)")
     parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=EngineArgs.cuda_graphs,
                         help="on CUDA, replay each batch size's compiled decode step as a captured CUDA graph")
+    parser.add_argument("--num-scheduler-steps", type=int, default=None,
+                        help="compiled decode steps a greedy decode-only batch runs per engine step, each token "
+                             "fed to the next on the device (default: 8 with CUDA graphs, else 1)")
     parser.add_argument("--kernel-backend", default=EngineArgs.kernel_backend, choices=["auto", "torch", "triton"],
                         help="auto: Triton kernels on CUDA, torch otherwise; torch or triton: that one everywhere")
     parser.add_argument("--depth-policy", default=EngineArgs.depth_policy, choices=["fixed", "slo", "confidence"],
