@@ -181,7 +181,8 @@ class LLMEngine:
             rewind_generators()
             return self._on_step_fault(scheduler_output.scheduled, exc)
         self.scheduler.step_succeeded(scheduled)
-        outputs: dict[str, RequestOutput] = {}  # each request's latest (outputs are cumulative)
+        touched: dict[str, Request] = {}  # requests with new output, built once at the end (outputs are cumulative)
+        failed: list[RequestOutput] = []
         for results in per_step:
             # Steps ahead: a sequence that finished at an earlier step drops the tokens computed past its end.
             results = [result for result in results if result.scheduled.seq.status is SequenceStatus.RUNNING]
@@ -189,10 +190,10 @@ class LLMEngine:
             self.depth_accounting.count_step(scheduled if steps == 1 else ran, ran)
             self.prompt_tokens_computed += sum(max(0, min(i.end, i.seq.num_prompt_tokens) - i.start) for i in ran)
             self.tokens_generated += sum(result.sampled is not None for result in results)
-            outputs.update((output.request_id, output) for output in self._postprocess(results))
+            failed += self._postprocess(results, touched)
         wait = self.decode_wait.lap(start, work_left=self.has_unfinished_requests())
         self.depth_policy.observe(ran, wait / len(per_step))
-        return list(outputs.values())
+        return failed + [self._output(request) for request in touched.values()]
 
     def _steps_ahead(self, scheduled: list[ScheduledSeq]) -> int:
         """Decode steps this batch runs in one go (engine/static_decode.py, "Steps ahead")."""
@@ -218,8 +219,9 @@ class LLMEngine:
             self.scheduler.finish(seq, reason)
         return self._output(request)
 
-    def _postprocess(self, results: list[SeqStepOutput]) -> list[RequestOutput]:
-        touched: dict[str, Request] = {}
+    def _postprocess(self, results: list[SeqStepOutput], touched: dict[str, Request]) -> list[RequestOutput]:
+        """Take in one decode step's results: the requests with new output join `touched`; returns the
+        outputs of the requests that failed (taken out of `touched`)."""
         failed: list[RequestOutput] = []
         for result in results:
             request_id = result.scheduled.seq.request_id
@@ -233,8 +235,8 @@ class LLMEngine:
                 failed.append(self._finish(self._requests.pop(request_id), "error", fault))
         for request_id, request in touched.items():
             if request.finished:
-                del self._requests[request_id]
-        return failed + [self._output(request) for request in touched.values()]
+                self._requests.pop(request_id, None)
+        return failed
 
     def _postprocess_one(self, result: SeqStepOutput) -> str | None:
         """Advance the sequence past its step and take in what it sampled; returns the fault that
