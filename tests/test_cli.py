@@ -102,6 +102,15 @@ def test_chat_with_a_model_the_server_does_not_serve_fails_at_once(tiny_server):
     assert result.stderr.strip().splitlines() == [f"error: {base} serves no model 'nosuch'; it serves ['tiny']"]
 
 
+def test_chat_with_no_server_listening_says_so_without_a_traceback():
+    url = f"http://127.0.0.1:{free_port()}"
+    for model in ([], ["--model", "nosuch"]):
+        result = _cli("chat", "--url", url, *model, stdin="hello\n")
+        assert result.returncode == 2
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"error: cannot reach {url}: "), result.stderr
+
+
 def test_serve_prints_its_banner(tmp_path, smollm_tokenizer):
     """The engine's start-up line (model, architecture, device, KV capacity, capped context, depth
     knobs) and the serving line with the URL reach the log before the server answers."""

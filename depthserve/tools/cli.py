@@ -261,12 +261,11 @@ def cmd_chat(ns: argparse.Namespace) -> int:
     depth = ns.depth or {}
     try:
         client = DepthServeClient(ns.url, api_key=ns.api_key, model=ns.model)
+        served = [model["id"] for model in client.models()]
     except Exception as exc:  # noqa: BLE001 - a CLI reports and exits
         return fail(f"cannot reach {ns.url}: {exc}")
-    if ns.model is not None:
-        served = [model["id"] for model in client.models()]
-        if ns.model not in served:
-            return fail(f"{ns.url} serves no model {ns.model!r}; it serves {served}")
+    if ns.model is not None and ns.model not in served:
+        return fail(f"{ns.url} serves no model {ns.model!r}; it serves {served}")
     system = [{"role": "system", "content": ns.system}] if ns.system else []
     messages: list[dict[str, str]] = list(system)
     print(f"chatting with {client.model} at {ns.url}; {CHAT_HELP}")
