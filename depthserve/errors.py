@@ -86,6 +86,16 @@ class QueueFullError(DepthServeError):
     retry_after = 1
 
 
+class ConstraintViolationError(DepthServeError):
+    """A sampled token the request's structured-output constraint does not allow (never expected:
+    the mask forbids it), or a per-step bound of the grammar engine exceeded, found after the
+    request was admitted: a fault of its generation, not of what it asked (HTTP 500), which fails
+    that request alone."""
+
+    status = 500
+    error_type = "internal_error"
+
+
 class EngineDeadError(DepthServeError):
     """The engine loop failed (a fault no request could be blamed for) or is shutting down;
     no further requests can be served (HTTP 503)."""

@@ -187,16 +187,14 @@ def build_app(llm: AsyncLLM, served_model_name: str | None = None, api_key: str 
     async def completion(body: CompletionRequest, request: Request):
         request_id = f"cmpl-{request.state.request_id}-{uuid.uuid4().hex[:8]}"
         if body.stream:
-            jobs, params, depth = await completions.jobs(body)
-            return await _stream(completions.stream(body, request_id, jobs, params, depth))
+            return await _stream(completions.stream(body, request_id, await completions.prepare(body)))
         return await _unless_disconnected(request, completions.complete(body, request_id))
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse)
     async def chat(body: ChatCompletionRequest, request: Request):
         request_id = f"chatcmpl-{request.state.request_id}-{uuid.uuid4().hex[:8]}"
         if body.stream:
-            jobs, params, depth = await chats.jobs(body)
-            return await _stream(chats.stream(body, request_id, jobs, params, depth))
+            return await _stream(chats.stream(body, request_id, await chats.prepare(body)))
         return await _unless_disconnected(request, chats.complete(body, request_id))
 
     document_errors(app)

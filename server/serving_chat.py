@@ -7,9 +7,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 
-from depthserve.depth import DepthParams
 from depthserve.outputs import CompletionOutput, RequestOutput
-from depthserve.sampling_params import SamplingParams
 from depthserve.server.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -24,35 +22,33 @@ from depthserve.server.protocol import (
     ToolCallOut,
     TopLogprob,
 )
-from depthserve.server.serving_engine import ADMITTED, Job, OpenAIServing, new_depths, sse, usage
+from depthserve.server.serving_engine import ADMITTED, Job, OpenAIServing, Prepared, new_depths, sse, usage
 from depthserve.server.structured_request import RequestConstraint, request_constraint
 from depthserve.server.tool_calls import (
     ContentDelta,
     ParsedToolCall,
     StreamDelta,
     ToolCallStreamParser,
-    ToolSetup,
     parse_tool_calls,
     tool_setup,
 )
 
 
 class OpenAIServingChat(OpenAIServing):
-    async def jobs(self, req: ChatCompletionRequest) -> tuple[list[Job], SamplingParams, DepthParams]:
+    async def prepare(self, req: ChatCompletionRequest) -> Prepared:
         max_tokens = req.max_completion_tokens or req.max_tokens  # None: the rest of the context
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        tools = _tools(req)
+        tools = tool_setup(req.tools, req.tool_choice, req.parallel_tool_calls)
         tool_constraint = tools.constraint()
         found = request_constraint(req, None if tool_constraint is None else RequestConstraint(tool_constraint, "tools"))
-        params = self.sampling_params(req, max_tokens, logprobs, constraint=await self.checked_constraint(found))
-        depth = self.depth_params(req)
+        params = self.sampling_params(req, max_tokens, logprobs, constraint=None if found is None else found.constraint)
         jobs = [Job(None, await self.chat_prompt_ids(req.messages, tools), None)]
-        return jobs, params, depth
+        return Prepared(jobs, params, self.depth_params(req), tools, None if found is None else found.field)
 
     async def complete(self, req: ChatCompletionRequest, request_id: str) -> ChatCompletionResponse:
-        jobs, params, depth = await self.jobs(req)
-        (out,) = await self.collect(jobs, params, depth, request_id)
-        parse = _tools(req).offered
+        prepared = await self.prepare(req)
+        (out,) = await self.collect(prepared, request_id)
+        parse = prepared.tools.offered
         choices = []
         for comp in out.outputs:
             content, calls = parse_tool_calls(comp.text) if parse else (comp.text, [])
@@ -62,18 +58,18 @@ class OpenAIServingChat(OpenAIServing):
                                       finish_reason=_finish_reason(comp.finish_reason, bool(calls)),
                                       stop_reason=comp.stop_reason, token_depths=comp.token_depths))
         return ChatCompletionResponse(id=request_id, created=int(time.time()), model=req.model, choices=choices,
-                                      usage=usage(jobs, [out]))
+                                      usage=usage(prepared.jobs, [out]))
 
-    async def stream(self, req: ChatCompletionRequest, request_id: str, jobs: list[Job], params: SamplingParams,
-                     depth: DepthParams) -> AsyncIterator[str]:
+    async def stream(self, req: ChatCompletionRequest, request_id: str, prepared: Prepared) -> AsyncIterator[str]:
         """SSE chunks. The first item is ADMITTED, yielded once the request is admitted (see admit)."""
-        streams = await self.admit(jobs, params, depth, request_id)
+        streams = await self.admit(prepared, request_id)
+        jobs = prepared.jobs
         yield ADMITTED
         created = int(time.time())
         sent: dict[int, int] = {}
         logprobs_sent: dict[int, int] = {}
         tokens_sent: dict[int, int] = {}
-        parsers = {j: ToolCallStreamParser() for j in range(req.n)} if _tools(req).offered else {}
+        parsers = {j: ToolCallStreamParser() for j in range(req.n)} if prepared.tools.offered else {}
         final: list[RequestOutput | None] = [None]
 
         def chunk(choices: list[ChatChunkChoice], with_usage: bool = False) -> str:
@@ -118,10 +114,6 @@ class OpenAIServingChat(OpenAIServing):
             content.append(TokenLogprob(token=text, logprob=entry[token_id].logprob, bytes=list(text.encode()),
                                         top_logprobs=top))
         return ChatLogprobs(content=content)
-
-
-def _tools(req: ChatCompletionRequest) -> ToolSetup:
-    return tool_setup(req.tools, req.tool_choice, req.parallel_tool_calls)
 
 
 def _finish_reason(reason: str | None, called: bool) -> str | None:

@@ -6,25 +6,22 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 
-from depthserve.depth import DepthParams
 from depthserve.outputs import RequestOutput, TokenLogprobs
-from depthserve.sampling_params import SamplingParams
 from depthserve.server.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
 from depthserve.server.structured_request import request_constraint
-from depthserve.server.serving_engine import ADMITTED, Job, OpenAIServing, new_depths, sse, usage
+from depthserve.server.serving_engine import ADMITTED, Job, OpenAIServing, Prepared, new_depths, sse, usage
 
 TokenEntry = tuple[int, TokenLogprobs | None]  # a token id and its logprobs entry
 
 
 class OpenAIServingCompletion(OpenAIServing):
-    async def jobs(self, req: CompletionRequest) -> tuple[list[Job], SamplingParams, DepthParams]:
+    async def prepare(self, req: CompletionRequest) -> Prepared:
         scoring = req.echo and req.logprobs is not None
-        constraint = await self.checked_constraint(request_constraint(req))
-        params = self.sampling_params(req, req.max_tokens, req.logprobs,
-                                      prompt_logprobs=req.logprobs if scoring else None, constraint=constraint)
-        depth = self.depth_params(req)
+        found = request_constraint(req)
+        params = self.sampling_params(req, req.max_tokens, req.logprobs, prompt_logprobs=req.logprobs if scoring else None,
+                                      constraint=None if found is None else found.constraint)
         jobs = await self.tokenizer_worker.run(self._encode_prompts, _prompt_list(req.prompt))
-        return jobs, params, depth
+        return Prepared(jobs, params, self.depth_params(req), constraint_field=None if found is None else found.field)
 
     def _encode_prompts(self, prompts: list[str | list[int]]) -> list[Job]:
         """On the tokenizer worker: text prompts to token ids (id prompts are checked by the engine)."""
@@ -32,8 +29,9 @@ class OpenAIServingCompletion(OpenAIServing):
                 for p in prompts]
 
     async def complete(self, req: CompletionRequest, request_id: str) -> CompletionResponse:
-        jobs, params, depth = await self.jobs(req)
-        outputs = await self.collect(jobs, params, depth, request_id)
+        prepared = await self.prepare(req)
+        outputs = await self.collect(prepared, request_id)
+        jobs = prepared.jobs
         choices = []
         for i, (job, out) in enumerate(zip(jobs, outputs)):
             for comp in out.outputs:
@@ -50,10 +48,10 @@ class OpenAIServingCompletion(OpenAIServing):
         return CompletionResponse(id=request_id, created=int(time.time()), model=req.model, choices=choices,
                                   usage=usage(jobs, outputs))
 
-    async def stream(self, req: CompletionRequest, request_id: str, jobs: list[Job], params: SamplingParams,
-                     depth: DepthParams) -> AsyncIterator[str]:
+    async def stream(self, req: CompletionRequest, request_id: str, prepared: Prepared) -> AsyncIterator[str]:
         """SSE chunks. The first item is ADMITTED, yielded once every prompt is admitted (see admit)."""
-        streams = await self.admit(jobs, params, depth, request_id)
+        streams = await self.admit(prepared, request_id)
+        jobs = prepared.jobs
         yield ADMITTED
         created = int(time.time())
         sent_text: dict[tuple[int, int], int] = {}

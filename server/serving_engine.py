@@ -31,7 +31,6 @@ from depthserve.server.protocol import (
     TokenizeResponse,
     UsageInfo,
 )
-from depthserve.server.structured_request import RequestConstraint
 from depthserve.server.tokenization import TokenizerWorker
 from depthserve.server.tool_calls import NO_TOOLS, ToolSetup
 from depthserve.structured import Constraint, StructuredOutputError
@@ -58,6 +57,19 @@ class Job:
     prompt: str | list[int] | None
     token_ids: list[int]
     prompt_text: str | None
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """One HTTP request made ready for the engine: its prompts, sampling and depth settings, the tools
+    it offers (chat), and the request field its structured-output constraint came from (an error
+    compiling the constraint names that field)."""
+
+    jobs: list[Job]
+    params: SamplingParams
+    depth: DepthParams
+    tools: ToolSetup = NO_TOOLS
+    constraint_field: str | None = None
 
 
 class OpenAIServing:
@@ -122,17 +134,6 @@ class OpenAIServing:
         merged = {**self.preset_depth(req.model), **(req.depth.knobs() if req.depth else {})}
         return DepthParams.from_dict(merged)
 
-    async def checked_constraint(self, found: RequestConstraint | None) -> Constraint | None:
-        """The request's constraint, compiled now (off the engine thread; the engine finds it in the
-        backend's cache) so that one that cannot be enforced is a 400 naming the field it came from."""
-        if found is None:
-            return None
-        try:
-            await self.llm.compile_constraint(found.constraint)
-        except StructuredOutputError as exc:
-            raise (exc if exc.field else exc.located(found.field)) from None
-        return found.constraint
-
     @staticmethod
     def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None = None, constraint: Constraint | None = None) -> SamplingParams:
@@ -160,15 +161,18 @@ class OpenAIServing:
         )
 
     # ---- running requests ----------------------------------------------------------------------------
-    async def admit(self, jobs: list[Job], params: SamplingParams, depth: DepthParams,
-                    request_id: str) -> list[RequestStream]:
+    async def admit(self, prepared: Prepared, request_id: str) -> list[RequestStream]:
         """Admit every prompt of one HTTP request, or none (validated and queued on the engine
         thread): a refusal raises before any response has started. A prompt plus max_tokens beyond
-        the context is refused (a 400 naming the limit, as OpenAI's and vLLM's servers answer), not cut."""
+        the context is refused (a 400 naming the limit, as OpenAI's and vLLM's servers answer), not
+        cut; a structured-output constraint that cannot be enforced is a 400 naming its field."""
+        jobs = prepared.jobs
         ids = [request_id] if len(jobs) == 1 else [f"{request_id}-{i}" for i in range(len(jobs))]
         try:
-            return await self.llm.add_requests([job.token_ids for job in jobs], params, depth, ids,
+            return await self.llm.add_requests([job.token_ids for job in jobs], prepared.params, prepared.depth, ids,
                                                overflow=ContextOverflow.REFUSE)
+        except StructuredOutputError as exc:
+            raise (exc if exc.field else exc.located(prepared.constraint_field)) from None
         except (QueueFullError, EngineDeadError):
             self.metrics.requests.labels(outcome="rejected").inc()
             raise
@@ -223,11 +227,10 @@ class OpenAIServing:
                             "" if first is None else f", first token at {1000 * (first - timers[0].arrival):.0f} ms",
                             1000 * (time.monotonic() - timers[0].arrival))
 
-    async def collect(self, jobs: list[Job], params: SamplingParams, depth: DepthParams,
-                      request_id: str) -> list[RequestOutput]:
-        streams = await self.admit(jobs, params, depth, request_id)
-        final: list[RequestOutput | None] = [None] * len(jobs)
-        async for i, out in self.run(jobs, streams):
+    async def collect(self, prepared: Prepared, request_id: str) -> list[RequestOutput]:
+        streams = await self.admit(prepared, request_id)
+        final: list[RequestOutput | None] = [None] * len(prepared.jobs)
+        async for i, out in self.run(prepared.jobs, streams):
             final[i] = out
         return final  # type: ignore[return-value]
 

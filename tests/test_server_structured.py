@@ -91,6 +91,18 @@ def test_json_mode_and_json_schema_on_both_endpoints(client):
     assert isinstance(json.loads(text.choices[0].text), dict)
 
 
+def test_a_request_compiles_its_constraint_once(server, client, monkeypatch):
+    """The server hands the constraint to the engine uncompiled: one compile per request (its errors
+    still name the request's field: test_hardening.py)."""
+    structured = server[1].engine.structured
+    calls = []
+    compile_once = structured.compile
+    monkeypatch.setattr(structured, "compile", lambda constraint: calls.append(constraint) or compile_once(constraint))
+    client.chat.completions.create(model=MODEL, messages=_ask("Yes or no?"), temperature=0, max_tokens=4,
+                                   extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    assert len(calls) == 1
+
+
 @pytest.mark.parametrize("extra, check", [
     ({"structured_outputs": {"choice": ["yes", "no"]}}, lambda t: t in ("yes", "no")),
     ({"guided_choice": ["yes", "no"]}, lambda t: t in ("yes", "no")),

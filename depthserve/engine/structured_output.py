@@ -28,16 +28,11 @@ from typing import Any
 import torch
 
 from depthserve.engine.sequence import Sequence
-from depthserve.errors import InvalidRequestError
+from depthserve.errors import ConstraintViolationError
 from depthserve.structured.backend import BitmaskFillWorker, CompiledGrammar, GrammarBackend, GrammarMatcher
 from depthserve.structured.bitmask import apply_token_bitmask_
 from depthserve.structured.constraints import Constraint
 from depthserve.structured.factory import create_grammar_backend
-
-
-class ConstraintViolationError(InvalidRequestError):
-    """A sampled token the constraint does not allow (never expected: the mask forbids it), or a
-    per-step bound of the grammar engine exceeded; it fails the sequence's request alone."""
 
 
 @dataclass
