@@ -2,12 +2,13 @@
 VNNI dot products, and the same weights dequantized for prefill GEMMs (`csrc/group_gemm.cpp`); the
 decode step's paged attention and KV store (`csrc/paged_attention.cpp`); RMSNorm (`csrc/norm.cpp`)
 and the rotary embedding (`csrc/rotary.cpp`); a Llama decoder layer's decode step made of those
-(`csrc/decode_layer.cpp`); greedy sampling's argmax and log-normalizer in one call (`csrc/sampling.cpp`).
+(`csrc/decode_layer.cpp`); greedy sampling's argmax and log-normalizer in one call, and a structured-output
+token bitmask applied to logits (`csrc/sampling.cpp`).
 
 Built on first use with torch's extension builder (g++ and ninja, ~1 minute; the build is cached
 under `TORCH_EXTENSIONS_DIR`, `make test` and `make serve` build it once at install) and loaded as
 the torch ops `depthserve_cpu::group_gemm`, `group_dequantize`, `paged_decode_attention`,
-`store_kv`, `rms_norm`, `apply_rope`, `llama_decode_layer` and `greedy_pick`. Only on CPUs
+`store_kv`, `rms_norm`, `apply_rope`, `llama_decode_layer`, `greedy_pick` and `apply_token_bitmask`. Only on CPUs
 with AVX-512 F/BW/VL and AVX-512 VNNI: elsewhere, or where the build fails, `available()` is False
 and the quantized layers use torch's weight-only kernels (the reason is logged once).
 """
@@ -232,6 +233,13 @@ def greedy_pick(logits: torch.Tensor, floor: float) -> tuple[torch.Tensor, torch
     rows, in one native call (csrc/sampling.cpp); `floor` bounds each exp's argument from below. A
     row's maximum is NaN where it holds a NaN."""
     return torch.ops.depthserve_cpu.greedy_pick(logits, floor)
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor, limit: int) -> None:
+    """In place on fp32 logits [B, V] with contiguous rows: row rows[i] gets -inf at every token
+    below `limit` that bitmask row i ([R, W] int32, depthserve/structured/bitmask.py's layout)
+    disallows, and at every column from `limit` on (csrc/sampling.cpp)."""
+    torch.ops.depthserve_cpu.apply_token_bitmask(logits, bitmask, rows, limit)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

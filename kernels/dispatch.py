@@ -41,9 +41,9 @@ OP_NAMES = tuple(name for names in FAMILIES.values() for name in names)
 # paged_prefill_attention: the varlen kernel covers single prompts; saobp_prefill_attention: torch only
 TRITON_OPS = frozenset(OP_NAMES) - {"paged_prefill_attention", "saobp_prefill_attention"}
 BACKENDS = ("auto", "torch", "triton")
-# kernels/csrc/paged_attention.cpp; greedy_pick (csrc/sampling.cpp) has no torch twin here: the sampler's
-# own torch code is its fallback
-NATIVE_CPU_OPS = frozenset({"store_kv", "paged_decode_attention", "greedy_pick"})
+# kernels/csrc/paged_attention.cpp; greedy_pick and apply_token_bitmask (csrc/sampling.cpp) have no torch
+# twin here: the sampler's and depthserve/structured/bitmask.py's own torch code is their fallback
+NATIVE_CPU_OPS = frozenset({"store_kv", "paged_decode_attention", "greedy_pick", "apply_token_bitmask"})
 
 
 def native_cpu_op(name: str) -> Callable | None:
@@ -87,6 +87,8 @@ class Kernels:
         self.native_cpu = native_cpu = native_cpu and backend == "auto"
         # Greedy sampling's argmax and log-normalizer as one native call on the CPU (Sampler), else None.
         self.greedy_pick = native_cpu_op("greedy_pick") if native_cpu else None
+        # A structured-output bitmask applied to fp32 logits in one native call on the CPU, else None.
+        self.apply_token_bitmask = native_cpu_op("apply_token_bitmask") if native_cpu else None
         for family, names in FAMILIES.items():
             for name in names:
                 setattr(self, name, self._bind(family, name))

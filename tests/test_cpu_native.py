@@ -257,3 +257,24 @@ def test_greedy_pick_is_torchs_argmax_and_log_normalizer(width):
     special[2, 0] = float("inf")
     token, peak, _ = cpu_native.greedy_pick(special, EXP_FLOOR)
     assert torch.isnan(peak[0]) and peak[1] == float("-inf") and token[1] == 0 and peak[2] == float("inf")
+
+
+@pytest.mark.parametrize("width, words", [(49152, 1536), (1000, 32), (1030, 32), (17, 1), (40, 2)])
+def test_apply_token_bitmask_equals_the_torch_version(width, words):
+    """Random words, words allowing everything or nothing, a subset of the logits' rows in any order,
+    logits narrower or wider than the bitmask (their extra columns masked), rows strided past their width."""
+    from depthserve.structured.bitmask import apply_token_bitmask_
+
+    generator = torch.Generator().manual_seed(width)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (3, words), generator=generator, dtype=torch.int64).to(torch.int32)
+    bitmask[0, ::3] = -1
+    bitmask[1, 1::2] = 0
+    rows = [4, 0, 2]
+    padded = torch.randn(6, width + 5, generator=generator)
+    beyond = padded[:, width:].clone()
+    expected = padded[:, :width].clone()
+    apply_token_bitmask_(expected, bitmask, rows)
+    logits = padded[:, :width]
+    cpu_native.apply_token_bitmask(logits, bitmask, torch.tensor(rows), min(width, words * 32))
+    assert torch.equal(logits, expected)
+    assert torch.equal(padded[:, width:], beyond)  # nothing written past each row's width

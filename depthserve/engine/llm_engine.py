@@ -69,7 +69,8 @@ class LLMEngine:
             raise ConfigurationError("without chunked prefill, max_num_batched_tokens must be >= max_model_len")
         self.depth_policy = _depth_policy(args, self.model)
         self.depth_accounting = DepthAccounting(self.model, self.capacity.step_cache_reserved_bytes)
-        self.structured = StructuredOutputs(self.tokenizer, self.eos_token_ids, _core_to_spare(self.device))
+        self.structured = StructuredOutputs(self.tokenizer, self.eos_token_ids, _core_to_spare(self.device),
+                                            native_apply=kernels.apply_token_bitmask)
         self.validator = RequestValidator(self.model, self.tokenizer, self.vocab_size, self.max_model_len, self.block_manager,
                                           self.structured)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)

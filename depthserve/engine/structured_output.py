@@ -19,6 +19,7 @@ two seconds for a 49k vocabulary), so engines that never see one never pay for i
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
@@ -30,9 +31,13 @@ import torch
 from depthserve.engine.sequence import Sequence
 from depthserve.errors import ConstraintViolationError
 from depthserve.structured.backend import BitmaskFillWorker, CompiledGrammar, GrammarBackend, GrammarMatcher
-from depthserve.structured.bitmask import apply_token_bitmask_
+from depthserve.structured.bitmask import BITS_PER_WORD, apply_token_bitmask_
 from depthserve.structured.constraints import Constraint
 from depthserve.structured.factory import create_grammar_backend
+
+
+# (logits [B, V] fp32, bitmask [R, W] int32, logits row of each bitmask row [R] int64, limit) -> None, in place
+NativeApply = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], None]
 
 
 @dataclass
@@ -43,6 +48,7 @@ class StepMasks:
     bitmask: torch.Tensor  # [len(rows), words] int32, filled by the worker
     fill: Future[None]
     _row_of: dict[int, int] = field(default_factory=dict)  # seq_id -> bitmask row
+    native_apply: NativeApply | None = None  # the native CPU kernel (kernels/cpu_native.py), where it loads
 
     def wait(self) -> None:
         self.fill.result()
@@ -63,6 +69,11 @@ class StepMasks:
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """Masks, in place, the constrained rows of the step's sampled logits [sampled rows, V]."""
         self.wait()
+        if (self.native_apply is not None and logits.device.type == "cpu" and logits.dtype == torch.float32
+                and logits.stride(1) == 1):
+            limit = min(logits.shape[1], self.bitmask.shape[1] * BITS_PER_WORD)  # as apply_token_bitmask_'s default
+            self.native_apply(logits, self.bitmask, torch.tensor(self.rows, dtype=torch.long), limit)
+            return logits
         return apply_token_bitmask_(logits, self.bitmask, self.rows)
 
 
@@ -70,8 +81,10 @@ class StructuredOutputs:
     """Compiles constraints (thread-safe: the async server compiles off the engine thread) and runs
     each step's mask fill beside the model."""
 
-    def __init__(self, tokenizer: Any, eos_token_ids: Seq[int], overlap: bool, backend: str = "llguidance"):
+    def __init__(self, tokenizer: Any, eos_token_ids: Seq[int], overlap: bool, backend: str = "llguidance",
+                 native_apply: NativeApply | None = None):
         self._tokenizer = tokenizer
+        self._native_apply = native_apply
         self.overlap = overlap
         self._eos_token_ids = sorted(eos_token_ids)
         self._backend_name = backend
@@ -118,7 +131,7 @@ class StructuredOutputs:
                 fill.set_result(None)
             except Exception as exc:  # noqa: BLE001 - raised where the masks are used, as from the worker
                 fill.set_exception(exc)
-        return StepMasks(rows, bitmask, fill, {sampled[i].seq_id: j for j, i in enumerate(rows)})
+        return StepMasks(rows, bitmask, fill, {sampled[i].seq_id: j for j, i in enumerate(rows)}, self._native_apply)
 
     @staticmethod
     def accept(seq: Sequence, token_id: int) -> bool:

@@ -100,12 +100,53 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> greedy_pick(const at::Tensor& log
   return {token, peak, log_z};
 }
 
+// A structured-output constraint's token bitmask applied to fp32 logits in place: row rows[i] of the
+// logits gets -inf at every token t < limit whose bit (t % 32 of word t / 32 of bitmask row i) is
+// clear, and at every column from limit on. One masked store per 16 tokens, nothing where a word
+// allows all 32; torch's ops built a [rows, vocab] bias or bool mask first (2-6 ms for 32 rows of
+// 49,152 on the 2-core Xeon).
+void apply_token_bitmask(at::Tensor logits, const at::Tensor& bitmask, const at::Tensor& rows, int64_t limit) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.stride(1) == 1,
+              "apply_token_bitmask: fp32 logits [rows, vocab] with contiguous rows");
+  TORCH_CHECK(bitmask.dim() == 2 && bitmask.scalar_type() == at::kInt && bitmask.is_contiguous(),
+              "apply_token_bitmask: a contiguous int32 bitmask [rows, words]");
+  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong && rows.size(0) == bitmask.size(0),
+              "apply_token_bitmask: one int64 logits row per bitmask row");
+  const int64_t width = logits.size(1), words = bitmask.size(1), stride = logits.stride(0);
+  TORCH_CHECK(limit >= 0 && limit <= width && limit <= words * 32, "apply_token_bitmask: limit out of range");
+  const int64_t* row_index = rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < rows.size(0); ++i)
+    TORCH_CHECK(row_index[i] >= 0 && row_index[i] < logits.size(0), "apply_token_bitmask: row out of range");
+  float* out = logits.data_ptr<float>();
+  const uint32_t* mask = reinterpret_cast<const uint32_t*>(bitmask.data_ptr<int32_t>());
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  at::parallel_for(0, rows.size(0), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      float* row = out + row_index[i] * stride;
+      const uint32_t* row_mask = mask + i * words;
+      for (int64_t c = 0; c < limit; c += 32) {
+        const uint32_t allowed = row_mask[c / 32];
+        if (allowed == 0xFFFFFFFFu && c + 32 <= limit) continue;
+        const __mmask16 low = static_cast<__mmask16>(~allowed & 0xFFFFu) & lanes_left(limit - c);
+        _mm512_mask_storeu_ps(row + c, low, neg_inf);
+        if (c + 16 < limit) {
+          const __mmask16 high = static_cast<__mmask16>(~allowed >> 16) & lanes_left(limit - c - 16);
+          _mm512_mask_storeu_ps(row + c + 16, high, neg_inf);
+        }
+      }
+      for (int64_t c = limit; c < width; c += 16) _mm512_mask_storeu_ps(row + c, lanes_left(width - c), neg_inf);
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(depthserve_cpu, m) {
   m.def("greedy_pick(Tensor logits, float floor) -> (Tensor, Tensor, Tensor)");
+  m.def("apply_token_bitmask(Tensor(a!) logits, Tensor bitmask, Tensor rows, int limit) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(depthserve_cpu, CPU, m) {
   m.impl("greedy_pick", &greedy_pick);
+  m.impl("apply_token_bitmask", &apply_token_bitmask);
 }
