@@ -72,10 +72,22 @@ def path(tmp_path_factory, smollm_tokenizer):
     return make_tiny("llama", tmp_path_factory.mktemp("ahead") / "llama", seed=5, tokenizer=smollm_tokenizer)
 
 
+@pytest.fixture(scope="module")
+def cpu_engines(path):
+    """The CPU pair of `_engines` (compiled once for the tests of this file) and the steps of each of
+    the steps-ahead engine's run_ahead calls."""
+    one, ahead = _engines(path, pages=64)
+    return one, ahead, _count_steps_ahead(ahead)
+
+
 @pytest.mark.parametrize("device", DEVICES)
-def test_steps_ahead_equal_one_step_at_a_time_with_stops_inside_them_and_preemption(path, device):
-    one, ahead = _engines(path, pages=64, device=device)
-    calls = _count_steps_ahead(ahead)
+def test_steps_ahead_equal_one_step_at_a_time_with_stops_inside_them_and_preemption(path, device, request):
+    if device == "cpu":
+        one, ahead, calls = request.getfixturevalue("cpu_engines")
+    else:
+        one, ahead = _engines(path, pages=64, device=device)
+        calls = _count_steps_ahead(ahead)
+    calls.clear()
     prompts = _prompts()
     free_run = one.generate(prompts, _params([[]] * len(prompts)))
     # Every other request stops at a token the free run emits 2..5 tokens in: the stop falls inside a
@@ -94,9 +106,8 @@ def test_steps_ahead_equal_one_step_at_a_time_with_stops_inside_them_and_preempt
     assert_same_outputs(eager.generate(prompts, _params(stops)), got)
 
 
-def test_a_batch_with_a_row_the_greedy_pick_cannot_serve_runs_one_step_at_a_time(path):
-    one, ahead = _engines(path, pages=None)
-    calls = _count_steps_ahead(ahead)
+def test_a_batch_with_a_row_the_greedy_pick_cannot_serve_runs_one_step_at_a_time(cpu_engines):
+    one, ahead, calls = cpu_engines
     prompts = _prompts()[:3]
     for odd_one_out in (SamplingParams(temperature=0.8, seed=7, max_tokens=8),
                         SamplingParams(temperature=0.0, max_tokens=8, logprobs=2),
@@ -116,12 +127,12 @@ def test_steps_ahead_on_a_depth_model_with_mixed_depth(tmp_path, smollm_tokenize
     knobs) runs steps ahead with the eager engine's tokens, stops and depth reports."""
     path = make_tiny("sgt", tmp_path / "sgt", seed=1, num_kv_heads=2, tokenizer=smollm_tokenizer)
     ahead = tiny_llm(path, max_model_len=64, max_num_seqs=8, max_num_batched_tokens=16, enforce_eager=False,
-                     num_scheduler_steps=STEPS, max_loops=2, device=device)
+                     num_scheduler_steps=STEPS, max_loops=1, device=device)
     calls = _count_steps_ahead(ahead)
     prompts = _prompts()
-    depth = [depth_params(d) for d in ({"loops": 0}, {"loops": 2}, None, {"loops": {1: 0, 2: 2}}, {"loops": 1},
-                                       {"loops": 1}, {"loops": {2: 0}})]
-    eager = tiny_llm(path, max_model_len=64, max_num_seqs=8, enforce_eager=True, max_loops=2, device=device)
+    depth = [depth_params(d) for d in ({"loops": 0}, {"loops": 1}, None, {"loops": {1: 0, 2: 1}}, {"loops": 1},
+                                       {"loops": 0}, {"loops": {2: 0}})]
+    eager = tiny_llm(path, max_model_len=64, max_num_seqs=8, enforce_eager=True, max_loops=1, device=device)
     free_run = eager.generate(prompts, _params([[]] * len(prompts)), depth)
     stops = [[out.token_ids[3]] if i % 3 == 0 and len(out.token_ids) > 3 else [] for i, out in enumerate(free_run)]
     got = ahead.generate(prompts, _params(stops), depth)
