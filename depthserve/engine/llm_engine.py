@@ -188,7 +188,7 @@ class LLMEngine:
             # Steps ahead: a sequence that finished at an earlier step drops the tokens computed past its end.
             results = [result for result in results if result.scheduled.seq.status is SequenceStatus.RUNNING]
             ran = [result.scheduled for result in results]  # with the levels tokens ran (confidence exits)
-            self.depth_accounting.count_step(scheduled if steps == 1 else ran, ran)
+            self.depth_accounting.count_step(scheduled, ran)  # steps ahead: no item has a level to shed
             self.prompt_tokens_computed += sum(max(0, min(i.end, i.seq.num_prompt_tokens) - i.start) for i in ran)
             self.tokens_generated += sum(result.sampled is not None for result in results)
             failed += self._postprocess(results, touched)

@@ -207,9 +207,6 @@ class StaticDecode:
             torch.cuda.current_stream(self.device).wait_stream(self._capture_stream)
             logger.info("captured %d CUDA graphs of the decode step in %.1f s", len(self._graphs) + len(self._ahead_graphs),
                         time.perf_counter() - start)
-        elif self.steps_ahead > 1:
-            for row in idle:
-                self.run_ahead([row] * self.buckets[0], 1)
         self.level_steps.clear()
 
     def _cap(self, rows: list[DecodeRow]) -> int | None:
