@@ -46,6 +46,37 @@ def test_store_kv_skips_padding_rows():
     assert not torch.equal(k_pages, make_pool(6, 4, 8)[0])  # something was written
 
 
+@pytest.mark.parametrize("tiles_per_split", [None, 1])
+def test_kernels_read_views_of_a_fused_qkv_output_in_place(tiles_per_split):
+    """Queries, keys and values as a decode layer hands them over: views into one fused QKV
+    output (rows 960 wide for SmolLM2), and the slot's index columns of a wider index row. The
+    kernels read them through their strides (no copy kernels in a decode step) and match torch,
+    which reads them as they are too."""
+    batch, q_heads, kv_heads, head_dim, block_size, lens = 3, 6, 2, 16, 4, [5, 9, 12]
+    fused = torch.randn(batch, q_heads + 2 * kv_heads, head_dim, device=DEVICE)
+    q, k, v = fused.split([q_heads, kv_heads, kv_heads], dim=1)
+    assert not (q.is_contiguous() or k.is_contiguous() or v.is_contiguous())
+    max_blocks = 4
+    num_pages = batch * kv_heads * max_blocks + 3
+    table = random_tables(batch, kv_heads, max_blocks, num_pages, seed=7)
+    wide_index = torch.full((batch, 3 * kv_heads), -1, dtype=torch.int32, device=DEVICE)
+    for row, length in enumerate(lens):  # the last position of each sequence, in the middle slot's columns
+        block, offset = divmod(length - 1, block_size)
+        wide_index[row, kv_heads: 2 * kv_heads] = table[row, :, block] * block_size + offset
+    index = wide_index[:, kv_heads: 2 * kv_heads]
+    results = []
+    for ops in (torch_ops, triton_ops):
+        k_pages, v_pages = make_pool(num_pages, block_size, head_dim, seed=1)
+        ops.store_kv(k, v, k_pages, v_pages, index)
+        context_lens = torch.tensor(lens, device=DEVICE)
+        extra = (tiles_per_split,) if ops is triton_ops else ()
+        results.append((k_pages, v_pages, ops.paged_decode_attention(q, k_pages, v_pages, table, context_lens, 0.3,
+                                                                     *extra)))
+    (k_expected, v_expected, expected), (k_got, v_got, got) = results
+    assert torch.equal(k_got, k_expected) and torch.equal(v_got, v_expected)
+    torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
+
+
 @pytest.mark.parametrize(
     "batch, q_heads, kv_heads, block_size, lens, tiles_per_split",
     [

@@ -31,6 +31,7 @@ if [ "$HOST_PYTHON" = local ]; then
     "$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])' > "$KIT/python-version"
 else
     "$PY" -m pip download --quiet --no-deps --only-binary=:all: --python-version "$HOST_PYTHON" --implementation cp \
+        --platform manylinux_2_35_x86_64 --platform manylinux_2_34_x86_64 --platform manylinux_2_31_x86_64 \
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
         -d "$KIT/wheels" $needed
     echo "$HOST_PYTHON" > "$KIT/python-version"

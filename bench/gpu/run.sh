@@ -97,7 +97,8 @@ install_wheels() {  # the carried wheels into $GPU_WORK/site
     # A dry run on another Python: the wheels must install for the host's, and the imports run with this
     # machine's builds of the same distributions.
     "${pip[@]}" --target "$GPU_WORK/site-host" --python-version "$kit_python" --implementation cp \
-        --only-binary=:all: --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+        --only-binary=:all: --platform manylinux_2_35_x86_64 --platform manylinux_2_34_x86_64 \
+        --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
         --platform manylinux2014_x86_64 "$KIT"/wheels/*.whl || return 1
     echo "dry run: the kit's wheels install for Python $kit_python; importing with this machine's builds of them"
     local names; names=$(cd "$KIT/wheels" && ls -- *.whl | cut -d- -f1)

@@ -109,6 +109,9 @@ def paged_attention(
 ) -> torch.Tensor:
     """Store the step's keys/values in the slot, then attend causally. Returns [num_tokens, num_q_heads, head_dim]."""
     meta.kernels.store_kv(k, v, pool.k_pages, pool.v_pages, meta.slot_index[:, slot_columns])
+    if not meta.prefills:  # decode only: the kernel's output as it is (a copy into `out` is a kernel per layer)
+        table = meta.decode_page_table[:, :, slot_columns].transpose(1, 2)
+        return meta.kernels.paged_decode_attention(q, pool.k_pages, pool.v_pages, table, meta.decode_context_lens, scale)
     out = torch.empty_like(q)
     if meta.prefills:
         rows = slice(0, meta.num_prefill_tokens)

@@ -17,28 +17,41 @@ from depthserve.kernels.triton.common import (DECODE_TILE, MIN_DOT, group_rows, 
 
 @triton.jit
 def _store_kv_kernel(k_ptr, v_ptr, k_pages_ptr, v_pages_ptr, index_ptr,
-                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+                     k_stride_t, k_stride_h, v_stride_t, v_stride_h, index_stride_t, index_stride_h,
+                     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
     row = tl.program_id(0)  # one (token, KV head)
-    dst = tl.load(index_ptr + row).to(tl.int64)
+    token = (row // NUM_HEADS).to(tl.int64)
+    head = row % NUM_HEADS
+    dst = tl.load(index_ptr + token * index_stride_t + head * index_stride_h).to(tl.int64)
     if dst >= 0:  # -1 marks a padding row
         d = tl.arange(0, BLOCK_D)
         mask = d < HEAD_DIM
-        src = row.to(tl.int64) * HEAD_DIM + d
-        k = tl.load(k_ptr + src, mask=mask)
-        v = tl.load(v_ptr + src, mask=mask)
+        k = tl.load(k_ptr + token * k_stride_t + head * k_stride_h + d, mask=mask)
+        v = tl.load(v_ptr + token * v_stride_t + head * v_stride_h + d, mask=mask)
         tl.store(k_pages_ptr + dst * HEAD_DIM + d, k.to(k_pages_ptr.dtype.element_ty), mask=mask)
         tl.store(v_pages_ptr + dst * HEAD_DIM + d, v.to(v_pages_ptr.dtype.element_ty), mask=mask)
 
 
+def _rows_of_heads(x: torch.Tensor) -> torch.Tensor:
+    """`x` as [tokens, heads, head_dim] with unit stride along head_dim: a view where the strides
+    allow one (the step's keys and values are views into the fused QKV output; copying them would
+    be two more kernels per layer in a decode step), else a copy."""
+    x = x if x.dim() == 3 else x.reshape(x.shape[0], -1, x.shape[-1])
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
 def store_kv(k, v, k_pages, v_pages, slot_index) -> None:
+    """Keys and values [tokens, KV heads, head_dim] (any token and head strides) into the pages at
+    `slot_index` [tokens, KV heads] (any strides; -1: not stored)."""
     head_dim = k.shape[-1]
-    keys = k.reshape(-1, head_dim).contiguous()
-    values = v.reshape(-1, head_dim).contiguous()
-    index = slot_index.reshape(-1).contiguous()
+    keys, values = _rows_of_heads(k), _rows_of_heads(v)
+    index = slot_index.reshape(keys.shape[0], keys.shape[1]) if slot_index.dim() != 2 else slot_index
     if index.numel() == 0:
         return
     _store_kv_kernel[(index.numel(),)](keys, values, k_pages, v_pages, index,
-                                       HEAD_DIM=head_dim, BLOCK_D=pow2(head_dim))
+                                       keys.stride(0), keys.stride(1), values.stride(0), values.stride(1),
+                                       index.stride(0), index.stride(1),
+                                       NUM_HEADS=keys.shape[1], HEAD_DIM=head_dim, BLOCK_D=pow2(head_dim))
 
 
 @triton.jit
@@ -54,7 +67,7 @@ def _longest_context(lens_ptr, batch, BLOCK_B: tl.constexpr):
 @triton.jit
 def _decode_partial_kernel(
     q_ptr, k_pages_ptr, v_pages_ptr, table_ptr, lens_ptr, part_acc_ptr, part_ml_ptr, out_ptr,
-    scale, table_stride_b, table_stride_h, table_stride_blk, max_blocks, batch,
+    scale, q_stride_b, q_stride_h, table_stride_b, table_stride_h, table_stride_blk, max_blocks, batch,
     NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, TILES_PER_SPLIT: tl.constexpr, NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr,
@@ -75,8 +88,9 @@ def _decode_partial_kernel(
     g_mask = g < GROUP
     d_mask = d < HEAD_DIM
     q_heads = kv_head * GROUP + g
-    q_offs = (b * NUM_Q_HEADS + q_heads)[:, None] * HEAD_DIM + d[None, :]
+    q_offs = (b.to(tl.int64) * q_stride_b + q_heads * q_stride_h)[:, None] + d[None, :]
     q = tl.load(q_ptr + q_offs, mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    out_offs = (b * NUM_Q_HEADS + q_heads)[:, None] * HEAD_DIM + d[None, :]
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -97,7 +111,7 @@ def _decode_partial_kernel(
 
     out_mask = g_mask[:, None] & d_mask[None, :]
     if NUM_SPLITS == 1:  # no reduction pass
-        tl.store(out_ptr + q_offs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=out_mask)
+        tl.store(out_ptr + out_offs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
         part = (b * NUM_Q_HEADS + q_heads) * NUM_SPLITS + split  # [G]
         tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=out_mask)
@@ -159,7 +173,8 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, context_lens, scale,
     max_len = max_blocks * block_size
     tiles_at_width = tiles_per_split or decode_splits(batch, kv_heads, max_len, tile, _multiprocessors(q.device))
     num_splits = triton.cdiv(triton.cdiv(max_len, tile), tiles_at_width)
-    q = q.contiguous()
+    if q.stride(-1) != 1:
+        q = q.contiguous()  # (a view with unit head_dim stride is read in place: the rotary output's query part)
     out = torch.empty(batch, num_q_heads, head_dim, dtype=q.dtype, device=q.device)
     if num_splits > 1:
         part_acc = torch.empty(batch, num_q_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
@@ -168,8 +183,8 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, context_lens, scale,
         part_acc = part_ml = torch.empty(1, dtype=torch.float32, device=q.device)
     _decode_partial_kernel[(batch, kv_heads, num_splits)](
         q, k_pages, v_pages, page_table, context_lens.to(torch.int32), part_acc, part_ml, out,
-        float(scale), page_table.stride(0), page_table.stride(1), page_table.stride(2), max_blocks, batch,
-        NUM_Q_HEADS=num_q_heads, GROUP=group, BLOCK_G=group_rows(group), HEAD_DIM=head_dim,
+        float(scale), q.stride(0), q.stride(1), page_table.stride(0), page_table.stride(1), page_table.stride(2),
+        max_blocks, batch, NUM_Q_HEADS=num_q_heads, GROUP=group, BLOCK_G=group_rows(group), HEAD_DIM=head_dim,
         BLOCK_D=pow2(head_dim, MIN_DOT), BLOCK_SIZE=block_size, BLOCK_N=tile,
         TILES_PER_SPLIT=tiles_per_split or 0, NUM_SPLITS=num_splits, IEEE=q.dtype == torch.float32,
         num_warps=num_warps, num_stages=num_stages,
