@@ -64,13 +64,24 @@ def library_versions() -> dict[str, str]:
     return versions
 
 
-def git_commit() -> str | None:
+def _git(*args: str) -> str | None:
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             cwd=Path(__file__).parent, check=True)
+        out = subprocess.run(["git", *args], capture_output=True, text=True, cwd=Path(__file__).parent, check=True)
         return out.stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return None
+
+
+def git_commit() -> str | None:
+    """The commit the results are of: DEPTHSERVE_GIT_COMMIT where set (a GPU host's copy of the
+    checkout carries the working tree but not necessarily its current .git: docs/gpu.md), else
+    HEAD, marked "+dirty" where tracked files differ from it."""
+    if named := os.environ.get("DEPTHSERVE_GIT_COMMIT"):
+        return named
+    head = _git("rev-parse", "--short", "HEAD")
+    if head is None:
+        return None
+    return head + "+dirty" if _git("status", "--porcelain", "--untracked-files=no") else head
 
 
 def resolve_device(device: str) -> str:
