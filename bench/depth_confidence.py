@@ -12,7 +12,9 @@ stops at the first depth whose readout's top-1 probability reaches p. Relative c
 engine's report (usage.depth.relative_compute: the FLOPs of the schedule each request ran,
 prompt tokens included, plus the LM-head readouts the exit took, against the same tokens at the
 trained depth). The depth of the answer is the level of the question token, the position whose
-readout is the answer. Not a timing benchmark.
+readout is the answer. `--prompt-exit` runs each threshold a second time with prompt tokens by need
+(a prompt token stops at the first depth whose readout gives the prompt's next token probability p).
+Not a timing benchmark.
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1234, help="seeds the held-out problems")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default="depth-confidence-demo", help="result name under bench/results")
+    p.add_argument("--prompt-exit", action="store_true",
+                   help="prompt tokens by need too (EngineArgs.prompt_exit): each threshold runs twice, without "
+                        "and with it")
     p.add_argument("--quick", action="store_true", help="100 problems, thresholds 0.9 and 0.99")
     ns = p.parse_args(argv)
     if ns.quick:
@@ -78,20 +83,23 @@ def main(argv: list[str] | None = None) -> int:
     print(f"full depth: accuracy {full['accuracy']:.3f} at relative compute {full['relative_compute']:.3f}", flush=True)
     rows = []
     for threshold in common.parse_number_list(ns.thresholds):
-        llm = LLM(ns.model, depth_policy="confidence", confidence_threshold=threshold, **engine)
-        row = {"threshold": threshold, **evaluate(llm, held_out, DepthParams(depth="auto"))}
-        rows.append(row)
-        print(f"threshold {threshold:g}: accuracy {row['accuracy']:.3f} at relative compute "
-              f"{row['relative_compute']:.3f}, answer depth {row['mean_answer_depth']:.2f}, "
-              f"token depth {row['mean_token_depth']:.2f}", flush=True)
-        del llm
+        for prompt_exit in (False, True) if ns.prompt_exit else (False,):
+            llm = LLM(ns.model, depth_policy="confidence", confidence_threshold=threshold, prompt_exit=prompt_exit,
+                      **engine)
+            row = {"threshold": threshold, "prompt_exit": prompt_exit,
+                   **evaluate(llm, held_out, DepthParams(depth="auto"))}
+            rows.append(row)
+            print(f"threshold {threshold:g}{', prompt tokens by need' if prompt_exit else ''}: accuracy "
+                  f"{row['accuracy']:.3f} at relative compute {row['relative_compute']:.3f}, answer depth "
+                  f"{row['mean_answer_depth']:.2f}, token depth {row['mean_token_depth']:.2f}", flush=True)
+            del llm
     payload = {
         "benchmark": "depth-confidence",
         "description": "held-out accuracy of the Dreamer demo model under the confidence depth policy (every "
                        "token stops at the first depth whose readout is confident), per threshold, with the "
                        "relative compute the engine reported, against the model at full depth",
         "settings": {"model": ns.model, "problems": ns.problems, "seed": ns.seed, "split": "held_out",
-                     "max_hops": 6, "depth": "auto", "dtype": "float32"},
+                     "max_hops": 6, "depth": "auto", "dtype": "float32", "prompt_exit": ns.prompt_exit},
         "full_depth": full,
         "rows": rows,
         "environment": common.environment("cpu", ns.threads),

@@ -1,20 +1,23 @@
-"""Depth-elastic serving: the `slo` depth policy against `fixed` under rising load, in one run.
+"""Depth-elastic serving: the depth policies against `fixed` under rising load, in one run.
 
     python bench/depth_elastic.py --model DIR --tpot-slo-ms 60            # a Dreamer checkpoint
+    python bench/depth_elastic.py --model demo-dreamer --demo-task --policies fixed,slo,slo+confidence,need
     python bench/depth_elastic.py --quick
 
-Two servers of the same checkpoint are launched (`depthserve serve --depth-policy fixed`, and
-`--depth-policy slo --tpot-slo-ms T`); at each request rate the same streamed workload
-(bench/serving.py: C4 prompts of `--input-len` tokens, `--output-len` greedy tokens, Poisson
-arrivals) goes to one server and then the other, so machine drift hits both alike. Every request
-asks for a depth range (`--depth`, default `{"depth": "auto"}`: the model's whole range), which
-`fixed` runs at its maximum and `slo` lowers when the predicted step time would pass T. Per rate
-and policy: the serving summary (TTFT, TPOT, goodput with the SLO TPOT <= T), the mean depth of
-every token the requests computed (usage.depth.mean_depth, prompts included) and of the output
-tokens (the streamed token_depths). The result names the rate `fixed` sustains within T (at
-least 90% of its requests within T at that rate and every lower one: SLO attainment, DistServe's
-measure of capacity; the rate up to which its p99 TPOT stays within T is given too) and compares
-both policies at twice that rate when it was run.
+One server of the same checkpoint is launched per policy of `--policies` (`fixed`: `depthserve serve
+--depth-policy fixed`; `slo`: `--depth-policy slo --tpot-slo-ms T`; `slo+confidence`: that with
+`--confidence-threshold P`; `need`: `--depth-policy need --tpot-slo-ms T --confidence-threshold P`;
+`confidence`: `--depth-policy confidence --confidence-threshold P`); at each request rate the same
+streamed workload (bench/serving.py: C4 prompts of `--input-len` tokens, `--output-len` greedy
+tokens, Poisson arrivals) goes to each server in turn, so machine drift hits all alike. Every
+request asks for a depth range (`--depth`, default `{"depth": "auto"}`: the model's whole range),
+which `fixed` runs at its maximum and the others lower as their policy says. Per rate and policy:
+the serving summary (TTFT, TPOT, goodput with the SLO TPOT <= T), the mean depth of every token the
+requests computed (usage.depth.mean_depth, prompts included) and of the output tokens (the streamed
+token_depths). The result names the rate `fixed` sustains within T (at least 90% of its requests
+within T at that rate and every lower one: SLO attainment, DistServe's measure of capacity; the
+rate up to which its p99 TPOT stays within T is given too) and compares every policy with it at
+twice that rate when it was run.
 Result: bench/results/depth-elastic-<label>.json; chart by bench/plot.py.
 """
 
@@ -34,13 +37,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 import serving  # noqa: E402
 
-POLICIES = ("fixed", "slo")
+POLICIES = ("fixed", "slo", "slo+confidence", "need", "confidence")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=False, default=None, help="a checkpoint with an elastic depth knob (Dreamer)")
     p.add_argument("--tpot-slo-ms", type=float, default=60.0, help="the TPOT target (slo policy and goodput)")
+    p.add_argument("--policies", default="fixed,slo",
+                   help=f"comma-separated, `fixed` first: the baseline (of {', '.join(POLICIES)})")
+    p.add_argument("--confidence-threshold", type=float, default=0.99,
+                   help="the exit's top-1 probability, for slo+confidence, need and confidence")
     p.add_argument("--request-rate", default="2,4,6,8,10,12", help="requests/s, comma-separated")
     p.add_argument("--num-prompts", type=int, default=192, help="requests per rate and policy")
     p.add_argument("--input-len", type=int, default=128)
@@ -60,7 +67,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ns.num_prompts, ns.input_len, ns.output_len, ns.request_rate = 8, 32, 8, "4,8"
     if ns.model is None and not ns.quick:
         p.error("--model is required (or --quick)")
+    ns.policy_list = ns.policies.split(",")
+    if ns.policy_list[0] != "fixed" or any(policy not in POLICIES for policy in ns.policy_list):
+        p.error(f"--policies: `fixed` first, then any of {', '.join(POLICIES[1:])}")
     return ns
+
+
+def policy_server_args(policy: str, ns: argparse.Namespace) -> str:
+    """The `depthserve serve` options of one policy of the run."""
+    slo, exit_ = f" --tpot-slo-ms {ns.tpot_slo_ms:g}", f" --confidence-threshold {ns.confidence_threshold:g}"
+    flags = {"fixed": "--depth-policy fixed", "slo": "--depth-policy slo" + slo,
+             "slo+confidence": "--depth-policy slo" + slo + exit_, "need": "--depth-policy need" + slo + exit_,
+             "confidence": "--depth-policy confidence" + exit_}[policy]
+    return f"--num-threads {ns.threads} {flags}"
 
 
 def serving_namespace(ns: argparse.Namespace) -> argparse.Namespace:
@@ -80,7 +99,7 @@ async def run(urls: dict[str, str], ns: argparse.Namespace) -> dict[str, Any]:
     async with contextlib.AsyncExitStack() as stack:
         for client in clients.values():
             await stack.enter_async_context(client)
-        first = clients[POLICIES[0]]
+        first = clients["fixed"]
         model_id = (await first.get("/v1/models")).raise_for_status().json()["data"][0]["id"]
         answers = None
         if ns.demo_task:
@@ -101,7 +120,7 @@ async def run(urls: dict[str, str], ns: argparse.Namespace) -> dict[str, Any]:
                 summary = serving.summarize_run(results, duration, sns)
                 outputs = [d for r in results if r.ok for d in r.token_depths]
                 summary["mean_output_depth"] = sum(outputs) / len(outputs) if outputs else None
-                line = f"{policy:>5} {serving.format_summary(rate, summary)} | output depth {summary['mean_output_depth'] or 0:.2f}"
+                line = f"{policy:>14} {serving.format_summary(rate, summary)} | output depth {summary['mean_output_depth'] or 0:.2f}"
                 if answers is not None:
                     right = [r.ok and r.text.split()[:1] == [a] for r, a in zip(results, answers)]
                     summary["accuracy"] = sum(right) / len(right)
@@ -154,18 +173,22 @@ def sustained_rate(runs: list[dict[str, Any]], meets) -> float | None:
 
 
 def at_rate(runs: list[dict[str, Any]], rate: float | None) -> dict[str, Any] | None:
-    """Both policies' figures at `rate`, if it was run."""
+    """Every policy's figures at `rate`, if it was run, and each one's goodput over fixed's
+    (`goodput_ratio`: slo's, where slo ran)."""
     row = next((row for row in runs if rate is not None and row["request_rate"] == rate), None)
     if row is None:
         return None
     out: dict[str, Any] = {"request_rate": rate}
-    for policy in POLICIES:
+    policies = [policy for policy in row if policy != "request_rate"]
+    for policy in policies:
         summary = row[policy]["summary"]
         out[policy] = {"p99_tpot_ms": summary["tpot_ms"]["p99"], "goodput": summary["goodput"],
                        "slo_attainment": attainment(row, policy), "mean_depth": summary.get("mean_depth"),
                        "mean_output_depth": summary.get("mean_output_depth"), "accuracy": summary.get("accuracy")}
     fixed_goodput = out["fixed"]["goodput"]
-    out["goodput_ratio"] = out["slo"]["goodput"] / fixed_goodput if fixed_goodput else None
+    out["goodput_over_fixed"] = {policy: out[policy]["goodput"] / fixed_goodput if fixed_goodput else None
+                                 for policy in policies if policy != "fixed"}
+    out["goodput_ratio"] = out["goodput_over_fixed"].get("slo")
     return out
 
 
@@ -195,17 +218,17 @@ def main(argv: list[str] | None = None) -> int:
         from depthserve.tiny import make_tiny
 
         ns.model = str(make_tiny("dreamer", Path(common.RESULTS_DIR.parent / ".quick-dreamer"), seed=0))
-    server_args = {"fixed": f"--num-threads {ns.threads} --depth-policy fixed",
-                   "slo": f"--num-threads {ns.threads} --depth-policy slo --tpot-slo-ms {ns.tpot_slo_ms:g}"}
+    server_args = {policy: policy_server_args(policy, ns) for policy in ns.policy_list}
     with contextlib.ExitStack() as stack:
         urls = {policy: stack.enter_context(serving.launched_server(ns.model, args, 600.0))
                 for policy, args in server_args.items()}
         outcome = asyncio.run(run(urls, ns))
     payload = {
         "benchmark": "depth-elastic",
-        "description": "streamed completions asking for a depth range, the fixed and the slo depth policy taking "
-                       "turns at each request rate",
-        "settings": {**{k: v for k, v in vars(ns).items() if k != "dataset"}, "dataset": str(ns.dataset),
+        "description": "streamed completions asking for a depth range, the depth policies taking turns at each "
+                       "request rate",
+        "settings": {**{k: v for k, v in vars(ns).items() if k not in ("dataset", "policy_list")},
+                     "dataset": str(ns.dataset),
                      "server_args": server_args},
         "model_id": outcome["model_id"],
         "comparison": comparison(outcome["runs"], ns.tpot_slo_ms),

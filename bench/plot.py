@@ -280,13 +280,15 @@ def plot_depth_quality(payload: dict[str, Any], out: Path) -> list[Path]:
 
 
 def plot_depth_elastic(payload: dict[str, Any], out: Path) -> list[Path]:
-    """p99 TPOT, goodput and the depth run against the request rate, fixed vs slo."""
+    """p99 TPOT, goodput and the depth run against the request rate, per depth policy of the run."""
     runs = sorted(payload["runs"], key=lambda row: float(row["request_rate"]))
     rates = [float(row["request_rate"]) for row in runs]
     target = payload["settings"]["tpot_slo_ms"]
     graded = "accuracy" in runs[0]["fixed"]["summary"]  # the demo task: answers checked
     fig, axes = plt.subplots(1, 4 if graded else 3, figsize=(20 if graded else 15, 4.5))
-    for policy, style in (("fixed", "s--"), ("slo", "o-")):
+    policies = [key for key in runs[0] if key != "request_rate"]
+    styles = ("s--", "o-", "^-", "D-", "v-")
+    for policy, style in zip(policies, styles):
         summaries = [row[policy]["summary"] for row in runs]
         axes[0].plot(rates, [s["tpot_ms"]["p99"] for s in summaries], style, label=policy)
         axes[1].plot(rates, [s["goodput"] for s in summaries], style, label=policy)

@@ -55,6 +55,11 @@ class EngineArgs:
     # deepening at the first level of its range whose top-1 probability reaches this (models with a
     # readout per level).
     confidence_threshold: float | None = None
+    # Prompt tokens by need: with a confidence threshold, a prompt token whose next token is in the
+    # prompt stops at the first level of its range whose readout gives that token at least the
+    # threshold's probability (teacher-forced; depthserve/engine/depth_policy.py). Off: prompt tokens
+    # run the policy's level.
+    prompt_exit: bool = False
 
     def step_token_budget(self, device_type: str) -> int:
         """max_num_batched_tokens, or its default on this kind of device."""
@@ -83,15 +88,20 @@ class EngineArgs:
             raise ConfigurationError(f"num_scheduler_steps must lie in 1..256, got {self.num_scheduler_steps}")
         if self.kernel_backend not in ("auto", "torch", "triton"):
             raise ConfigurationError(f"kernel_backend must be auto, torch or triton, got {self.kernel_backend!r}")
-        if self.depth_policy not in ("fixed", "slo", "confidence"):
-            raise ConfigurationError(f"depth_policy must be fixed, slo or confidence, got {self.depth_policy!r}")
-        if self.depth_policy == "slo" and not (self.tpot_slo_ms or 0) > 0:
-            raise ConfigurationError("depth_policy slo needs a positive tpot_slo_ms (the time per output token to keep)")
-        if self.depth_policy == "confidence" and self.confidence_threshold is None:
-            raise ConfigurationError("depth_policy confidence needs confidence_threshold (a top-1 probability in (0, 1])")
+        if self.depth_policy not in ("fixed", "slo", "confidence", "need"):
+            raise ConfigurationError(f"depth_policy must be fixed, slo, confidence or need, got {self.depth_policy!r}")
+        if self.depth_policy in ("slo", "need") and not (self.tpot_slo_ms or 0) > 0:
+            raise ConfigurationError(f"depth_policy {self.depth_policy} needs a positive tpot_slo_ms (the time per "
+                                     "output token to keep)")
+        if self.depth_policy in ("confidence", "need") and self.confidence_threshold is None:
+            raise ConfigurationError(f"depth_policy {self.depth_policy} needs confidence_threshold (a top-1 "
+                                     "probability in (0, 1])")
+        if self.prompt_exit and self.confidence_threshold is None:
+            raise ConfigurationError("prompt_exit needs confidence_threshold (the probability of the prompt's next token "
+                                     "at which a prompt token stops)")
         if self.confidence_threshold is not None:
             if self.depth_policy == "fixed":
-                raise ConfigurationError("confidence_threshold applies with depth_policy confidence or slo, not fixed")
+                raise ConfigurationError("confidence_threshold applies with depth_policy confidence, slo or need, not fixed")
             if not 0 < self.confidence_threshold <= 1:
                 raise ConfigurationError(f"confidence_threshold must lie in (0, 1], got {self.confidence_threshold}")
         if self.quantization not in ("auto", "none", "gguf", "int8", "int4"):

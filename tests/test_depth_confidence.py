@@ -86,6 +86,93 @@ def test_confident_tokens_stop_early_and_the_engine_equals_the_reference():
     assert llm.engine.block_manager.num_used_pages == 0
 
 
+# The demo model was trained on answers only: its readouts give a prompt's next assignment at most
+# ~0.5% probability at any depth (every prompt token is an unpredictable `x=y`), so prompt tokens by
+# need are tested at a threshold some of them reach.
+PROMPT_THRESHOLD = 0.001
+
+
+def _teacher_rule(readouts: list[torch.Tensor], position: int, next_token: int, lowest: int, highest: int
+                  ) -> tuple[int, bool]:
+    """Prompt tokens by need: the level the rule stops a prompt token at from the reference's
+    readouts (the probability of the prompt's known next token), and whether every readout it looked
+    at is clear of the threshold by MARGIN (relative: these probabilities are small)."""
+    clear = True
+    for level in range(lowest, highest):
+        chance = float(torch.softmax(readouts[level - 1][0, position], dim=-1)[next_token])
+        clear &= abs(chance - PROMPT_THRESHOLD) > MARGIN * PROMPT_THRESHOLD * 10
+        if chance >= PROMPT_THRESHOLD:
+            return level, clear
+    return highest, clear
+
+
+@pytest.mark.slow
+def test_prompt_tokens_by_need_stop_on_their_known_next_token_and_equal_the_reference():
+    """With prompt_exit, a prompt token whose next token is in the prompt stops at the first level of
+    its range whose readout gives that token the threshold's probability; later tokens read only the
+    levels it ran. Mixed batch, chunked prefill, preemption: the engine equals the reference on the
+    schedule it reports, the schedule follows the rule on the reference's readouts, and a request
+    with a fixed knob is untouched."""
+    source = resolve_model("demo-dreamer")
+    tokenizer = load_tokenizer(source)
+    prompts = [tokenizer.encode(p.prompt, add_special_tokens=False) for p in problems(5, 8, "held_out", 6)]
+    knobs = [DEPTHS[i % len(DEPTHS)] for i in range(len(prompts))]
+    depths = [DepthParams.from_dict(knob) for knob in knobs]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=2)
+    longest = max(map(len, prompts)) + params.max_tokens
+    llm = tiny_llm(source.path, pages=costliest_pages(source.path, depths, longest), max_model_len=longest,
+                   max_num_batched_tokens=16, depth_policy="confidence", confidence_threshold=PROMPT_THRESHOLD,
+                   prompt_exit=True)
+    outputs = llm.generate(prompts, params, depths)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert check_against_reference(source.path, prompts, depths, outputs)["tokens"] > 0
+    cfg, spec, weights = dreamer_reference.load(source.path)
+    early = full = checked = 0
+    for prompt, knob, depth, out in zip(prompts, knobs, depths, outputs):
+        per_token = out.depth.per_token
+        if per_token is None:
+            assert knob == {"depth": 6}  # the fixed knob: no schedule of its own
+            continue
+        span = depth.normalized(llm.engine.model.depth_knobs())["depth"]
+        readouts, _ = dreamer_reference.run(cfg, spec, weights, torch.tensor([prompt]), span.maximum, every_depth=True,
+                                            token_depths=torch.tensor([per_token[: len(prompt)]]))
+        for position in range(len(prompt) - 1):
+            expected, clear = _teacher_rule(readouts, position, prompt[position + 1], span.minimum, span.maximum)
+            if clear:
+                checked += 1
+                assert per_token[position] == expected, f"position {position}: ran {per_token[position]}, rule {expected}"
+                early += expected < span.maximum
+                full += expected == span.maximum
+    assert early and full, "some prompt tokens were meant to stop early and others not"
+    assert checked >= 0.8 * sum(len(p) - 1 for p, knob in zip(prompts, knobs) if knob != {"depth": 6})
+    assert llm.engine.block_manager.num_used_pages == 0
+
+
+@pytest.mark.slow
+def test_the_need_policy_schedule_equals_the_reference():
+    """The need policy (slo with the exit, its cap priced by each sequence's exits) under a TPOT
+    target that binds: decode steps run shed, steps of prompts alone deep, sure tokens stop below
+    the cap, in a mixed batch with chunked prefill and preemption; whatever schedule the load gave,
+    the engine equals the reference on the schedule it reports, and frees every page."""
+    source = resolve_model("demo-dreamer")
+    tokenizer = load_tokenizer(source)
+    prompts = [tokenizer.encode(p.prompt, add_special_tokens=False) for p in problems(5, 8, "held_out", 6)]
+    depths = [DepthParams.from_dict(DEPTHS[i % len(DEPTHS)]) for i in range(len(prompts))]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
+    longest = max(map(len, prompts)) + params.max_tokens
+    llm = tiny_llm(source.path, pages=costliest_pages(source.path, depths, longest), max_model_len=longest,
+                   max_num_batched_tokens=16, depth_policy="need", tpot_slo_ms=2.0, confidence_threshold=0.99)
+    outputs = llm.generate(prompts, params, depths)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert check_against_reference(source.path, prompts, depths, outputs)["tokens"] > 0
+    ranged = [(depth.normalized(llm.engine.model.depth_knobs())["depth"], out.depth.per_token)
+              for depth, out in zip(depths, outputs) if out.depth.per_token is not None]
+    assert any(min(levels) < span.maximum for span, levels in ranged), "the target was meant to shed depth"
+    assert any(max(levels) == span.maximum for span, levels in ranged), "prompt-only steps were meant to run deep"
+    assert all(span.minimum <= level <= span.maximum for span, levels in ranged for level in levels)
+    assert llm.engine.block_manager.num_used_pages == 0
+
+
 def test_a_fixed_request_ignores_the_threshold_and_exits_are_reproducible():
     source = resolve_model("demo-dreamer")
     prompt = load_tokenizer(source).encode(problems(3, 1, "held_out", 2)[0].prompt, add_special_tokens=False)
@@ -103,7 +190,11 @@ def test_a_fixed_request_ignores_the_threshold_and_exits_are_reproducible():
 def test_the_threshold_is_checked(tmp_path, smollm_tokenizer):
     for kwargs, message in ((dict(depth_policy="confidence"), "needs confidence_threshold"),
                             (dict(depth_policy="fixed", confidence_threshold=0.5), "not fixed"),
-                            (dict(depth_policy="confidence", confidence_threshold=1.5), "must lie in")):
+                            (dict(depth_policy="confidence", confidence_threshold=1.5), "must lie in"),
+                            (dict(depth_policy="need", tpot_slo_ms=20.0), "needs confidence_threshold"),
+                            (dict(depth_policy="need", confidence_threshold=0.9), "positive tpot_slo_ms"),
+                            (dict(depth_policy="confidence", prompt_exit=True), "needs confidence_threshold"),
+                            (dict(depth_policy="slo", tpot_slo_ms=20.0, prompt_exit=True), "prompt_exit needs")):
         with pytest.raises(ConfigurationError, match=message):
             EngineArgs(model="demo-dreamer", **kwargs).validate()
     put = make_tiny("put", tmp_path / "put", seed=1, num_kv_heads=2, tokenizer=smollm_tokenizer)

@@ -11,8 +11,8 @@ import pytest
 
 from depthserve.cache import CacheLayout
 from depthserve.depth import DepthParams, DepthPlan, DepthRange
-from depthserve.engine.depth_policy import (AIM, FixedPolicy, SLOPolicy, StepCostModel, level_tokens, make_policy,
-                                            replay_recorded_levels)
+from depthserve.engine.depth_policy import (AIM, EXIT_HISTORY, FORGET_STEPS, FixedPolicy, NeedPolicy, SLOPolicy,
+                                            StepCostModel, level_tokens, make_policy, replay_recorded_levels)
 from depthserve.engine.scheduler import ScheduledSeq
 from depthserve.engine.sequence import Sequence
 from depthserve.sampling_params import SamplingParams
@@ -114,10 +114,92 @@ def test_slo_lets_a_heavy_step_spend_what_light_decode_steps_saved():
     assert policy.assign(heavy)[0].level == 1  # nothing fits 10 - 15 ms: the range's minimum
 
 
+def _sampling(elastic: tuple[int, int] = (1, 4)) -> ScheduledSeq:
+    """A decoding sequence's step: its one new token, whose readout is sampled after the step."""
+    span = DepthRange(*elastic)
+    seq = Sequence("r", 0, [1, 2, 3], SamplingParams(), _Plan(depth=DepthParams(), layout=CacheLayout(()),
+                                                              elastic=span, level=span.maximum), max_tokens=64)
+    seq.output_token_ids.append(7)
+    return ScheduledSeq(seq, seq.num_tokens - 1, 1)
+
+
+def _ran(policy, batch: list[ScheduledSeq], stopped: dict[int, int]) -> None:
+    """One step of `batch` as `policy` assigns it; row i's sampled token stops at stopped[i] where
+    given (below the assigned level), else runs its level. The step takes 1 ms per level-token run
+    (the cost model's line) and banks no credit (slo's credit is tested above). Each sequence then
+    has one more token."""
+    assigned = policy.assign(batch)
+    ran = [replace(item, ran_levels=(stopped[i],)) if i in stopped and stopped[i] < item.level else item
+           for i, item in enumerate(assigned)]
+    policy.observe(ran, 0.001 * level_tokens(ran))
+    policy.credit = 0.0
+    for item in batch:
+        item.seq.output_token_ids.append(7)
+
+
+def _need(budget: float, threshold: float = 0.9) -> NeedPolicy:
+    cost = StepCostModel()
+    for work in (8, 32, 64, 128):
+        cost.add(work, 0.001 * work)
+    return NeedPolicy(budget / AIM, threshold, cost)
+
+
+def _advance(batch: list[ScheduledSeq]) -> list[ScheduledSeq]:
+    return [ScheduledSeq(item.seq, item.seq.num_tokens - 1, 1) for item in batch]
+
+
+def test_need_gives_what_sure_tokens_leave_to_a_deeper_cap_for_the_rest():
+    """Eight decoding sequences, 1 ms per level-token, 20 ms per step: slo caps every request at 2
+    (8 x 2 = 16 ms; 8 x 3 = 24 would not fit). Under need, six of them have been stopping at level 1
+    by their own readouts: at cap 4 they are expected to cost 6 x 1, the two unsure ones 2 x 4, 14 ms,
+    so the cap rises to 4 for all, and only the unsure ones use it."""
+    slo, need = _slo(0.020), _need(0.020)
+    batch = [_sampling() for _ in range(8)]
+    assert {item.level for item in slo.assign(batch)} == {2}
+    assert all(item.exit_threshold is None for item in slo.assign(batch))
+    for _ in range(3):
+        _ran(need, batch, {i: 1 for i in range(6)})
+        batch = _advance(batch)
+    out = need.assign(batch)
+    assert {item.level for item in out} == {4} and need.target == 4  # one cap for every elastic request
+    assert all(item.exit_threshold == 0.9 for item in out)  # each token still stops only by its own readout
+    assert need.expected_work(out) == pytest.approx(6 * 1 + 2 * 4)
+
+
+def test_need_prices_a_token_that_ran_to_its_cap_at_the_whole_cap():
+    """A token that ran to the level it was allowed may have needed more: at a deeper candidate cap it
+    is priced at that cap, so tokens that are never sure get slo's cap, and a minimum still holds."""
+    need = _need(0.020)
+    batch = [_sampling() for _ in range(8)]
+    for _ in range(3):
+        _ran(need, batch, {})  # nobody stopped early
+        batch = _advance(batch)
+    assert {item.level for item in need.assign(batch)} == {2}  # as slo: 8 x 2 fits, 8 x 3 does not
+    floor = [_sampling(elastic=(3, 4)) for _ in range(8)]
+    assert {item.level for item in _need(0.010).assign(floor)} == {3}  # overload: the minimum, never below
+
+
+def test_need_forgets_sequences_it_no_longer_sees_and_keeps_a_bounded_history():
+    need = _need(0.020)
+    batch = [_sampling()]
+    for _ in range(EXIT_HISTORY + 4):
+        _ran(need, batch, {0: 1})
+        batch = _advance(batch)
+    assert len(need.history._exits[batch[0].seq.seq_id]) == EXIT_HISTORY
+    other = [_sampling()]
+    for _ in range(2 * FORGET_STEPS):
+        _ran(need, other, {})
+        other = _advance(other)
+    assert batch[0].seq.seq_id not in need.history._exits and len(need.history) == 1
+
+
 def test_make_policy_checks_its_arguments():
     assert make_policy("fixed").name == "fixed"
     with pytest.raises(ValueError, match="tpot-slo-ms"):
         make_policy("slo")
+    with pytest.raises(ValueError, match="confidence-threshold"):
+        make_policy("need", tpot_slo_ms=20)
+    assert make_policy("need", tpot_slo_ms=20, confidence_threshold=0.9).name == "need"
     with pytest.raises(ValueError, match="unknown depth policy"):
         make_policy("greedy")
 

@@ -32,9 +32,21 @@ took. Requests with a fixed knob always run it and are never touched.
   least `--confidence-threshold` probability. Other prompt tokens run the policy's level: nobody
   reads their readouts, and every later token reads their deeper levels (a token that stopped
   early is absent from them). Only for models with a readout at every level (Dreamer). `slo`
-  takes the threshold too: tokens then exit early within the slo cap.
+  takes the threshold too: tokens then exit early within the slo cap. With prompt tokens by need
+  (EngineArgs.prompt_exit), a prompt token whose next token is in the prompt stops too, teacher-
+  forced: at the first level of its range whose readout gives that known next token at least the
+  threshold's probability; later tokens read only the levels it ran (section 6).
+- `need` (shedding by need): `slo` with the confidence exit, whose cap is chosen knowing which
+  tokens will not need it. `slo` prices every elastic token of a candidate cap at that cap, so a
+  step full of tokens that would exit early is priced as if none did and the cap drops for all;
+  `need` prices each sampled token by its own sequence's recent exits (`ExitHistory`: a token that
+  stopped at level l below its allowed level costs min(cap, l) at a candidate cap, one that ran to
+  its allowed level costs the whole cap, since its need is unknown above it), so the budget that sure
+  tokens leave goes to a deeper cap for the tokens that are not sure. Fairness is `slo`'s: one cap for
+  every elastic request, clipped to its range; a token stops below it only by its own readout.
 The exit decision depends only on the token, its prefix and the threshold (docs/depth-semantics.md
-section 6), so a request under `confidence` alone is reproducible.
+section 6), so a request under `confidence` alone is reproducible; under `slo` and `need` the cap
+depends on the load, and what each token ran is reported per token.
 """
 
 from __future__ import annotations
@@ -48,9 +60,11 @@ import numpy as np
 from depthserve.depth import DepthRange
 from depthserve.engine.scheduler import ScheduledSeq
 
-POLICIES = ("fixed", "slo", "confidence")
+POLICIES = ("fixed", "slo", "confidence", "need")
 AIM = 0.9  # the slo policy aims its predicted step time at this share of the target
 CREDIT_STEPS = 2.0  # the most time (in aims) decode steps may bank or owe (SLOPolicy.credit)
+EXIT_HISTORY = 16  # sampled tokens per sequence whose exits the need policy remembers
+FORGET_STEPS = 512  # steps after which the need policy forgets a sequence it has not seen
 
 
 class DepthPolicy(Protocol):
@@ -86,7 +100,7 @@ def replay_recorded_levels(scheduled: list[ScheduledSeq]) -> list[ScheduledSeq]:
             level, run = recorded[item.start], 1
             while run < item.num_tokens and item.start + run < len(recorded) and recorded[item.start + run] == level:
                 run += 1
-            item = replace(item, level=level, num_tokens=run, exit_threshold=None, ran_levels=None)
+            item = replace(item, level=level, num_tokens=run, exit_threshold=None, exit_prompt=False, ran_levels=None)
         out.append(item)
     return out
 
@@ -110,11 +124,12 @@ def level_tokens(scheduled: list[ScheduledSeq]) -> float:
     return work
 
 
-def with_exit(scheduled: list[ScheduledSeq], threshold: float | None) -> list[ScheduledSeq]:
-    """The elastic sequences' tokens may stop below their level once confident."""
+def with_exit(scheduled: list[ScheduledSeq], threshold: float | None, prompt: bool = False) -> list[ScheduledSeq]:
+    """The elastic sequences' tokens may stop below their level once confident (`prompt`: their
+    prompt tokens too, on the readout of the prompt's next token)."""
     if threshold is None:
         return scheduled
-    return [replace(item, exit_threshold=threshold) if elastic_range(item) is not None else item
+    return [replace(item, exit_threshold=threshold, exit_prompt=prompt) if elastic_range(item) is not None else item
             for item in scheduled]
 
 
@@ -123,9 +138,10 @@ class FixedPolicy:
 
     name = "fixed"
 
-    def __init__(self, exit_threshold: float | None = None) -> None:
+    def __init__(self, exit_threshold: float | None = None, prompt_exit: bool = False) -> None:
         self._target: float | None = None
         self.exit_threshold = exit_threshold
+        self.prompt_exit = prompt_exit
 
     def assign(self, scheduled: list[ScheduledSeq]) -> list[ScheduledSeq]:
         out = []
@@ -135,7 +151,7 @@ class FixedPolicy:
                 item = replace(item, level=span.maximum)
                 self._target = span.maximum
             out.append(item)
-        return with_exit(out, self.exit_threshold)
+        return with_exit(out, self.exit_threshold, self.prompt_exit)
 
     def observe(self, scheduled: list[ScheduledSeq], seconds: float) -> None:
         return None
@@ -150,8 +166,8 @@ class ConfidencePolicy(FixedPolicy):
 
     name = "confidence"
 
-    def __init__(self, exit_threshold: float) -> None:
-        super().__init__(exit_threshold)
+    def __init__(self, exit_threshold: float, prompt_exit: bool = False) -> None:
+        super().__init__(exit_threshold, prompt_exit)
 
 
 @dataclass
@@ -200,11 +216,13 @@ class SLOPolicy:
 
     name = "slo"
 
-    def __init__(self, target_seconds: float, cost: StepCostModel | None = None, exit_threshold: float | None = None):
+    def __init__(self, target_seconds: float, cost: StepCostModel | None = None, exit_threshold: float | None = None,
+                 prompt_exit: bool = False):
         if not target_seconds > 0:
             raise ValueError("the SLO policy needs a positive step time target")
         self.target_seconds = target_seconds
         self.exit_threshold = exit_threshold
+        self.prompt_exit = prompt_exit
         self.cost = cost or StepCostModel()
         self._target: float | None = None
         # Seconds that decode steps came in under (> 0) or over (< 0) the aim, within
@@ -224,9 +242,13 @@ class SLOPolicy:
         if _decoding(scheduled) and self.cost.ready:  # with no measurement yet, the first steps run deep and teach the model
             budget = AIM * self.target_seconds + self.credit
             cap = next((level for level in range(deepest, lowest - 1, -1)
-                        if self.cost.predict(level_tokens(self._at(scheduled, level))) <= budget), lowest)
+                        if self.cost.predict(self.expected_work(self._at(scheduled, level))) <= budget), lowest)
         self._target = cap
-        return with_exit(self._at(scheduled, cap), self.exit_threshold)
+        return with_exit(self._at(scheduled, cap), self.exit_threshold, self.prompt_exit)
+
+    def expected_work(self, scheduled: list[ScheduledSeq]) -> float:
+        """The level-tokens a step of `scheduled` (as assigned) is expected to run: each token at its level."""
+        return level_tokens(scheduled)
 
     @staticmethod
     def _at(scheduled: list[ScheduledSeq], cap: int) -> list[ScheduledSeq]:
@@ -249,20 +271,88 @@ class SLOPolicy:
         return self._target
 
 
+class ExitHistory:
+    """Where each sequence's recent sampled tokens stopped: (level ran, level allowed) of its last
+    EXIT_HISTORY ones; a sequence unseen for FORGET_STEPS steps is forgotten (it finished or was
+    aborted: the policy is not told)."""
+
+    def __init__(self) -> None:
+        self._exits: dict[int, deque[tuple[int, int]]] = {}
+        self._seen: dict[int, int] = {}
+        self._step = 0
+
+    def record(self, scheduled: list[ScheduledSeq]) -> None:
+        self._step += 1
+        for item in scheduled:
+            if item.level is None or item.exit_threshold is None or not item.samples:
+                continue
+            ran = item.ran_levels[-1] if item.ran_levels is not None else item.level
+            seq_id = item.seq.seq_id
+            self._exits.setdefault(seq_id, deque(maxlen=EXIT_HISTORY)).append((ran, item.level))
+            self._seen[seq_id] = self._step
+        if self._step % FORGET_STEPS == 0:
+            for seq_id in [k for k, seen in self._seen.items() if self._step - seen > FORGET_STEPS]:
+                del self._exits[seq_id], self._seen[seq_id]
+
+    def expected_level_work(self, item: ScheduledSeq) -> float | None:
+        """The expected work of `item`'s sampled token at its assigned level, from its sequence's
+        exits (None: no history). A token that stopped below its allowed level needs no more than the
+        level it stopped at; one that ran to its allowed level may need all of the assigned one."""
+        exits = self._exits.get(item.seq.seq_id)
+        if not exits:
+            return None
+        plan, level = item.seq.plan, item.level
+        return sum(plan.work_at(min(level, ran) if ran < allowed else level) for ran, allowed in exits) / len(exits)
+
+    def __len__(self) -> int:
+        return len(self._exits)
+
+
+class NeedPolicy(SLOPolicy):
+    """`slo` with the confidence exit, each sampled token priced by its sequence's recent exits (module doc)."""
+
+    name = "need"
+
+    def __init__(self, target_seconds: float, exit_threshold: float, cost: StepCostModel | None = None,
+                 prompt_exit: bool = False):
+        super().__init__(target_seconds, cost=cost, exit_threshold=exit_threshold, prompt_exit=prompt_exit)
+        self.history = ExitHistory()
+
+    def expected_work(self, scheduled: list[ScheduledSeq]) -> float:
+        work = 0.0
+        for item in scheduled:
+            expected = self.history.expected_level_work(item) if item.level is not None and item.samples else None
+            if expected is None:
+                work += level_tokens([item])
+            else:  # the tokens before the sampled one run the assigned level (nobody reads their readouts)
+                work += (item.num_tokens - 1) * item.seq.plan.work_at(item.level) + expected
+        return work
+
+    def observe(self, scheduled: list[ScheduledSeq], seconds: float) -> None:
+        super().observe(scheduled, seconds)
+        self.history.record(scheduled)
+
+
 def _decoding(scheduled: list[ScheduledSeq]) -> bool:
     """Some sequence of the step is past its prompt: a client waits for its next token."""
     return any(item.start >= item.seq.num_prompt_tokens for item in scheduled)
 
 
-def make_policy(name: str, tpot_slo_ms: float | None = None, confidence_threshold: float | None = None) -> DepthPolicy:
+def make_policy(name: str, tpot_slo_ms: float | None = None, confidence_threshold: float | None = None,
+                prompt_exit: bool = False) -> DepthPolicy:
     if name == "fixed":
         return FixedPolicy()
     if name == "confidence":
         if confidence_threshold is None:
             raise ValueError("--depth-policy confidence needs --confidence-threshold (a top-1 probability)")
-        return ConfidencePolicy(confidence_threshold)
+        return ConfidencePolicy(confidence_threshold, prompt_exit)
     if name == "slo":
         if tpot_slo_ms is None:
             raise ValueError("--depth-policy slo needs --tpot-slo-ms (the time per output token to keep within)")
-        return SLOPolicy(tpot_slo_ms / 1000.0, exit_threshold=confidence_threshold)
+        return SLOPolicy(tpot_slo_ms / 1000.0, exit_threshold=confidence_threshold, prompt_exit=prompt_exit)
+    if name == "need":
+        if tpot_slo_ms is None or confidence_threshold is None:
+            raise ValueError("--depth-policy need needs --tpot-slo-ms (the time per output token to keep within) and "
+                             "--confidence-threshold (the top-1 probability at which a token is sure)")
+        return NeedPolicy(tpot_slo_ms / 1000.0, confidence_threshold, prompt_exit=prompt_exit)
     raise ValueError(f"unknown depth policy {name!r}; known: {', '.join(POLICIES)}")

@@ -300,16 +300,18 @@ def _depth_policy(args: EngineArgs, model: DepthModel) -> DepthPolicy:
         raise ConfigurationError(
             f"the confidence depth policy needs a model with a readout at every depth level; "
             f"{args.model} has none")
-    return make_policy(args.depth_policy, args.tpot_slo_ms, args.confidence_threshold)
+    return make_policy(args.depth_policy, args.tpot_slo_ms, args.confidence_threshold, args.prompt_exit)
 
 
 def _policy_summary(args: EngineArgs) -> str:
     """The depth policy and its settings, as the start-up line names them."""
     settings = []
-    if args.tpot_slo_ms is not None and args.depth_policy == "slo":
+    if args.tpot_slo_ms is not None and args.depth_policy in ("slo", "need"):
         settings.append(f"TPOT target {args.tpot_slo_ms:g} ms")
     if args.confidence_threshold is not None:
         settings.append(f"exit at top-1 probability {args.confidence_threshold:g}")
+    if args.prompt_exit:
+        settings.append("prompt tokens by need")
     return args.depth_policy + (f" ({', '.join(settings)})" if settings else "")
 
 

@@ -27,6 +27,13 @@ _NO_ALLOWED_TOKEN = ("no token can be sampled: the structured-output constraint 
                      "model scored (can this model's vocabulary write what the constraint asks for?)")
 
 
+def prompt_next_tokens(item: ScheduledSeq) -> np.ndarray:
+    """Per token of the step, the prompt's next token where it is in the prompt, else -1 (prompt
+    tokens by need: the token its readout is checked against)."""
+    prompt = item.seq.prompt_token_ids
+    return np.array([prompt[p + 1] if p + 1 < len(prompt) else -1 for p in range(item.start, item.end)], np.int64)
+
+
 def _samples(item: ScheduledSeq) -> bool:
     """The sequence samples a token after this step (its logits row is read out)."""
     return item.samples and len(item.seq.output_token_ids) < item.seq.max_tokens
@@ -242,7 +249,8 @@ class ModelRunner:
                            if masks is not None and item.exit_threshold is not None and _samples(item) else None)
                 items.append(BatchItem(seq.seq_id, seq.plan, item.start, item.num_tokens, row, full_table, routed,
                                        self.block_manager.state_table(seq), item.level, item.exit_threshold,
-                                       item.samples, self.model.row_settings(seq.plan, item.level), allowed))
+                                       item.samples, self.model.row_settings(seq.plan, item.level), allowed,
+                                       prompt_next_tokens(item) if item.exit_prompt else None))
             positions = np.arange(item.start, item.end)
             ids.extend(item.seq.token_ids(item.start, item.end))
             pos_chunks.append(positions)

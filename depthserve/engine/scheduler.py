@@ -43,6 +43,9 @@ class ScheduledSeq:
     # The confidence exit (depth_policy): a token of this step may stop below `level` at the first
     # level of its range whose readout's top-1 probability reaches this; None: it runs `level`.
     exit_threshold: float | None = None
+    # Prompt tokens by need (EngineArgs.prompt_exit): a prompt token whose next token is in the prompt
+    # stops too, at the first level whose readout gives that known token at least `exit_threshold`.
+    exit_prompt: bool = False
     # After the step: the level each token ran at, where some stopped below `level` (else None).
     ran_levels: tuple[int, ...] | None = None
 

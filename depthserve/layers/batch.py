@@ -41,6 +41,9 @@ class BatchItem:
     # A constrained request's allowed next tokens (int32 bitmask row, structured outputs): the
     # confidence exit reads the masked distribution, as the sampler will.
     allowed_tokens: torch.Tensor | None = None
+    # Prompt tokens by need (ScheduledSeq.exit_prompt): per row, the prompt's next token that the
+    # row's readout is checked against (-1: none; the sampled row keeps the top-1 rule).
+    prompt_next_tokens: np.ndarray | None = None
 
     @property
     def end(self) -> int:

@@ -2,7 +2,9 @@
 per-level readouts: for a model whose every depth level's state can be read out by its LM head
 (DepthModel.readout_every_level), a token whose readout is sampled stops at the first level of its
 range, below its own level, at which the readout gives its top-1 next token at least its request's
-exit probability (BatchItem.exit_threshold). A constrained request's readout is masked first
+exit probability (BatchItem.exit_threshold). With prompt tokens by need, a prompt token whose next
+token is in the prompt stops at the first such level whose readout gives that known token at least
+the exit probability (BatchItem.prompt_next_tokens). A constrained request's readout is masked first
 (BatchItem.allowed_tokens), so its confidence is that of the distribution it will sample from.
 
 Only eager steps exit early: a step with an exit threshold runs a range knob's level, which the
@@ -62,6 +64,14 @@ class ConfidenceExit(LevelExit):
             if item.plan.elastic is not None:
                 lowest[i] = item.plan.elastic.minimum
         self.lowest = lowest[step.item_of_row()]
+        # Prompt tokens by need: the prompt's next token of each such row, whose readout probability
+        # (not the top-1's) decides; -1 elsewhere.
+        self.teacher = np.full(step.num_rows, -1, np.int64)
+        for item in step.items:
+            if item.exit_threshold is not None and item.prompt_next_tokens is not None:
+                rows = item.row + np.flatnonzero(item.prompt_next_tokens >= 0)
+                self.threshold[rows] = item.exit_threshold
+                self.teacher[rows] = item.prompt_next_tokens[rows - item.row]
         self._readouts = np.zeros(step.num_rows, dtype=np.int32)
         # Rows of constrained requests: their readout is masked to the tokens the constraint allows.
         self.allowed = {item.row + item.num_tokens - 1: item.allowed_tokens for item in step.items
@@ -78,8 +88,12 @@ class ConfidenceExit(LevelExit):
         masked = [(j, self.allowed[row]) for j, row in enumerate(rows[at].tolist()) if row in self.allowed]
         if masked:
             apply_token_bitmask_(logits, torch.stack([mask for _, mask in masked]), [j for j, _ in masked])
-        top = torch.softmax(logits, dim=-1)
-        confident = top.amax(dim=-1).cpu().numpy() >= self.threshold[rows[at]]
+        probs = torch.softmax(logits, dim=-1)
+        teacher = self.teacher[rows[at]]
+        known = torch.from_numpy(np.maximum(teacher, 0)).to(probs.device)[:, None]
+        chance = torch.where(torch.from_numpy(teacher >= 0).to(probs.device),
+                             probs.gather(1, known)[:, 0], probs.amax(dim=-1))
+        confident = chance.cpu().numpy() >= self.threshold[rows[at]]
         self._readouts[rows[at]] += 1
         self.levels[rows[at[confident]]] = level
 

@@ -90,15 +90,19 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              "fed to the next on the device (default: 8 with CUDA graphs, else 1)")
     parser.add_argument("--kernel-backend", default=EngineArgs.kernel_backend, choices=["auto", "torch", "triton"],
                         help="auto: Triton kernels on CUDA, torch otherwise; torch or triton: that one everywhere")
-    parser.add_argument("--depth-policy", default=EngineArgs.depth_policy, choices=["fixed", "slo", "confidence"],
+    parser.add_argument("--depth-policy", default=EngineArgs.depth_policy, choices=["fixed", "slo", "confidence", "need"],
                         help="how deep the tokens of requests with a depth range run: fixed (the range's "
-                             "maximum), slo (as deep as keeps each step within --tpot-slo-ms) or confidence "
-                             "(a sampled token stops at the first level whose readout is confident)")
+                             "maximum), slo (as deep as keeps each step within --tpot-slo-ms), confidence "
+                             "(a sampled token stops at the first level whose readout is confident) or need "
+                             "(slo with that exit, its cap priced knowing which tokens stop early)")
     parser.add_argument("--tpot-slo-ms", type=float, default=None,
                         help="the time per output token the slo depth policy keeps each step within")
     parser.add_argument("--confidence-threshold", type=float, default=None,
                         help="the top-1 probability at which a sampled token of a depth range stops deepening "
                              "(--depth-policy confidence, or slo to exit early within its cap)")
+    parser.add_argument("--prompt-exit", action="store_true", default=EngineArgs.prompt_exit,
+                        help="with --confidence-threshold: a prompt token of a depth range stops at the first level "
+                             "whose readout gives the prompt's next token that probability (teacher-forced)")
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
