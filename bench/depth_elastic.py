@@ -55,6 +55,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--depth", default='{"depth": "auto"}', help="the depth range every request asks for (JSON)")
     p.add_argument("--dataset", type=Path, default=common.C4_SAMPLE)
     p.add_argument("--threads", type=int, default=2, help="the servers' torch threads")
+    p.add_argument("--dtype", default="auto", help="the servers' --dtype")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--label", default="cpu-2core")
     p.add_argument("--demo-task", action="store_true",
@@ -79,7 +80,8 @@ def policy_server_args(policy: str, ns: argparse.Namespace) -> str:
     flags = {"fixed": "--depth-policy fixed", "slo": "--depth-policy slo" + slo,
              "slo+confidence": "--depth-policy slo" + slo + exit_, "need": "--depth-policy need" + slo + exit_,
              "confidence": "--depth-policy confidence" + exit_}[policy]
-    return f"--num-threads {ns.threads} {flags}"
+    dtype = "" if ns.dtype == "auto" else f" --dtype {ns.dtype}"
+    return f"--num-threads {ns.threads}{dtype} {flags}"
 
 
 def serving_namespace(ns: argparse.Namespace) -> argparse.Namespace:

@@ -120,6 +120,27 @@ def test_auto_quantizes_only_a_gguf_with_bf16_activations_on_cpu():
     assert resolve_dtype("float32", cpu) == torch.float32
 
 
+def test_auto_dtype_is_bf16_on_a_bf16_cpu_only_for_weights_past_the_cache():
+    from depthserve.loading.quantization import SMALL_WEIGHTS_BYTES, cpu_supports_bf16
+
+    cpu = torch.device("cpu")
+    large = torch.bfloat16 if cpu_supports_bf16() else torch.float32
+    assert resolve_dtype("auto", cpu, SMALL_WEIGHTS_BYTES) == large
+    assert resolve_dtype("auto", cpu, None) == large
+    assert resolve_dtype("auto", cpu, SMALL_WEIGHTS_BYTES - 1) == torch.float32
+    assert resolve_dtype("auto", torch.device("cuda"), 1) == torch.bfloat16
+    assert resolve_dtype("bfloat16", cpu, 1) == torch.bfloat16  # asked for: always as asked
+
+
+def test_weight_bytes_counts_the_stored_weights(tmp_path):
+    from depthserve.loading.registry import resolve_model, weight_bytes
+
+    demo = resolve_model("demo-dreamer")
+    assert weight_bytes(demo) == (demo.path / "model.safetensors").stat().st_size
+    gguf = resolve_model("smollm2-135m-instruct")
+    assert weight_bytes(gguf) == gguf.path.stat().st_size > 90 * 2**20
+
+
 def test_quantization_on_cuda_is_a_configuration_error():
     from depthserve.errors import ConfigurationError
 

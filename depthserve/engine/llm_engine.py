@@ -35,7 +35,7 @@ from depthserve.errors import ConfigurationError, InvalidRequestError
 from depthserve.kernels.dispatch import Kernels
 from depthserve.engine.model_loader import load_model
 from depthserve.loading.quantization import cpu_features, resolve_dtype
-from depthserve.loading.registry import resolve_model
+from depthserve.loading.registry import resolve_model, weight_bytes
 from depthserve.loading.tokenizer import load_tokenizer
 from depthserve.outputs import RequestOutput
 from depthserve.sampler import Sampler
@@ -50,10 +50,10 @@ class LLMEngine:
         if args.num_threads:
             torch.set_num_threads(args.num_threads)  # asked for explicitly: torch's threads are per process
         self.device = _resolve_device(args.device)
-        self.dtype = resolve_dtype(args.dtype, self.device)
+        source = resolve_model(args.model)
+        self.dtype = resolve_dtype(args.dtype, self.device, weight_bytes(source))
         self.args = args = replace(args, max_num_batched_tokens=args.step_token_budget(self.device.type))
         kernels = Kernels(args.kernel_backend, native_cpu=self.device.type == "cpu")
-        source = resolve_model(args.model)
         self.model_name, self.tokenizer = source.name, load_tokenizer(source)
         loaded = load_model(source, self.dtype, self.device, args.max_model_len, args.load_progress,
                             max_loops=args.max_loops, quantization=args.quantization)

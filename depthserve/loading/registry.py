@@ -58,6 +58,16 @@ class ModelSource:
     path: Path  # the .gguf file, or the checkpoint directory
 
 
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+
+
+def weight_bytes(source: ModelSource) -> int:
+    """Bytes of the checkpoint's stored weights: the GGUF file, or a directory's weight files."""
+    if source.path.is_file():
+        return source.path.stat().st_size
+    return sum(f.stat().st_size for f in source.path.iterdir() if f.is_file() and f.suffix in WEIGHT_SUFFIXES)
+
+
 def builtin_file(model: BuiltinModel) -> Path:
     """Locate a built-in model's file from its distribution's file list (never imports it)."""
     try:
