@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from depthserve.errors import ConfigurationError
 from depthserve.loading.registry import DEFAULT_MODEL
 
+DEPTH_POLICIES = ("fixed", "slo", "confidence", "need")  # depthserve/engine/depth_policy.py
+
 
 @dataclass
 class EngineArgs:
@@ -88,8 +90,8 @@ class EngineArgs:
             raise ConfigurationError(f"num_scheduler_steps must lie in 1..256, got {self.num_scheduler_steps}")
         if self.kernel_backend not in ("auto", "torch", "triton"):
             raise ConfigurationError(f"kernel_backend must be auto, torch or triton, got {self.kernel_backend!r}")
-        if self.depth_policy not in ("fixed", "slo", "confidence", "need"):
-            raise ConfigurationError(f"depth_policy must be fixed, slo, confidence or need, got {self.depth_policy!r}")
+        if self.depth_policy not in DEPTH_POLICIES:
+            raise ConfigurationError(f"depth_policy must be one of {', '.join(DEPTH_POLICIES)}, got {self.depth_policy!r}")
         if self.depth_policy in ("slo", "need") and not (self.tpot_slo_ms or 0) > 0:
             raise ConfigurationError(f"depth_policy {self.depth_policy} needs a positive tpot_slo_ms (the time per "
                                      "output token to keep)")

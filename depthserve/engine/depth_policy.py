@@ -57,10 +57,10 @@ from typing import Protocol
 
 import numpy as np
 
+from depthserve.config import DEPTH_POLICIES
 from depthserve.depth import DepthRange
 from depthserve.engine.scheduler import ScheduledSeq
 
-POLICIES = ("fixed", "slo", "confidence", "need")
 AIM = 0.9  # the slo policy aims its predicted step time at this share of the target
 CREDIT_STEPS = 2.0  # the most time (in aims) decode steps may bank or owe (SLOPolicy.credit)
 EXIT_HISTORY = 16  # sampled tokens per sequence whose exits the need policy remembers
@@ -355,4 +355,4 @@ def make_policy(name: str, tpot_slo_ms: float | None = None, confidence_threshol
             raise ValueError("--depth-policy need needs --tpot-slo-ms (the time per output token to keep within) and "
                              "--confidence-threshold (the top-1 probability at which a token is sure)")
         return NeedPolicy(tpot_slo_ms / 1000.0, confidence_threshold, prompt_exit=prompt_exit)
-    raise ValueError(f"unknown depth policy {name!r}; known: {', '.join(POLICIES)}")
+    raise ValueError(f"unknown depth policy {name!r}; known: {', '.join(DEPTH_POLICIES)}")

@@ -30,8 +30,10 @@ _NO_ALLOWED_TOKEN = ("no token can be sampled: the structured-output constraint 
 def prompt_next_tokens(item: ScheduledSeq) -> np.ndarray:
     """Per token of the step, the prompt's next token where it is in the prompt, else -1 (prompt
     tokens by need: the token its readout is checked against)."""
-    prompt = item.seq.prompt_token_ids
-    return np.array([prompt[p + 1] if p + 1 < len(prompt) else -1 for p in range(item.start, item.end)], np.int64)
+    known = item.seq.prompt_token_ids[item.start + 1 : item.end + 1]
+    out = np.full(item.num_tokens, -1, np.int64)
+    out[: len(known)] = known
+    return out
 
 
 def _samples(item: ScheduledSeq) -> bool:

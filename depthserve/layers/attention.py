@@ -109,9 +109,8 @@ def paged_attention(
 ) -> torch.Tensor:
     """Store the step's keys/values in the slot, then attend causally. Returns [num_tokens, num_q_heads, head_dim]."""
     meta.kernels.store_kv(k, v, pool.k_pages, pool.v_pages, meta.slot_index[:, slot_columns])
-    if not meta.prefills:  # decode only: the kernel's output as it is (a copy into `out` is a kernel per layer)
-        table = meta.decode_page_table[:, :, slot_columns].transpose(1, 2)
-        return meta.kernels.paged_decode_attention(q, pool.k_pages, pool.v_pages, table, meta.decode_context_lens, scale)
+    if not meta.prefills and meta.num_decodes:  # decode only: the kernel's output as it is (no copy kernel per layer)
+        return _decode_attention(q, pool, meta, slot_columns, scale)
     out = torch.empty_like(q)
     if meta.prefills:
         rows = slice(0, meta.num_prefill_tokens)
@@ -122,11 +121,15 @@ def paged_attention(
         )
     if meta.num_decodes:
         rows = slice(meta.num_prefill_tokens, None)  # the rest: no bound for a compiled graph to specialise on
-        table = meta.decode_page_table[:, :, slot_columns].transpose(1, 2)  # [batch, kv_heads, blocks]
-        out[rows] = meta.kernels.paged_decode_attention(
-            q[rows], pool.k_pages, pool.v_pages, table, meta.decode_context_lens, scale
-        )
+        out[rows] = _decode_attention(q[rows], pool, meta, slot_columns, scale)
     return out
+
+
+def _decode_attention(q: torch.Tensor, pool: KVPool, meta: AttentionMetadata, slot_columns: slice,
+                      scale: float) -> torch.Tensor:
+    """The decoding rows' queries `q` against the slot's pages."""
+    table = meta.decode_page_table[:, :, slot_columns].transpose(1, 2)  # [batch, kv_heads, blocks]
+    return meta.kernels.paged_decode_attention(q, pool.k_pages, pool.v_pages, table, meta.decode_context_lens, scale)
 
 
 def decode_slot_meta(meta: AttentionMetadata, columns: slice, read_heads: tuple[int, ...] | None = None, *,

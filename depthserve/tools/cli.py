@@ -14,7 +14,7 @@ from dataclasses import fields
 from pathlib import Path
 
 from depthserve.archs import Command, architectures, knob_names
-from depthserve.config import EngineArgs
+from depthserve.config import DEPTH_POLICIES, EngineArgs
 from depthserve.loading.registry import BUILTIN_MODELS, DEFAULT_MODEL, resolve_model
 
 log = logging.getLogger(__name__)
@@ -90,7 +90,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              "fed to the next on the device (default: 8 with CUDA graphs, else 1)")
     parser.add_argument("--kernel-backend", default=EngineArgs.kernel_backend, choices=["auto", "torch", "triton"],
                         help="auto: Triton kernels on CUDA, torch otherwise; torch or triton: that one everywhere")
-    parser.add_argument("--depth-policy", default=EngineArgs.depth_policy, choices=["fixed", "slo", "confidence", "need"],
+    parser.add_argument("--depth-policy", default=EngineArgs.depth_policy, choices=DEPTH_POLICIES,
                         help="how deep the tokens of requests with a depth range run: fixed (the range's "
                              "maximum), slo (as deep as keeps each step within --tpot-slo-ms), confidence "
                              "(a sampled token stops at the first level whose readout is confident) or need "
