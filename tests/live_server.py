@@ -53,6 +53,17 @@ def metric_value(base: str, name: str, **labels) -> float:
     return 0.0
 
 
+def wait_for_log_lines(caplog, logger: str, wanted, timeout: float = 10.0) -> list[str]:
+    """The messages `logger` has written once one satisfies `wanted` (or at the timeout). The server's
+    access line is written after the response has gone out, so a client may hold the reply before it."""
+    deadline = time.monotonic() + timeout
+    while True:
+        lines = [record.getMessage() for record in caplog.records if record.name == logger]
+        if any(wanted(line) for line in lines) or time.monotonic() > deadline:
+            return lines
+        time.sleep(0.02)
+
+
 def wait_idle(llm, timeout: float = 10.0) -> None:
     """Until the AsyncLLM has no request in flight (aborts land at the engine's next step)."""
     deadline = time.monotonic() + timeout

@@ -21,7 +21,7 @@ from depthserve.engine.async_llm import AsyncLLM  # noqa: E402
 from depthserve.engine.llm_engine import LLMEngine  # noqa: E402
 from depthserve.server.app import build_app  # noqa: E402
 from depthserve.tiny import make_tiny  # noqa: E402
-from tests.live_server import free_port, live_server, metric_value, wait_idle  # noqa: E402
+from tests.live_server import free_port, live_server, metric_value, wait_for_log_lines, wait_idle  # noqa: E402
 
 
 def _cli(*args: str, stdin: str | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -202,13 +202,7 @@ def test_the_engine_logs_a_stats_line_while_busy(tiny_server, monkeypatch, caplo
         body = {"model": "tiny", "prompt": "Hello", "max_tokens": 4}
         assert httpx.post(f"{base}/v1/completions", json=body, timeout=60).status_code == 200
         wait_idle(llm)
-        # The access line is written once the response has gone out, which may be after the client has it.
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            access = [r.getMessage() for r in caplog.records if r.name == "depthserve.server"]
-            if any("POST /v1/completions 200 in" in line for line in access):
-                break
-            time.sleep(0.02)
+        access = wait_for_log_lines(caplog, "depthserve.server", lambda line: "POST /v1/completions 200 in" in line)
     lines = [r.getMessage() for r in caplog.records if r.name == "depthserve.async_llm"]
     assert any("requests; prompt" in line and "generation" in line and "KV cache" in line
                and "mean relative compute x1.00" in line for line in lines), lines

@@ -19,7 +19,7 @@ from depthserve.api import LLM  # noqa: E402
 from depthserve.engine.async_llm import AsyncLLM  # noqa: E402
 from depthserve.sampling_params import SamplingParams  # noqa: E402
 from depthserve.server.app import build_app  # noqa: E402
-from tests.live_server import live_server, metric_value, wait_idle  # noqa: E402
+from tests.live_server import live_server, metric_value, wait_for_log_lines, wait_idle  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 API_KEY = "test-key"
@@ -216,7 +216,8 @@ def test_a_long_request_id_is_cut_in_the_reply_and_the_log(server, caplog):
     caplog.set_level(logging.INFO, logger="depthserve.server")
     response = httpx.get(f"{base}/v1/models", headers={"Authorization": f"Bearer {API_KEY}", "X-Request-Id": "r" * 60_000})
     assert response.status_code == 200 and response.headers["x-request-id"] == "r" * 128
-    access = [record.getMessage() for record in caplog.records if "/v1/models" in record.getMessage()]
+    logged = wait_for_log_lines(caplog, "depthserve.server", lambda line: "/v1/models" in line)
+    access = [line for line in logged if "/v1/models" in line]
     assert access and all("r" * 128 in line and "r" * 129 not in line for line in access)
 
 
