@@ -166,7 +166,8 @@ class PathCounter:
     def __init__(self, monkeypatch):
         from depthserve.loading import quantization
 
-        monkeypatch.setattr(quantization, "QuantPolicy", lambda: QuantPolicy(kernel_max_rows=4, native_max_rows=4))
+        monkeypatch.setattr(quantization.QuantPolicy, "for_this_cpu",
+                            classmethod(lambda cls: cls(kernel_max_rows=4, native_max_rows=4)))
         self.kernel_calls = self.gemm_calls = 0
         kernel, gemm = QuantLinear._kernel, QuantLinear._dequantized_for_gemm
 

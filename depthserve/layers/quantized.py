@@ -6,7 +6,7 @@ and a zero per group of 32) and `_weight_int8pack_mm` (8-bit codes, one scale pe
 Those kernels read the codes once per activation row, so their cost grows with the rows, while a
 bf16 GEMM (AMX / AVX-512 BF16 through oneDNN) reads its weight once for all rows: above a few rows
 the layer dequantizes its weight into one scratch buffer shared by the model's layers and runs the
-bf16 GEMM instead. Which path a row count takes is `QuantPolicy.kernel_max_rows`, set from
+bf16 GEMM instead. Which path a row count takes is `QuantPolicy`, set per kind of CPU from
 `bench/quant_kernels.py`.
 
 Formats, for a weight W [out, in]:
@@ -19,6 +19,7 @@ Formats, for a weight W [out, in]:
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -103,22 +104,35 @@ def quantizable(weight_shape: tuple[int, int], bits: int) -> bool:
     return weight_shape[1] % INT4_GROUP == 0
 
 
+EVERY_ROW_COUNT = sys.maxsize
+
+
 @dataclass(frozen=True)
 class QuantPolicy:
     """Up to `kernel_max_rows` (torch's kernels) or `native_max_rows` (the native kernel) activation
-    rows the weight-only kernel runs; above, dequantize + GEMM.
+    rows the weight-only kernel runs; above, dequantize + GEMM. `for_this_cpu` picks the crossover
+    measured on the CPU's kind (bench/quant_kernels.py, docs/quantization.md).
 
     The kernel's time grows with the rows and the dequantization's does not, so the crossover is
-    where one dequantization costs what the kernel's extra rows do. On a quiet 2-core Intel Xeon
-    (AMX; bench/results/quant-kernels-cpu-xeon-2core.json), SmolLM2's 3072x576 layer: the native
-    kernel 0.13 ms at 1 row, 0.60 at 32, 1.22 at 64, 1.84 at 96, 2.42 at 128, against dequantization
-    + bf16 GEMM 1.5-2.2 ms: it wins up to 96 rows on every layer shape of the model (the 49152-row
-    head: 2.1 ms at 1 row, against 7.3 for a resident bf16 copy). torch's int4 kernel (0.14 ms at
-    1 row, 1.31 at 32, 2.52 at 64) won up to 48 rows in the same benchmark before: at one row both
-    read the codes at memory speed, with more rows the native kernel is ~2x faster."""
+    where one dequantization costs what the kernel's extra rows do; where the GEMM's cost per row is
+    no lower than the kernel's, there is none."""
 
     kernel_max_rows: int = 48
     native_max_rows: int = 96
+
+    @classmethod
+    def for_this_cpu(cls) -> QuantPolicy:
+        """With AMX, oneDNN's bf16 GEMM overtakes the native kernel above 96 rows (2-core Intel Xeon,
+        SmolLM2's 3072x576 layer: kernel 1.84 ms at 96 rows and 2.42 at 128, dequantization + GEMM
+        1.5-2.2 ms; quant-kernels-cpu-xeon-2core.json). Without AMX, the AVX-512 BF16 GEMM costs more
+        per row than the kernel (2-core AMD EPYC, same layer: kernel 0.91 ms at 128 rows and 3.76 at
+        512, 7.4 us a row between; dequantization + GEMM 1.88 and 5.48, 9.4 us a row; on every layer
+        shape the kernel wins at 512 rows; quant-kernels-cpu-epyc-2core.json), so the native kernel
+        runs every row count. torch's kernels keep the 48-row crossover (they run only where the
+        native one cannot load)."""
+        if torch.cpu._is_amx_tile_supported():
+            return cls()
+        return cls(native_max_rows=EVERY_ROW_COUNT)
 
 
 class DequantScratch:

@@ -130,7 +130,7 @@ def quantize_model(model: nn.Module, mode: str, codes: dict[str, QuantizedWeight
     report = QuantizationReport(mode)
     if mode != "none":
         aliases = _parameter_aliases(model)
-        scratch, policy = DequantScratch(), policy or QuantPolicy()
+        scratch, policy = DequantScratch(), policy or QuantPolicy.for_this_cpu()
         errors: list[tuple[float, float]] = []
         quantized_tables: dict[int, QuantLinear] = {}
         for parent, child_name, linear, name in _linears(model):
