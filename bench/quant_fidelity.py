@@ -37,12 +37,13 @@ Four measurements, every format on the same token ids, scheduled the same way:
    prompts), and the fraction of prompts identical over all of them.
 4. The same at batch 1 (`--batch1-prompts`, the first 4 of those prompts, each generated alone).
 
-Which kernels these exercise: a quantized layer runs torch's weight-only kernel up to
-`QuantPolicy.kernel_max_rows` activation rows (recorded per format in the result) and dequantizes
-into a bf16 GEMM above that. Prefill steps (the engine's 512-token budget) take the dequantize + GEMM
-path; the LM head of prompt scoring (one call per sequence and step, ~20-60 rows for ARC), the
-batched greedy run's decode steps (32 rows) and the batch-1 decode steps take the kernel when their
-row count is within that limit.
+Which kernels these exercise: a quantized layer runs the weight-only kernel (the native one where it
+loads, else torch's) up to a row count set per kind of CPU (`QuantPolicy.for_this_cpu`, recorded per
+format in the result as `kernel_max_rows`, null where unlimited) and dequantizes into a bf16 GEMM
+above that. With AMX (limit 96) prefill steps (the engine's 512-token budget) take the dequantize +
+GEMM path; without AMX every step runs the native kernel, so prefill activations are rounded to int8
+per group too. The LM head of prompt scoring (one call per sequence and step, ~20-60 rows for ARC),
+the batched greedy run's decode steps (32 rows) and the batch-1 decode steps take the kernel.
 
 Reported against fp32: accuracy differences in points (with the standard error of the paired
 difference), the perplexity ratio, the mean |log-prob difference| per scored token. The issue's pass
@@ -327,11 +328,14 @@ def generate_greedy(llm, prompts: list[list[int]], new_tokens: int) -> list[list
 
 
 def kernel_max_rows(model) -> int | None:
-    """The row count up to which the model's quantized layers run the weight-only kernel."""
+    """The row count up to which the model's quantized layers run the weight-only kernel (None: every
+    row count, or no quantized layer)."""
+    from depthserve.layers.quantized import EVERY_ROW_COUNT, QuantLinear
+
     for module in model.modules():
-        policy = getattr(module, "policy", None)
-        if policy is not None and hasattr(policy, "kernel_max_rows"):
-            return policy.kernel_max_rows
+        if isinstance(module, QuantLinear):
+            rows = module.max_kernel_rows
+            return None if rows == EVERY_ROW_COUNT else rows
     return None
 
 

@@ -1,19 +1,26 @@
 """The confidence depth policy (early exit; docs/depth-semantics.md section 6): a token of a request with
 a depth range whose readout is sampled (each generated token and the prompt's last) stops at the
 first level of its range whose readout's top-1 probability reaches the threshold; the other
-prompt tokens run the range's maximum. On the trained Dreamer demo: the engine's exits follow that rule on the
-reference's readouts (where no readout is within a hair of the threshold), the engine equals the
-reference on the schedule it reports, in a mixed batch with chunked prefill and preemption, and
-the readouts are paid for in the report."""
+prompt tokens run the range's maximum. On the trained demos whose every level has a readout (Dreamer:
+the LM head on any depth's state; PUT without suffix layers: the head on any core pass's output):
+the engine's exits follow that rule on the reference's readouts (where no readout is within a hair
+of the threshold), the engine equals the reference on the schedule it reports, in a mixed batch
+with chunked prefill and preemption, and the readouts are paid for in the report."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
 import torch
 
 from depthserve import LLM, DepthParams, SamplingParams
+from depthserve.archs.dreamer import format as dreamer_format
 from depthserve.archs.dreamer import reference as dreamer_reference
+from depthserve.archs.put import format as put_format
+from depthserve.archs.put import reference as put_reference
 from depthserve.config import EngineArgs
 from depthserve.demo.task import problems
 from depthserve.errors import ConfigurationError
@@ -21,14 +28,54 @@ from depthserve.loading.registry import resolve_model
 from depthserve.loading.tokenizer import load_tokenizer
 from depthserve.tiny import make_tiny
 from tests.depth_helpers import costliest_pages, tiny_llm
-from tests.test_dreamer import check_against_reference
+from tests.test_depth_elastic_put import check_against_reference as put_check_against_reference
+from tests.test_dreamer import check_against_reference as dreamer_check_against_reference
 
 THRESHOLD = 0.9999
 # A readout this close to the threshold may fall on either side (the engine's fp32 against the
-# reference's float64: probabilities agree to ~1e-6). The demo model is very sure of most answers:
-# the threshold sits where its readouts still differ.
+# reference's float64: probabilities agree to ~1e-6). The demo models are very sure of most answers:
+# the threshold sits where their readouts still differ.
 MARGIN = 1e-5
-DEPTHS = [{"depth": {"min": 2, "max": 6}}, {"depth": "auto"}, {"depth": 6}, {"depth": {"min": 1, "max": 4}}]
+
+
+def _dreamer_readouts(path, ids: torch.Tensor, maximum: int, per_token: list[int]) -> list[torch.Tensor]:
+    cfg, spec, weights = dreamer_reference.load(path)
+    readouts, _ = dreamer_reference.run(cfg, spec, weights, ids, maximum, every_depth=True,
+                                        token_depths=torch.tensor([per_token]))
+    return readouts
+
+
+def _put_readouts(path, ids: torch.Tensor, maximum: int, per_token: list[int]) -> list[torch.Tensor]:
+    return put_reference.run_each_loop(put_reference.load_put(path), ids, maximum, token_loops=torch.tensor([per_token]))
+
+
+def _dreamer_schedule_flops(model, per_token: list[int], generated: int) -> float:
+    return dreamer_format.schedule_flops(model.config, model.spec, np.array(per_token), generated)
+
+
+def _put_schedule_flops(model, per_token: list[int], generated: int) -> float:
+    return put_format.schedule_flops(model.config, model.spec, np.array(per_token), generated)
+
+
+@dataclass(frozen=True)
+class Demo:
+    """A trained demo with a readout at every level: its knob, the reference's readouts (level l's
+    logits [1, n, V] at index l - 1, each token on its own schedule), the engine = reference check
+    and the FLOPs of a request's tokens on a schedule (model, levels per token, LM head rows)."""
+
+    name: str
+    knob: str
+    readouts: Callable[[object, torch.Tensor, int, list[int]], list[torch.Tensor]]
+    check_against_reference: Callable[..., dict]
+    schedule_flops: Callable[[object, list[int], int], float]
+
+    def knobs(self) -> list[dict]:
+        return [{self.knob: {"min": 2, "max": 6}}, {self.knob: "auto"}, {self.knob: 6}, {self.knob: {"min": 1, "max": 4}}]
+
+
+DEMOS = {"dreamer": Demo("demo-dreamer", "depth", _dreamer_readouts, dreamer_check_against_reference,
+                          _dreamer_schedule_flops),
+         "put": Demo("demo-put", "loops", _put_readouts, put_check_against_reference, _put_schedule_flops)}
 
 
 def _exit_rule(readouts: list[torch.Tensor], position: int, lowest: int, highest: int) -> tuple[int, bool]:
@@ -43,32 +90,36 @@ def _exit_rule(readouts: list[torch.Tensor], position: int, lowest: int, highest
     return highest, clear
 
 
-@pytest.mark.slow
-def test_confident_tokens_stop_early_and_the_engine_equals_the_reference():
-    source = resolve_model("demo-dreamer")
+def _demo_prompts(demo: Demo) -> tuple[object, list[list[int]], list[dict]]:
+    source = resolve_model(demo.name)
     tokenizer = load_tokenizer(source)
-    held_out = problems(5, 8, "held_out", 6)
-    prompts = [tokenizer.encode(p.prompt, add_special_tokens=False) for p in held_out]
-    depths = [DepthParams.from_dict(DEPTHS[i % len(DEPTHS)]) for i in range(len(prompts))]
+    prompts = [tokenizer.encode(p.prompt, add_special_tokens=False) for p in problems(5, 8, "held_out", 6)]
+    knobs = [demo.knobs()[i % 4] for i in range(len(prompts))]
+    return source.path, prompts, knobs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("demo", list(DEMOS))
+def test_confident_tokens_stop_early_and_the_engine_equals_the_reference(demo):
+    demo = DEMOS[demo]
+    path, prompts, knobs = _demo_prompts(demo)
+    depths = [DepthParams.from_dict(knob) for knob in knobs]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
     longest = max(map(len, prompts)) + params.max_tokens
-    llm = tiny_llm(source.path, pages=costliest_pages(source.path, depths, longest), max_model_len=longest,
+    llm = tiny_llm(path, pages=costliest_pages(path, depths, longest), max_model_len=longest,
                    max_num_batched_tokens=16, depth_policy="confidence", confidence_threshold=THRESHOLD)
     outputs = llm.generate(prompts, params, depths)
     assert llm.engine.scheduler.num_preemptions > 0
-    stats = check_against_reference(source.path, prompts, depths, outputs)
+    stats = demo.check_against_reference(path, prompts, depths, outputs)
     assert stats["tokens"] > 0
-    cfg, spec, weights = dreamer_reference.load(source.path)
     early = full = sampled = 0
     for prompt, depth, out in zip(prompts, depths, outputs):
         per_token = out.depth.per_token
         if per_token is None:
             continue
-        span = depth.normalized(llm.engine.model.depth_knobs())["depth"]
+        span = depth.normalized(llm.engine.model.depth_knobs())[demo.knob]
         tokens = prompt + out.token_ids[:-1]
-        ids = torch.tensor([tokens])
-        readouts, _ = dreamer_reference.run(cfg, spec, weights, ids, span.maximum, every_depth=True,
-                                            token_depths=torch.tensor([per_token]))
+        readouts = demo.readouts(path, torch.tensor([tokens]), span.maximum, per_token)
         assert per_token[: len(prompt) - 1] == [span.maximum] * (len(prompt) - 1)  # nobody samples there
         for position in range(len(prompt) - 1, len(tokens)):  # the positions whose readout was sampled
             ran = per_token[position]
@@ -79,8 +130,11 @@ def test_confident_tokens_stop_early_and_the_engine_equals_the_reference():
                 early += ran < span.maximum
                 full += ran == span.maximum
         assert out.outputs[0].token_depths == per_token[len(prompt) - 1 : len(tokens)]
-        assert out.depth.to_dict()["exit_readouts"] > 0
-        assert out.depth.relative_compute < 1.0 or span.maximum < spec.depth
+        readouts = out.depth.to_dict()["exit_readouts"]
+        assert readouts > 0  # each paid for: the schedule's FLOPs and one LM head row per readout
+        cfg = llm.engine.model.config
+        assert out.depth.flops == pytest.approx(demo.schedule_flops(llm.engine.model, per_token, len(out.token_ids))
+                                                + readouts * 2 * cfg.hidden_size * cfg.vocab_size)
     assert early and full, "the threshold was meant to stop some tokens early and not others"
     assert early + full >= 0.8 * sampled, "most decisions were meant to be clear of the threshold"
     assert llm.engine.block_manager.num_used_pages == 0
@@ -107,35 +161,32 @@ def _teacher_rule(readouts: list[torch.Tensor], position: int, next_token: int, 
 
 
 @pytest.mark.slow
-def test_prompt_tokens_by_need_stop_on_their_known_next_token_and_equal_the_reference():
+@pytest.mark.parametrize("demo", list(DEMOS))
+def test_prompt_tokens_by_need_stop_on_their_known_next_token_and_equal_the_reference(demo):
     """With prompt_exit, a prompt token whose next token is in the prompt stops at the first level of
     its range whose readout gives that token the threshold's probability; later tokens read only the
     levels it ran. Mixed batch, chunked prefill, preemption: the engine equals the reference on the
     schedule it reports, the schedule follows the rule on the reference's readouts, and a request
     with a fixed knob is untouched."""
-    source = resolve_model("demo-dreamer")
-    tokenizer = load_tokenizer(source)
-    prompts = [tokenizer.encode(p.prompt, add_special_tokens=False) for p in problems(5, 8, "held_out", 6)]
-    knobs = [DEPTHS[i % len(DEPTHS)] for i in range(len(prompts))]
+    demo = DEMOS[demo]
+    path, prompts, knobs = _demo_prompts(demo)
     depths = [DepthParams.from_dict(knob) for knob in knobs]
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=2)
     longest = max(map(len, prompts)) + params.max_tokens
-    llm = tiny_llm(source.path, pages=costliest_pages(source.path, depths, longest), max_model_len=longest,
+    llm = tiny_llm(path, pages=costliest_pages(path, depths, longest), max_model_len=longest,
                    max_num_batched_tokens=16, depth_policy="confidence", confidence_threshold=PROMPT_THRESHOLD,
                    prompt_exit=True)
     outputs = llm.generate(prompts, params, depths)
     assert llm.engine.scheduler.num_preemptions > 0
-    assert check_against_reference(source.path, prompts, depths, outputs)["tokens"] > 0
-    cfg, spec, weights = dreamer_reference.load(source.path)
+    assert demo.check_against_reference(path, prompts, depths, outputs)["tokens"] > 0
     early = full = checked = 0
     for prompt, knob, depth, out in zip(prompts, knobs, depths, outputs):
         per_token = out.depth.per_token
         if per_token is None:
-            assert knob == {"depth": 6}  # the fixed knob: no schedule of its own
+            assert knob == {demo.knob: 6}  # the fixed knob: no schedule of its own
             continue
-        span = depth.normalized(llm.engine.model.depth_knobs())["depth"]
-        readouts, _ = dreamer_reference.run(cfg, spec, weights, torch.tensor([prompt]), span.maximum, every_depth=True,
-                                            token_depths=torch.tensor([per_token[: len(prompt)]]))
+        span = depth.normalized(llm.engine.model.depth_knobs())[demo.knob]
+        readouts = demo.readouts(path, torch.tensor([prompt]), span.maximum, per_token[: len(prompt)])
         for position in range(len(prompt) - 1):
             expected, clear = _teacher_rule(readouts, position, prompt[position + 1], span.minimum, span.maximum)
             if clear:
@@ -144,47 +195,33 @@ def test_prompt_tokens_by_need_stop_on_their_known_next_token_and_equal_the_refe
                 early += expected < span.maximum
                 full += expected == span.maximum
     assert early and full, "some prompt tokens were meant to stop early and others not"
-    assert checked >= 0.8 * sum(len(p) - 1 for p, knob in zip(prompts, knobs) if knob != {"depth": 6})
+    assert checked >= 0.8 * sum(len(p) - 1 for p, knob in zip(prompts, knobs) if knob != {demo.knob: 6})
     assert llm.engine.block_manager.num_used_pages == 0
 
 
 @pytest.mark.slow
-def test_the_need_policy_schedule_equals_the_reference():
+@pytest.mark.parametrize("demo", list(DEMOS))
+def test_the_need_policy_schedule_equals_the_reference(demo):
     """The need policy (slo with the exit, its cap priced by each sequence's exits) under a TPOT
     target that binds: decode steps run shed, steps of prompts alone deep, sure tokens stop below
     the cap, in a mixed batch with chunked prefill and preemption; whatever schedule the load gave,
     the engine equals the reference on the schedule it reports, and frees every page."""
-    source = resolve_model("demo-dreamer")
-    tokenizer = load_tokenizer(source)
-    prompts = [tokenizer.encode(p.prompt, add_special_tokens=False) for p in problems(5, 8, "held_out", 6)]
-    depths = [DepthParams.from_dict(DEPTHS[i % len(DEPTHS)]) for i in range(len(prompts))]
+    demo = DEMOS[demo]
+    path, prompts, knobs = _demo_prompts(demo)
+    depths = [DepthParams.from_dict(knob) for knob in knobs]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
     longest = max(map(len, prompts)) + params.max_tokens
-    llm = tiny_llm(source.path, pages=costliest_pages(source.path, depths, longest), max_model_len=longest,
+    llm = tiny_llm(path, pages=costliest_pages(path, depths, longest), max_model_len=longest,
                    max_num_batched_tokens=16, depth_policy="need", tpot_slo_ms=2.0, confidence_threshold=0.99)
     outputs = llm.generate(prompts, params, depths)
     assert llm.engine.scheduler.num_preemptions > 0
-    assert check_against_reference(source.path, prompts, depths, outputs)["tokens"] > 0
-    ranged = [(depth.normalized(llm.engine.model.depth_knobs())["depth"], out.depth.per_token)
+    assert demo.check_against_reference(path, prompts, depths, outputs)["tokens"] > 0
+    ranged = [(depth.normalized(llm.engine.model.depth_knobs())[demo.knob], out.depth.per_token)
               for depth, out in zip(depths, outputs) if out.depth.per_token is not None]
     assert any(min(levels) < span.maximum for span, levels in ranged), "the target was meant to shed depth"
     assert any(max(levels) == span.maximum for span, levels in ranged), "prompt-only steps were meant to run deep"
     assert all(span.minimum <= level <= span.maximum for span, levels in ranged for level in levels)
     assert llm.engine.block_manager.num_used_pages == 0
-
-
-def test_a_fixed_request_ignores_the_threshold_and_exits_are_reproducible():
-    source = resolve_model("demo-dreamer")
-    prompt = load_tokenizer(source).encode(problems(3, 1, "held_out", 2)[0].prompt, add_special_tokens=False)
-    params = SamplingParams(temperature=0.0, max_tokens=3, logprobs=1)
-    confident = LLM("demo-dreamer", device="cpu", dtype="float32", load_progress=False, max_model_len=64,
-                    depth_policy="confidence", confidence_threshold=THRESHOLD)
-    plain = LLM("demo-dreamer", device="cpu", dtype="float32", load_progress=False, max_model_len=64)
-    fixed = [llm.generate([prompt], params, DepthParams(depth=6))[0] for llm in (confident, plain)]
-    assert fixed[0].token_ids == fixed[1].token_ids and fixed[0].depth.per_token is None
-    ranged = [confident.generate([prompt], params, DepthParams(depth="auto"))[0] for _ in range(2)]
-    assert ranged[0].depth.per_token == ranged[1].depth.per_token
-    assert min(ranged[0].depth.per_token) < 6
 
 
 def test_the_threshold_is_checked(tmp_path, smollm_tokenizer):

@@ -41,8 +41,9 @@ class DepthModel(Protocol):
     # True when the forward needs `meta.batch` (per-sequence rows, plans, page tables, row settings).
     uses_step_batch: ClassVar[bool] = False
     # True when every depth level's state can be read out by the LM head (compute_logits), so a
-    # token may stop at any level of its range (the confidence exit, BatchItem.exit_threshold).
-    readout_every_level: ClassVar[bool] = False
+    # token may stop at any level of its range (the confidence exit, BatchItem.exit_threshold). A
+    # class or, where it depends on the checkpoint's layout (PUT), an instance attribute.
+    readout_every_level: bool = False
 
     @property
     def head_dim(self) -> int: ...

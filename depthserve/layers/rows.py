@@ -107,6 +107,11 @@ class StepRows(ABC):
         """Gathered rows: the step items this set's rows belong to, ascending."""
         raise NotImplementedError
 
+    @property
+    def item_row_counts(self) -> list[int]:
+        """Gathered rows: how many of this set's rows each of `item_indices` has."""
+        raise NotImplementedError
+
 
 def step_rows(meta: AttentionMetadata) -> StepRows:
     """The rows of a depth model's step: masked at static shapes, else gathered."""
@@ -172,18 +177,24 @@ class GatheredRows(StepRows):
         return values.new_full((self.step.num_rows, *values.shape[1:]), fill).index_copy_(0, index, values)
 
     @functools.cached_property
-    def item_indices(self) -> list[int]:
+    def _items_and_counts(self) -> tuple[list[int], list[int]]:
         if self.rows is None:
-            return list(range(len(self.step.items)))
-        return np.unique(self.step.item_of_row()[self.rows]).tolist()
+            return list(range(len(self.step.items))), [item.num_tokens for item in self.step.items]
+        owners, counts = np.unique(self.step.item_of_row()[self.rows], return_counts=True)
+        return owners.tolist(), counts.tolist()
+
+    @property
+    def item_indices(self) -> list[int]:
+        return self._items_and_counts[0]
+
+    @property
+    def item_row_counts(self) -> list[int]:
+        return self._items_and_counts[1]
 
     def attend(self, slot: str, read_heads: tuple[int, ...] | None = None) -> tuple[AttentionMetadata, slice]:
         step = self.step
-        if self.rows is None:
-            items, counts = step.items, [item.num_tokens for item in step.items]
-        else:
-            owners, counts = np.unique(step.item_of_row()[self.rows], return_counts=True)
-            items, counts = [step.items[i] for i in owners.tolist()], counts.tolist()
+        indices, counts = self._items_and_counts
+        items = [step.items[i] for i in indices]
         slots = [slot if slot in item.routed else item.slot_columns[slot] for item in items]
         first = slots[0] if slots else None
         if read_heads is None and all(isinstance(s, str) for s in slots):  # routed for every item

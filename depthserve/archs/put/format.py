@@ -202,9 +202,25 @@ def schedule_flops(cfg: LlamaConfig, spec: PUTSpec, loops: np.ndarray, logit_row
     return flops + spec.n_core * float(loops.sum()) * conv_flops(cfg, spec)
 
 
+class PUTRecord:
+    """The readouts the confidence exit took at each position of one sequence (the LM head over a
+    pass's output, beside the final one): PUT's only recorded decision."""
+
+    def __init__(self):
+        self.readouts = np.zeros(64, dtype=np.int32)
+
+    def write(self, start: int, readouts: np.ndarray) -> None:
+        end = start + len(readouts)
+        if end > len(self.readouts):
+            self.readouts = np.concatenate([self.readouts, np.zeros(max(end, 2 * len(self.readouts)) - len(self.readouts),
+                                                                    np.int32)])
+        self.readouts[start:end] = readouts
+
+
 def report(cfg: LlamaConfig, spec: PUTSpec, plan: PUTPlan, tokens: int, generated: int,
-           levels: list[int] | None = None) -> DepthReport:
-    """`levels`: with a range of loops, the loops each computed position ran (Sequence.levels)."""
+           levels: list[int] | None = None, record: PUTRecord | None = None) -> DepthReport:
+    """`levels`: with a range of loops, the loops each computed position ran (Sequence.levels);
+    `record`: the confidence exit's readouts."""
     per_token = np.full(tokens, plan.loops, dtype=np.int64)
     settings: dict[str, Any] = {"loops": plan.loops, "trained_loops": spec.steps,
                                 "state_bytes": plan.layout.state_bytes}
@@ -214,13 +230,17 @@ def report(cfg: LlamaConfig, spec: PUTSpec, plan: PUTPlan, tokens: int, generate
         settings["loops"] = plan.elastic.as_json()
         settings["mean_depth"] = round(float(per_token.mean()), 4) if tokens else 0.0
     passes = int(per_token.sum()) * spec.n_core  # (token, step, core layer) computed
+    counters = {"core_layer_passes": passes}
+    readouts = 0 if record is None else int(record.readouts[:tokens].sum())
+    if readouts:
+        counters["exit_readouts"] = readouts  # LM head reads beside the final one (confidence exit)
     return DepthReport(
         architecture="put",
         tokens=tokens,
-        flops=schedule_flops(cfg, spec, per_token, generated),  # this request's FLOPs
+        flops=schedule_flops(cfg, spec, per_token, generated + readouts),  # this request's FLOPs
         plain_flops=plain_flops(cfg, tokens, generated),  # every layer once, as a plain model, on the same tokens
         settings=settings,
-        counters={"core_layer_passes": passes},
-        counter_samples=(DepthCounter("core_layer_passes", passes),),
+        counters=counters,
+        counter_samples=tuple(DepthCounter(name, count) for name, count in counters.items()),
         per_token=per_token.tolist() if ranged else None,  # with a range knob: the loops each position ran
     )

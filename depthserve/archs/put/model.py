@@ -23,6 +23,12 @@ step's tokens at the depth policy's level (`BatchItem.level`). Passes up to the 
 have dense slots; each later pass's slot is routed and holds only the tokens that ran it. The
 pass-t conv state is the last k-1 rows of Z of the tokens that ran pass t: a step whose tokens
 stop before pass t leaves it as it was. The state holds every pass up to the range's maximum.
+
+Readouts (the confidence exit, layers/early_exit.py): with no suffix layers, the LM head reads the
+output of a token's last pass, so the head over pass t's output is exactly what the token gives
+if it stops after t, and a token may stop at any pass of its range. With suffix layers it is not:
+they attend over the earlier tokens' suffix states, which in a prefill chunk exist only once
+those tokens have run all their passes, so such a model declares no readout.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from depthserve.archs.llama.format import PACKED_MODULES, LlamaConfig
 from depthserve.archs.llama.model import LlamaAttention, LlamaDecoderLayer, fp32_rope_tables, tie_lm_head
 from depthserve.archs.put.format import (
     PUTPlan,
+    PUTRecord,
     PUTSpec,
     base_columns,
     core_slot_name,
@@ -81,15 +88,17 @@ class ConvContext:
 
     def apply(self, level: StepRows, t: int, layer: int, z: torch.Tensor, conv: CausalDWConv) -> torch.Tensor:
         """DWConv_k(Z) of core layer `layer` at step t for the rows of `level` (Z [rows, d_ff])."""
-        history, taps = self.window(level.item_indices, t, layer, z)  # Z_{n-j}, carried across chunks
+        history, taps = self.window(level.item_indices, level.item_row_counts, t, layer, z)  # Z_{n-j}
         return conv(history, taps)
 
-    def window(self, indices: list[int], t: int, layer: int,
+    def window(self, indices: list[int], counts: list[int], t: int, layer: int,
                z: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """For Z [rows, d_ff] of core layer `layer` at step t over the items `indices` (their rows
-        packed in this order): the rows the taps read (the items' carried states, then Z) and, per
-        tap j, the index of Z_{n-j} in them. Keeps the last k-1 rows of each item as its new state."""
-        taps, new = self.taps(indices)
+        """For Z [rows, d_ff] of core layer `layer` at step t over the items `indices`, `counts[i]`
+        rows each (packed in this order; an item's tokens that stopped before t are not among them):
+        the rows the taps read (the items' carried states, then Z) and, per tap j, the index of
+        Z_{n-j} in them, n-j counting only the tokens that ran t (section 6). Keeps the last k-1 of
+        each item's rows as its new state."""
+        taps, new = self.taps(indices, counts)
         if not self.k1:
             return z, taps
         states = self.states[indices, t - 1, layer]  # [m, k-1, d_ff]
@@ -97,17 +106,16 @@ class ConvContext:
         self.states[indices, t - 1, layer] = history.index_select(0, new).view_as(states)
         return history, taps
 
-    def taps(self, indices: list[int]) -> tuple[list[torch.Tensor], torch.Tensor | None]:
-        """For the items `indices` (their rows packed in this order): per tap j, the index of Z_{n-j}
-        in cat(states of the items [m*(k-1) rows], Z [rows]); and the indices of the new states."""
-        key = tuple(indices)
+    def taps(self, indices: list[int], counts: list[int]) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """For the items `indices` (`counts` rows each, packed in this order): per tap j, the index of
+        Z_{n-j} in cat(states of the items [m*(k-1) rows], Z [rows]); and the indices of the new states."""
+        key = (tuple(indices), tuple(counts))
         if key not in self._taps:
             k1, m = self.k1, len(indices)
             taps = [[] for _ in range(self.k)]
             new = []
             row = 0
-            for i, index in enumerate(indices):
-                n = self.step.items[index].num_tokens
+            for i, n in enumerate(counts):
                 local = np.arange(n)
                 for j in range(self.k):
                     own = m * k1 + row + local - j  # Z_{n-j} of this chunk
@@ -274,6 +282,7 @@ class PUTForCausalLM(nn.Module, DepthModel):
         super().__init__()
         self.config = cfg
         self.spec = spec
+        self.readout_every_level = spec.n_suffix == 0  # module docstring: readouts
         self.max_positions = max_positions
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.prefix_layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(spec.n_prefix))
@@ -301,6 +310,10 @@ class PUTForCausalLM(nn.Module, DepthModel):
             x = layer(x, cos, sin, pool, meta, base[suffix_slot_name(i)])
         return self.norm(x)
 
+    def readout(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits of core outputs read as final (no suffix layers: module docstring)."""
+        return self.compute_logits(self.norm(x))
+
     def core(self, x, cos, sin, pool, meta) -> torch.Tensor:
         """The core's passes 1..loops: pass t over the rows whose requests run it.
 
@@ -309,19 +322,25 @@ class PUTForCausalLM(nn.Module, DepthModel):
         with a range knob past its minimum hold only the tokens that ran t. A request that stops
         before t leaves its pass-t conv state as it was: the state is that of the tokens that ran t."""
         rows, spec = step_rows(meta), self.spec
-        loops = rows.setting(0)
+        loops = rows.confidence_exit(0)  # each row's loops, lowered as tokens exit (eager steps)
         if rows.static_shapes:
             conv = DecodeConv(spec, self.config.intermediate_size, pool, meta.static, meta.kernels, x)
         else:
             conv = ConvContext(meta.batch, spec, self.config.intermediate_size, pool, x.dtype, x.device)
-        for t in range(1, rows.deepest(loops, spec.steps) + 1):
-            level = rows.narrow(loops, t)
+        for t in range(1, rows.deepest(loops.levels, spec.steps) + 1):
+            level = rows.narrow(loops.levels, t)
+            if level.empty:  # every token stopped early
+                break
             xs, cs, ss = level.take(x), level.take(cos), level.take(sin)
             for j, layer in enumerate(self.core_layers):
                 sub_meta, columns = level.attend(core_slot_name(j, t))
                 xs = layer(xs, t, cs, ss, pool, sub_meta, columns, conv, level)
             x = level.merge(x, xs)
+            if self.readout_every_level:
+                loops.check(self.readout, xs, level.rows, t)
         conv.write_back()
+        loops.finish()
+        rows.emit(loops.readouts(x.device)[:, None])
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -337,15 +356,22 @@ class PUTForCausalLM(nn.Module, DepthModel):
     def static_decode_spec(self) -> StaticDecodeSpec:
         """Rows hold every core pass's slots and state (T passes); a row's setting is its loop count."""
         deepest = self.plan(DepthParams(loops=self.spec.steps)).layout
-        return StaticDecodeSpec(deepest, settings=1, state_bytes=deepest.state_bytes,
+        return StaticDecodeSpec(deepest, settings=1, state_bytes=deepest.state_bytes, decisions=1,
                                 levels=tuple(range(1, self.spec.steps + 1)))
 
     def row_settings(self, plan: PUTPlan, level: int | None) -> np.ndarray:
         return np.array([plan.step_level(level)], dtype=np.float32)
 
+    def new_record(self, plan: PUTPlan) -> PUTRecord:
+        return PUTRecord()
+
+    def record_decisions(self, record: PUTRecord, start: int, decisions: np.ndarray) -> dict[str, int]:
+        record.write(start, decisions[:, 0])
+        return {}
+
     def report(self, request: RequestState) -> DepthReport:
         return put_report(self.config, self.spec, request.plan, request.num_computed_tokens,
-                          request.num_output_tokens, request.levels)
+                          request.num_output_tokens, request.levels, request.record)
 
     # ---- weights ----------------------------------------------------------------------------------
     def after_load(self, loaded: set[str]) -> set[str]:
