@@ -132,6 +132,21 @@ def test_auto_dtype_is_bf16_on_a_bf16_cpu_only_for_weights_past_the_cache():
     assert resolve_dtype("bfloat16", cpu, 1) == torch.bfloat16  # asked for: always as asked
 
 
+def test_the_kernel_crossover_follows_the_kind_of_cpu(monkeypatch):
+    """With AMX the bf16 GEMM overtakes the native kernel above 96 rows; without it the kernel runs every
+    row count (bench/results/quant-kernels-cpu-*-2core.json), and a model loaded there says so."""
+    from depthserve.layers.quantized import EVERY_ROW_COUNT
+
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    assert QuantPolicy.for_this_cpu() == QuantPolicy(kernel_max_rows=48, native_max_rows=96)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    assert QuantPolicy.for_this_cpu() == QuantPolicy(kernel_max_rows=48, native_max_rows=EVERY_ROW_COUNT)
+    model = nn.Sequential(nn.Linear(64, 48, bias=False))
+    quantize_model(model, "int4", {}, torch.bfloat16)
+    layer = model[0]
+    assert isinstance(layer, QuantLinear) and layer.policy.native_max_rows == EVERY_ROW_COUNT
+
+
 def test_weight_bytes_counts_the_stored_weights(tmp_path):
     from depthserve.loading.registry import resolve_model, weight_bytes
 

@@ -31,7 +31,8 @@ took. Requests with a fixed knob always run it and are never touched.
   its range whose readout (the LM head over that level's state) gives its top-1 next token at
   least `--confidence-threshold` probability. Other prompt tokens run the policy's level: nobody
   reads their readouts, and every later token reads their deeper levels (a token that stopped
-  early is absent from them). Only for models with a readout at every level (Dreamer). `slo`
+  early is absent from them). Only for models with a readout at every level (Dreamer; PUT without
+  suffix layers, docs/depth-semantics.md "Readouts"). `slo`
   takes the threshold too: tokens then exit early within the slo cap. With prompt tokens by need
   (EngineArgs.prompt_exit), a prompt token whose next token is in the prompt stops too, teacher-
   forced: at the first level of its range whose readout gives that known next token at least the
