@@ -352,8 +352,9 @@ def plot_depth_confidence(payload: dict[str, Any], out: Path) -> list[Path]:
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
     settings = payload["settings"]
-    fig.suptitle(f"Confidence exit on {settings['model']}: {settings['problems']} held-out problems, depth "
-                 f"{settings['depth']}\n{machine_line(payload)}", fontsize=9)
+    knob = next(name for name in ("depth", "loops") if name in settings)
+    fig.suptitle(f"Confidence exit on {settings['model']}: {settings['problems']} held-out problems, {knob} "
+                 f"{settings[knob]}\n{machine_line(payload)}", fontsize=9)
     return [save(fig, out)]
 
 
