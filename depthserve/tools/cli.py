@@ -206,6 +206,9 @@ def cmd_serve(ns: argparse.Namespace) -> int:
             chat_template = Path(ns.chat_template).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
             return fail(f"--chat-template: cannot read {ns.chat_template}: {exc}")
+    max_body_bytes = int(ns.max_body_mb * (1 << 20))
+    if ns.replicas is not None or ns.max_replicas is not None:
+        return _serve_replicas(ns, engine_args, presets, max_body_bytes, chat_template)
     from depthserve.engine.async_llm import AsyncLLM
     from depthserve.engine.llm_engine import LLMEngine
     from depthserve.server.app import configure_logging, run_server
@@ -222,7 +225,30 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     except DepthServeError as exc:
         return fail(str(exc))
     run_server(llm, ns.host, ns.port, ns.served_model_name, ns.api_key, presets, ns.log_level,
-               max_body_bytes=int(ns.max_body_mb * (1 << 20)), chat_template=chat_template)
+               max_body_bytes=max_body_bytes, chat_template=chat_template)
+    return 0
+
+
+def _serve_replicas(ns: argparse.Namespace, engine_args: EngineArgs, presets: dict[str, dict], max_body_bytes: int,
+                    chat_template: str | None) -> int:
+    """`serve --replicas N` (or `--max-replicas`): a local Ray cluster, N engine replicas, one endpoint."""
+    from depthserve.errors import DepthServeError
+    from depthserve.server.app import configure_logging
+
+    try:
+        from depthserve.deploy import ray_serve
+    except ImportError as exc:  # pragma: no cover - depends on the install
+        return fail(f"--replicas needs Ray Serve (pip install 'depthserve[ray]'): {exc}")
+    configure_logging(ns.log_level)
+    threads = engine_args.num_threads or 1
+    settings = ray_serve.ReplicaSettings(engine_args, ns.served_model_name, ns.api_key, presets,
+                                         ns.max_waiting_requests, max_body_bytes, chat_template)
+    scaling = ray_serve.Scaling(replicas=ns.replicas or 1, max_replicas=ns.max_replicas, cpus_per_replica=threads)
+    try:
+        scaling.check()
+        ray_serve.run(settings, scaling, ns.host, ns.port, num_cpus=ns.ray_cpus)
+    except DepthServeError as exc:
+        return fail(str(exc))
     return 0
 
 
@@ -234,6 +260,10 @@ def _serve_option_problem(ns: argparse.Namespace) -> str | None:
         return f"--max-body-mb must be positive, got {ns.max_body_mb}"
     if ns.max_waiting_requests < 0:
         return f"--max-waiting-requests must be 0 or more, got {ns.max_waiting_requests}"
+    if ns.replicas is not None and ns.replicas < 1:
+        return f"--replicas must be at least 1, got {ns.replicas}"
+    if ns.max_replicas is not None and ns.max_replicas < (ns.replicas or 1):
+        return f"--max-replicas ({ns.max_replicas}) must be at least --replicas ({ns.replicas or 1})"
     return None
 
 
@@ -367,6 +397,14 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     p_serve.add_argument("--chat-template", default=None, metavar="FILE",
                          help="a Jinja chat template replacing the model's (one that reads `tools` renders them "
                               "itself; otherwise the default tool template applies: docs/server.md)")
+    p_serve.add_argument("--replicas", type=int, default=None,
+                         help="serve through Ray Serve: this many engine replicas behind one endpoint on a local "
+                              "Ray cluster, each with --num-threads threads (needs depthserve[ray]; docs/server.md, "
+                              "Scaling out). Without it: one engine in this process")
+    p_serve.add_argument("--max-replicas", type=int, default=None,
+                         help="autoscale between --replicas and this many replicas on ongoing requests")
+    p_serve.add_argument("--ray-cpus", type=int, default=None,
+                         help="CPUs of the local Ray cluster (default: every CPU of the machine)")
     p_serve.set_defaults(func=cmd_serve)
 
     p_chat = add("chat", help="terminal chat with a running server (streams tokens)")

@@ -1,0 +1,1 @@
+"""Deploying depthserve past one process (Ray Serve: ray_serve.py)."""

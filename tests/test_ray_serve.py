@@ -1,0 +1,135 @@
+"""depthserve replicas on Ray Serve (depthserve/deploy/ray_serve.py) on a local Ray cluster: two replicas
+of SmolLM2 behind one endpoint answer like one process, each response names its replica and both
+serve, the hardening table's bad requests get the same statuses and bodies through the ingress, and
+a replica killed mid-stream fails its streams visibly (a cut chunked body, never a hang or a clean
+end) while Serve replaces it and later requests succeed. Skipped where Ray Serve is not installed (`depthserve[ray]`, which
+`make test` installs)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import time
+
+import httpx
+import pytest
+
+ray = pytest.importorskip("ray", reason="Ray Serve is the optional extra depthserve[ray]")
+serve = pytest.importorskip("ray.serve")
+
+from depthserve import LLM, SamplingParams  # noqa: E402
+from depthserve.config import EngineArgs  # noqa: E402
+from depthserve.deploy.ray_serve import (APP_NAME, DEPLOYMENT_NAME, REPLICA_HEADER, ReplicaSettings, Scaling,  # noqa: E402
+                                         application)
+from tests.live_server import free_port  # noqa: E402
+from tests.test_server import API_KEY, BAD_REQUESTS, MODEL  # noqa: E402
+
+pytestmark = pytest.mark.slow
+ENGINE = dict(model=MODEL, dtype="float32", max_model_len=1024, kv_cache_memory_gib=0.1, load_progress=False,
+              num_threads=1)
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A local Ray cluster of this machine's 2 CPUs, Serve's HTTP proxy on a free port, two replicas
+    (one CPU and one torch thread each; the same engine settings as tests/test_server.py)."""
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    settings = ReplicaSettings(EngineArgs(**ENGINE), api_key=API_KEY, depth_presets={"plain": {}})
+    serve.run(application(settings, Scaling(replicas=2, health_check_period_s=1.0)), name=APP_NAME,
+              route_prefix="/")
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def _complete(base: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{base}/v1/completions", json={"model": MODEL, **body}, headers=AUTH, timeout=120)
+
+
+def test_two_replicas_answer_like_one_process_and_both_serve(cluster):
+    """Seeded sampled completions sent concurrently, and a streamed chat: the same tokens as the
+    offline engine gives each request alone; the replica header shows both replicas answered."""
+    prompts = [f"Write a short story about a {animal}." for animal in ("cat", "dog", "fox", "owl", "eel", "yak")]
+    bodies = [{"prompt": p, "max_tokens": 12, "temperature": 0.8, "seed": 100 + i} for i, p in enumerate(prompts)]
+    with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
+        responses = list(pool.map(lambda body: _complete(cluster, body), bodies))
+    offline = LLM(**{k: v for k, v in ENGINE.items() if k != "num_threads"})
+    for body, response in zip(bodies, responses):
+        assert response.status_code == 200, response.text
+        expected = offline.generate([body["prompt"]], SamplingParams(temperature=0.8, seed=body["seed"], max_tokens=12))
+        assert response.json()["choices"][0]["text"] == expected[0].text
+    replicas = {r.headers[REPLICA_HEADER] for r in responses}
+    for _ in range(40):  # Serve's router may favour one replica under light load: ask until both answered
+        if len(replicas) == 2:
+            break
+        replicas.add(_complete(cluster, {"prompt": "Hi", "max_tokens": 1}).headers[REPLICA_HEADER])
+    assert len(replicas) == 2
+
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 8,
+            "temperature": 0.0, "stream": True}
+    with httpx.stream("POST", f"{cluster}/v1/chat/completions", json=chat, headers=AUTH, timeout=120) as stream:
+        events = [line[len("data: "):] for line in stream.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    text = "".join(json.loads(e)["choices"][0]["delta"].get("content") or "" for e in events[:-1])
+    prompt = offline.apply_chat_template(chat["messages"])
+    assert text == offline.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8))[0].text
+
+
+@pytest.mark.parametrize("path, body, headers, status, err_type, words", BAD_REQUESTS)
+def test_bad_requests_get_the_same_errors_through_the_ingress(cluster, path, body, headers, status, err_type,
+                                                              words):
+    response = httpx.post(f"{cluster}{path}", json=body, headers=AUTH if headers is None else headers, timeout=60)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["type"] == err_type and error["code"] == status and words.lower() in error["message"].lower()
+
+
+REPLICA_ACTOR = f"SERVE_REPLICA::{APP_NAME}#{DEPLOYMENT_NAME}#"
+
+
+def _running_replicas() -> int:
+    states = serve.status().applications[APP_NAME].deployments[DEPLOYMENT_NAME].replica_states
+    return states.get("RUNNING", 0)
+
+
+def _replica_actors() -> list[str]:
+    """The names of the live replica actors (Serve's own naming: SERVE_REPLICA::app#deployment#id)."""
+    return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(REPLICA_ACTOR)]
+
+
+def test_a_killed_replica_ends_its_streams_and_serve_replaces_it(cluster):
+    """Kill one replica's actor while it streams: that stream ends (an error event or a cut connection,
+    within a bound, never a hang), later requests succeed, and Serve brings the deployment back to two
+    replicas."""
+    body = {"model": MODEL, "prompt": "Count: one, two, three,", "max_tokens": 400, "ignore_eos": True,
+            "temperature": 0.0, "stream": True}
+    started = time.monotonic()
+    with httpx.stream("POST", f"{cluster}/v1/completions", json=body, headers=AUTH, timeout=60) as stream:
+        victim = stream.headers[REPLICA_HEADER]
+        lines = stream.iter_lines()
+        next(line for line in lines if line.startswith("data: "))  # it is streaming
+        ray.kill(ray.get_actor(REPLICA_ACTOR + victim, namespace="serve"), no_restart=True)
+        rest, cut = [], None
+        try:
+            rest = [line for line in lines if line.startswith("data: ")]
+        except httpx.HTTPError as exc:
+            cut = exc  # the proxy cut the connection: ended, not hung
+    assert time.monotonic() - started < 60
+    # The client learns that the stream failed: a cut chunked body (the proxy's answer when the replica
+    # that produced it dies; httpx and the openai SDK raise) or an error event, never a clean end.
+    assert "data: [DONE]" not in rest
+    assert cut is not None or (rest and '"error"' in rest[-1]), rest[-2:]
+    assert _complete(cluster, {"prompt": "Hi", "max_tokens": 2}).status_code == 200
+    deadline = time.monotonic() + 120
+    replaced = lambda: (_running_replicas() == 2 and len(_replica_actors()) == 2  # noqa: E731
+                        and REPLICA_ACTOR + victim not in _replica_actors())
+    while time.monotonic() < deadline and not replaced():
+        time.sleep(1.0)
+    assert replaced(), (serve.status(), _replica_actors())
+    statuses = {_complete(cluster, {"prompt": "Hi", "max_tokens": 2}).status_code for _ in range(4)}
+    assert statuses == {200}
