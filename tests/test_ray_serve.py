@@ -8,8 +8,11 @@ end) while Serve replaces it and later requests succeed. Skipped where Ray Serve
 from __future__ import annotations
 
 import concurrent.futures
+import importlib
 import json
+import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -20,7 +23,9 @@ serve = pytest.importorskip("ray.serve")
 from depthserve import LLM, SamplingParams  # noqa: E402
 from depthserve.config import EngineArgs  # noqa: E402
 from depthserve.deploy.ray_serve import (APP_NAME, DEPLOYMENT_NAME, REPLICA_HEADER, ReplicaSettings, Scaling,  # noqa: E402
-                                         application)
+                                         application, build)
+from depthserve.errors import ConfigurationError  # noqa: E402
+from depthserve.tiny import make_tiny  # noqa: E402
 from tests.live_server import free_port  # noqa: E402
 from tests.test_server import API_KEY, BAD_REQUESTS, MODEL  # noqa: E402
 
@@ -45,6 +50,38 @@ def cluster():
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
+
+
+def _serve_configs() -> dict[str, dict]:
+    """The repo's Serve configs: the config file, and the one inside the KubeRay RayService manifest."""
+    import yaml
+
+    service = yaml.safe_load((DEPLOY / "kuberay-rayservice.yaml").read_text())
+    assert service["kind"] == "RayService" and service["apiVersion"] == "ray.io/v1"
+    return {"serve-config.yaml": yaml.safe_load((DEPLOY / "serve-config.yaml").read_text()),
+            "kuberay-rayservice.yaml": yaml.safe_load(service["spec"]["serveConfigV2"])}
+
+
+@pytest.mark.parametrize("name", ["serve-config.yaml", "kuberay-rayservice.yaml"])
+def test_the_deployment_files_are_serve_configs_that_build(name):
+    """Each file passes Ray Serve's own config schema, and its import path builds the application from
+    its args (no cluster needed)."""
+    from ray.serve.schema import ServeDeploySchema
+
+    config = _serve_configs()[name]
+    ServeDeploySchema.parse_obj(config)
+    for app in config["applications"]:
+        module, attribute = app["import_path"].split(":")
+        built = getattr(importlib.import_module(module), attribute)(app["args"])
+        assert isinstance(built, serve.Application)
+
+
+def test_the_builder_refuses_unknown_args():
+    with pytest.raises(ConfigurationError, match="frobnicate"):
+        build({"model": MODEL, "frobnicate": 1})
 
 
 def _complete(base: str, body: dict) -> httpx.Response:
@@ -133,3 +170,51 @@ def test_a_killed_replica_ends_its_streams_and_serve_replaces_it(cluster):
     assert replaced(), (serve.status(), _replica_actors())
     statuses = {_complete(cluster, {"prompt": "Hi", "max_tokens": 2}).status_code for _ in range(4)}
     assert statuses == {200}
+
+
+def _wait_for_replicas(count: int, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if _running_replicas() == count and len(_replica_actors()) == count:
+            return True
+        time.sleep(0.5)
+    return False
+
+
+def test_autoscaling_adds_a_replica_under_load_and_removes_it_after(cluster, tmp_path):
+    """One replica of a tiny model that may scale to two (target 2 ongoing requests, short delays): eight
+    clients streaming at once bring the second replica, which then answers; idle, it goes again. Runs
+    last: it replaces the module's application (the cluster's two CPUs)."""
+    serve.delete(APP_NAME)
+    tiny = make_tiny("llama", tmp_path / "tiny", seed=1)
+    settings = ReplicaSettings(EngineArgs(model=str(tiny), dtype="float32", num_threads=1, load_progress=False))
+    scaling = Scaling(replicas=1, max_replicas=2, target_ongoing_requests=2, upscale_delay_s=1.0,
+                      downscale_delay_s=3.0, look_back_period_s=2.0, metrics_interval_s=0.5,
+                      health_check_period_s=1.0)
+    serve.run(application(settings, scaling), name=APP_NAME, route_prefix="/")
+    assert _wait_for_replicas(1, 30)
+    stop, answered_by, failures = threading.Event(), set(), []
+
+    def client():
+        while not stop.is_set():
+            response = httpx.post(f"{cluster}/v1/completions", timeout=60, json={
+                "model": str(tiny), "prompt": "Hello", "max_tokens": 48, "ignore_eos": True})
+            if response.status_code != 200:
+                failures.append(response.text)
+            answered_by.add(response.headers.get(REPLICA_HEADER))
+
+    clients = [threading.Thread(target=client, daemon=True) for _ in range(8)]
+    for thread in clients:
+        thread.start()
+    try:
+        assert _wait_for_replicas(2, 90), serve.status()
+        deadline = time.monotonic() + 30
+        while len(answered_by) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert len(answered_by) == 2
+    finally:
+        stop.set()
+        for thread in clients:
+            thread.join(timeout=60)
+    assert not failures, failures[:3]
+    assert _wait_for_replicas(1, 90), serve.status()

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import signal
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from depthserve.config import EngineArgs
@@ -55,6 +55,8 @@ class Scaling:
     target_ongoing_requests: float = 4.0
     upscale_delay_s: float = 5.0
     downscale_delay_s: float = 30.0
+    look_back_period_s: float = 10.0  # the window the ongoing requests are averaged over
+    metrics_interval_s: float = 2.0  # how often each replica reports them
     health_check_period_s: float = 5.0
 
     def check(self) -> None:
@@ -75,7 +77,8 @@ class Scaling:
             options["autoscaling_config"] = {
                 "min_replicas": self.replicas, "initial_replicas": self.replicas,
                 "max_replicas": self.max_replicas, "target_ongoing_requests": self.target_ongoing_requests,
-                "upscale_delay_s": self.upscale_delay_s, "downscale_delay_s": self.downscale_delay_s}
+                "upscale_delay_s": self.upscale_delay_s, "downscale_delay_s": self.downscale_delay_s,
+                "look_back_period_s": self.look_back_period_s, "metrics_interval_s": self.metrics_interval_s}
         return options
 
 
@@ -114,8 +117,8 @@ def replica_class():
             if engine.device.type != "cpu":
                 engine.warm_up()
             self.llm = AsyncLLM(engine, max_waiting_requests=settings.max_waiting_requests)
-            for settings_of_preset in settings.depth_presets.values():
-                DepthParams.from_dict(settings_of_preset).validate(engine.model.depth_knobs(), self.llm.model_name)
+            for preset in settings.depth_presets.values():
+                DepthParams.from_dict(preset).validate(engine.model.depth_knobs(), self.llm.model_name)
             log.info("replica %s serving %s", self.replica, self.llm.model_name)
 
         def __serve_build_asgi_app__(self):
@@ -142,6 +145,25 @@ def application(settings: ReplicaSettings, scaling: Scaling):
     scaling.check()
     deployment = serve.deployment(replica_class(), name=DEPLOYMENT_NAME)
     return deployment.options(**scaling.deployment_options()).bind(settings)
+
+
+def build(args: dict[str, Any]):
+    """Serve's application builder, for a Serve config file (`import_path:
+    depthserve.deploy.ray_serve:build`, deploy/serve-config.yaml) on an existing Ray cluster. `args`
+    holds EngineArgs fields (model, dtype, num_threads, ...), the server's (served_model_name,
+    api_key, depth_presets, max_waiting_requests, max_body_bytes, chat_template) and Scaling's
+    (replicas, max_replicas, cpus_per_replica, ...); anything else is an error."""
+    engine_fields = {f.name for f in fields(EngineArgs)}
+    server_fields = {f.name for f in fields(ReplicaSettings)} - {"engine"}
+    scaling_fields = {f.name for f in fields(Scaling)}
+    unknown = sorted(set(args) - engine_fields - server_fields - scaling_fields)
+    if unknown:
+        raise ConfigurationError(f"unknown depthserve application args: {', '.join(unknown)}")
+    engine = EngineArgs(**{k: v for k, v in args.items() if k in engine_fields})
+    engine.validate()
+    settings = ReplicaSettings(engine, **{k: v for k, v in args.items() if k in server_fields})
+    scaling = Scaling(**{k: v for k, v in args.items() if k in scaling_fields})
+    return application(settings, scaling)
 
 
 def run(settings: ReplicaSettings, scaling: Scaling, host: str, port: int, num_cpus: int | None = None) -> None:
