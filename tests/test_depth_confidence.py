@@ -90,36 +90,49 @@ def _exit_rule(readouts: list[torch.Tensor], position: int, lowest: int, highest
     return highest, clear
 
 
-def _demo_prompts(demo: Demo) -> tuple[object, list[list[int]], list[dict]]:
+@dataclass
+class Run:
+    """A mixed-depth batch of held-out problems served under a depth policy, with chunked prefill and
+    forced preemption, already checked against the reference on the schedules it reports."""
+
+    llm: LLM
+    path: object
+    prompts: list[list[int]]
+    knobs: list[dict]
+    depths: list[DepthParams]
+    outputs: list
+
+
+def _run_against_reference(demo: Demo, max_tokens: int, **policy) -> Run:
     source = resolve_model(demo.name)
     tokenizer = load_tokenizer(source)
     prompts = [tokenizer.encode(p.prompt, add_special_tokens=False) for p in problems(5, 8, "held_out", 6)]
     knobs = [demo.knobs()[i % 4] for i in range(len(prompts))]
-    return source.path, prompts, knobs
+    depths = [DepthParams.from_dict(knob) for knob in knobs]
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=2)
+    longest = max(map(len, prompts)) + max_tokens
+    llm = tiny_llm(source.path, pages=costliest_pages(source.path, depths, longest), max_model_len=longest,
+                   max_num_batched_tokens=16, **policy)
+    outputs = llm.generate(prompts, params, depths)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert demo.check_against_reference(source.path, prompts, depths, outputs)["tokens"] > 0
+    return Run(llm, source.path, prompts, knobs, depths, outputs)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("demo", list(DEMOS))
 def test_confident_tokens_stop_early_and_the_engine_equals_the_reference(demo):
     demo = DEMOS[demo]
-    path, prompts, knobs = _demo_prompts(demo)
-    depths = [DepthParams.from_dict(knob) for knob in knobs]
-    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
-    longest = max(map(len, prompts)) + params.max_tokens
-    llm = tiny_llm(path, pages=costliest_pages(path, depths, longest), max_model_len=longest,
-                   max_num_batched_tokens=16, depth_policy="confidence", confidence_threshold=THRESHOLD)
-    outputs = llm.generate(prompts, params, depths)
-    assert llm.engine.scheduler.num_preemptions > 0
-    stats = demo.check_against_reference(path, prompts, depths, outputs)
-    assert stats["tokens"] > 0
+    run = _run_against_reference(demo, 6, depth_policy="confidence", confidence_threshold=THRESHOLD)
+    llm = run.llm
     early = full = sampled = 0
-    for prompt, depth, out in zip(prompts, depths, outputs):
+    for prompt, depth, out in zip(run.prompts, run.depths, run.outputs):
         per_token = out.depth.per_token
         if per_token is None:
             continue
         span = depth.normalized(llm.engine.model.depth_knobs())[demo.knob]
         tokens = prompt + out.token_ids[:-1]
-        readouts = demo.readouts(path, torch.tensor([tokens]), span.maximum, per_token)
+        readouts = demo.readouts(run.path, torch.tensor([tokens]), span.maximum, per_token)
         assert per_token[: len(prompt) - 1] == [span.maximum] * (len(prompt) - 1)  # nobody samples there
         for position in range(len(prompt) - 1, len(tokens)):  # the positions whose readout was sampled
             ran = per_token[position]
@@ -169,24 +182,17 @@ def test_prompt_tokens_by_need_stop_on_their_known_next_token_and_equal_the_refe
     schedule it reports, the schedule follows the rule on the reference's readouts, and a request
     with a fixed knob is untouched."""
     demo = DEMOS[demo]
-    path, prompts, knobs = _demo_prompts(demo)
-    depths = [DepthParams.from_dict(knob) for knob in knobs]
-    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=2)
-    longest = max(map(len, prompts)) + params.max_tokens
-    llm = tiny_llm(path, pages=costliest_pages(path, depths, longest), max_model_len=longest,
-                   max_num_batched_tokens=16, depth_policy="confidence", confidence_threshold=PROMPT_THRESHOLD,
-                   prompt_exit=True)
-    outputs = llm.generate(prompts, params, depths)
-    assert llm.engine.scheduler.num_preemptions > 0
-    assert demo.check_against_reference(path, prompts, depths, outputs)["tokens"] > 0
+    run = _run_against_reference(demo, 4, depth_policy="confidence", confidence_threshold=PROMPT_THRESHOLD,
+                                 prompt_exit=True)
+    llm = run.llm
     early = full = checked = 0
-    for prompt, knob, depth, out in zip(prompts, knobs, depths, outputs):
+    for prompt, knob, depth, out in zip(run.prompts, run.knobs, run.depths, run.outputs):
         per_token = out.depth.per_token
         if per_token is None:
             assert knob == {demo.knob: 6}  # the fixed knob: no schedule of its own
             continue
         span = depth.normalized(llm.engine.model.depth_knobs())[demo.knob]
-        readouts = demo.readouts(path, torch.tensor([prompt]), span.maximum, per_token[: len(prompt)])
+        readouts = demo.readouts(run.path, torch.tensor([prompt]), span.maximum, per_token[: len(prompt)])
         for position in range(len(prompt) - 1):
             expected, clear = _teacher_rule(readouts, position, prompt[position + 1], span.minimum, span.maximum)
             if clear:
@@ -195,7 +201,7 @@ def test_prompt_tokens_by_need_stop_on_their_known_next_token_and_equal_the_refe
                 early += expected < span.maximum
                 full += expected == span.maximum
     assert early and full, "some prompt tokens were meant to stop early and others not"
-    assert checked >= 0.8 * sum(len(p) - 1 for p, knob in zip(prompts, knobs) if knob != {demo.knob: 6})
+    assert checked >= 0.8 * sum(len(p) - 1 for p, knob in zip(run.prompts, run.knobs) if knob != {demo.knob: 6})
     assert llm.engine.block_manager.num_used_pages == 0
 
 
@@ -207,17 +213,10 @@ def test_the_need_policy_schedule_equals_the_reference(demo):
     the cap, in a mixed batch with chunked prefill and preemption; whatever schedule the load gave,
     the engine equals the reference on the schedule it reports, and frees every page."""
     demo = DEMOS[demo]
-    path, prompts, knobs = _demo_prompts(demo)
-    depths = [DepthParams.from_dict(knob) for knob in knobs]
-    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
-    longest = max(map(len, prompts)) + params.max_tokens
-    llm = tiny_llm(path, pages=costliest_pages(path, depths, longest), max_model_len=longest,
-                   max_num_batched_tokens=16, depth_policy="need", tpot_slo_ms=2.0, confidence_threshold=0.99)
-    outputs = llm.generate(prompts, params, depths)
-    assert llm.engine.scheduler.num_preemptions > 0
-    assert demo.check_against_reference(path, prompts, depths, outputs)["tokens"] > 0
+    run = _run_against_reference(demo, 6, depth_policy="need", tpot_slo_ms=2.0, confidence_threshold=0.99)
+    llm = run.llm
     ranged = [(depth.normalized(llm.engine.model.depth_knobs())[demo.knob], out.depth.per_token)
-              for depth, out in zip(depths, outputs) if out.depth.per_token is not None]
+              for depth, out in zip(run.depths, run.outputs) if out.depth.per_token is not None]
     assert any(min(levels) < span.maximum for span, levels in ranged), "the target was meant to shed depth"
     assert any(max(levels) == span.maximum for span, levels in ranged), "prompt-only steps were meant to run deep"
     assert all(span.minimum <= level <= span.maximum for span, levels in ranged for level in levels)
