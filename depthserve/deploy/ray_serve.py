@@ -107,18 +107,11 @@ def replica_class():
     @serve.ingress()
     class DepthserveReplica:
         def __init__(self, settings: ReplicaSettings):
-            from depthserve.depth import DepthParams
             from depthserve.engine.async_llm import AsyncLLM
-            from depthserve.engine.llm_engine import LLMEngine
 
             self.settings = settings
             self.replica = serve.get_replica_context().replica_id.unique_id
-            engine = LLMEngine(settings.engine)
-            if engine.device.type != "cpu":
-                engine.warm_up()
-            self.llm = AsyncLLM(engine, max_waiting_requests=settings.max_waiting_requests)
-            for preset in settings.depth_presets.values():
-                DepthParams.from_dict(preset).validate(engine.model.depth_knobs(), self.llm.model_name)
+            self.llm = AsyncLLM.from_engine_args(settings.engine, settings.max_waiting_requests, settings.depth_presets)
             log.info("replica %s serving %s", self.replica, self.llm.model_name)
 
         def __serve_build_asgi_app__(self):

@@ -90,8 +90,19 @@ class AsyncLLM:
         self._thread.start()
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs, max_waiting_requests: int = 256) -> "AsyncLLM":
-        return cls(LLMEngine(args), max_waiting_requests)
+    def from_engine_args(cls, engine_args: EngineArgs, max_waiting_requests: int = 256,
+                         depth_presets: dict[str, dict] | None = None) -> AsyncLLM:
+        """The engine a server runs (`depthserve serve`, each Ray Serve replica): on a GPU its kernels
+        compiled now, not in the first client's request; `depth_presets` checked against the model's
+        knob ranges (a typed error if one is out of range)."""
+        engine = LLMEngine(engine_args)
+        if engine.device.type != "cpu":
+            logger.info("warming up on %s (kernels compile on first use)", engine.device)
+            engine.warm_up()
+        llm = cls(engine, max_waiting_requests=max_waiting_requests)
+        for settings in (depth_presets or {}).values():
+            DepthParams.from_dict(settings).validate(engine.model.depth_knobs(), llm.model_name)
+        return llm
 
     # ---- state the server reads ---------------------------------------------------------
     @property

@@ -7,7 +7,6 @@ import errno
 import functools
 import importlib
 import json
-import logging
 import socket
 import sys
 from dataclasses import fields
@@ -16,8 +15,6 @@ from pathlib import Path
 from depthserve.archs import Command, architectures, knob_names
 from depthserve.config import DEPTH_POLICIES, EngineArgs
 from depthserve.loading.registry import BUILTIN_MODELS, DEFAULT_MODEL, resolve_model
-
-log = logging.getLogger(__name__)
 
 
 class CLIParser(argparse.ArgumentParser):
@@ -210,18 +207,11 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     if ns.replicas is not None or ns.max_replicas is not None:
         return _serve_replicas(ns, engine_args, presets, max_body_bytes, chat_template)
     from depthserve.engine.async_llm import AsyncLLM
-    from depthserve.engine.llm_engine import LLMEngine
     from depthserve.server.app import configure_logging, run_server
 
     configure_logging(ns.log_level)
     try:
-        engine = LLMEngine(engine_args)
-        if engine.device.type != "cpu":  # kernels compile now, not in the first client's request
-            log.info("warming up on %s (kernels compile on first use)", engine.device)
-            engine.warm_up()
-        llm = AsyncLLM(engine, max_waiting_requests=ns.max_waiting_requests)
-        for name, settings in presets.items():  # the knobs' ranges are the model's
-            DepthParams.from_dict(settings).validate(llm.engine.model.depth_knobs(), llm.model_name)
+        llm = AsyncLLM.from_engine_args(engine_args, ns.max_waiting_requests, presets)
     except DepthServeError as exc:
         return fail(str(exc))
     run_server(llm, ns.host, ns.port, ns.served_model_name, ns.api_key, presets, ns.log_level,
