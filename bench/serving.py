@@ -6,11 +6,16 @@
     python bench/serving.py --launch --model DIR --depth '{"loops": 2}' --goodput ttft:500 tpot:100
     python bench/serving.py --launch --model DIR --depth '{"depth": "auto"}' --depth-policy slo --tpot-slo-ms 300
     python bench/serving.py --launch --llama-server --server-args "--num-threads 2" --request-rate 1,2,4
+    python bench/serving.py --launch --server-args "--replicas 2 --num-threads 1" --shared-prefixes 4
 
 Workload: `--num-prompts` prompts of exactly `--input-len` tokens, sent as token ids to
 /v1/completions: the first tokens of the documents of the C4 sample (`--dataset`, tokenized by
 the server's /tokenize) or uniformly random token ids (`--random-prompts`). Every request asks
-for exactly `--output-len` tokens (greedy, `ignore_eos`), streamed back over SSE.
+for exactly `--output-len` tokens (greedy, `ignore_eos`), streamed back over SSE. With
+`--shared-prefixes K`, every prompt's first `--shared-prefix-len` tokens are one of K prefixes, in
+turn (as chats that share a system prompt); the summary then gives the share of prompt tokens the
+server found in its prefix cache (usage.prompt_tokens_details.cached_tokens) and, behind Ray Serve,
+the requests each replica served (the x-depthserve-replica header).
 
 Arrivals: for each rate R of `--request-rate` (requests/s; 'inf' sends everything at once),
 inter-arrival gaps are exponential (`--arrival poisson`, the default) or exactly 1/R
@@ -50,6 +55,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -93,6 +99,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     load.add_argument("--output-len", type=int, default=64)
     load.add_argument("--dataset", type=Path, default=common.C4_SAMPLE, help="JSON lines with a 'text' field")
     load.add_argument("--random-prompts", action="store_true", help="random token ids instead of --dataset")
+    load.add_argument("--shared-prefixes", type=int, default=0,
+                      help="K > 0: every prompt starts with one of K shared prefixes (prompt i with prefix i mod K), "
+                           "as chats that share a system prompt")
+    load.add_argument("--shared-prefix-len", type=int, default=64, help="tokens of each shared prefix")
     load.add_argument("--request-rate", default="inf", help="requests/s, comma-separated to sweep, e.g. 1,2,4,inf")
     load.add_argument("--arrival", default="poisson", choices=["poisson", "constant"])
     load.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
@@ -241,6 +251,8 @@ class RequestResult:
     relative_compute: float | None = None  # a depth model: usage.depth.relative_compute
     token_depths: list[int] = field(default_factory=list)  # a depth range: each output token's level
     text: str = ""  # the completion's text
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens (prefix-cache hits)
+    replica: str | None = None  # the x-depthserve-replica header (Ray Serve replicas)
 
     @property
     def tpot_s(self) -> float | None:
@@ -281,6 +293,7 @@ async def send_streaming_request(client: httpx.AsyncClient, body: dict, run_star
             if response.status_code != 200:
                 result.error = f"HTTP {response.status_code}: {(await response.aread()).decode(errors='replace')[:300]}"
                 return result
+            result.replica = response.headers.get("x-depthserve-replica")
             async for event in sse_events(response):
                 now = time.perf_counter()
                 for choice in event.get("choices", []):
@@ -288,6 +301,7 @@ async def send_streaming_request(client: httpx.AsyncClient, body: dict, run_star
                     result.text += choice.get("text") or ""
                 if event.get("usage"):
                     result.output_tokens = event["usage"]["completion_tokens"]
+                    result.cached_tokens = (event["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
                     depth = event["usage"].get("depth") or {}
                     result.mean_depth = depth.get("mean_depth")
                     result.relative_compute = depth.get("relative_compute")
@@ -369,6 +383,13 @@ def summarize_run(results: list[RequestResult], duration: float, ns: argparse.Na
     depths = [r.mean_depth for r in done if r.mean_depth is not None]
     if depths:  # requests with a depth range: how deep the server ran them
         summary["mean_depth"] = sum(depths) / len(depths)
+    cached = [r for r in done if r.cached_tokens is not None]
+    if cached:  # a server that reports prefix-cache hits
+        summary["cached_prompt_tokens"] = sum(r.cached_tokens for r in cached)
+        summary["cached_prompt_token_fraction"] = summary["cached_prompt_tokens"] / max(1, sum(r.prompt_tokens for r in cached))
+    replicas = Counter(r.replica for r in done if r.replica is not None)
+    if replicas:
+        summary["requests_per_replica"] = dict(replicas)
     computes = [r.relative_compute for r in done if r.relative_compute is not None]
     if computes:
         summary["mean_relative_compute"] = sum(computes) / len(computes)
@@ -412,8 +433,19 @@ async def served_model(client: httpx.AsyncClient, requested: str | None) -> tupl
 async def workload_prompts(client: httpx.AsyncClient, ns: argparse.Namespace) -> list[list[int]]:
     if ns.random_prompts:
         vocab = await probe_vocab_size(client)
-        return common.random_prompts(ns.num_prompts, ns.input_len, vocab, ns.seed)
-    return await dataset_prompts(client, ns.dataset, ns.num_prompts, ns.input_len)
+        prompts = common.random_prompts(ns.num_prompts + ns.shared_prefixes, ns.input_len, vocab, ns.seed)
+    else:
+        prompts = await dataset_prompts(client, ns.dataset, ns.num_prompts + ns.shared_prefixes, ns.input_len)
+    return with_shared_prefixes(prompts, ns.shared_prefixes, ns.shared_prefix_len)
+
+
+def with_shared_prefixes(prompts: list[list[int]], count: int, length: int) -> list[list[int]]:
+    """The prompts after the first `count`, each with its first `length` tokens replaced by the first
+    `length` tokens of one of the first `count` prompts, in turn (unchanged for count 0)."""
+    if count == 0:
+        return prompts
+    prefixes, rest = [p[:length] for p in prompts[:count]], prompts[count:]
+    return [prefixes[i % count] + prompt[length:] for i, prompt in enumerate(rest)]
 
 
 def warmup_prompts(prompts: list[list[int]], count: int) -> list[list[int]]:
@@ -553,6 +585,10 @@ def format_summary(rate: float, s: dict[str, Any]) -> str:
         text += f" | goodput {s['goodput']:.2f} req/s"
     if "mean_depth" in s:
         text += f" | mean depth {s['mean_depth']:.2f}"
+    if "cached_prompt_token_fraction" in s:
+        text += f" | prompt tokens cached {100 * s['cached_prompt_token_fraction']:.0f}%"
+    if "requests_per_replica" in s:
+        text += f" | per replica {sorted(s['requests_per_replica'].values(), reverse=True)}"
     return text
 
 

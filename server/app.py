@@ -29,6 +29,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from depthserve.engine.async_llm import AsyncLLM
+from depthserve.engine.client import EngineClient
 from depthserve.errors import DepthServeError
 from depthserve.server.metrics import ServerMetrics
 from depthserve.server.openapi import document_errors
@@ -89,7 +90,7 @@ def _validation_message(exc: RequestValidationError, content_type: str) -> tuple
     return (f"{param}: {message}" if param else message), param
 
 
-def build_app(llm: AsyncLLM, served_model_name: str | None = None, api_key: str | None = None,
+def build_app(llm: EngineClient, served_model_name: str | None = None, api_key: str | None = None,
               depth_presets: dict[str, dict] | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
               chat_template: str | None = None) -> FastAPI:
     """The app. `chat_template` (Jinja text, `--chat-template FILE`) replaces the model's chat template

@@ -264,10 +264,15 @@ def _absent_if_none(value: Any) -> bool:
     return value is None
 
 
+class PromptTokensDetails(ResponseModel):
+    cached_tokens: int  # prompt tokens whose KV pages came from the prefix cache
+
+
 class UsageInfo(ResponseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = Field(default=None, exclude_if=_absent_if_none)
     # What the request spent on depth (a depth model only): DepthReport.to_dict(), or for several
     # prompts their sums with each prompt's own report under `per_prompt` (docs/server.md).
     depth: dict[str, Any] | None = Field(default=None, exclude_if=_absent_if_none)

@@ -2,8 +2,9 @@
 DepthParams, tokenizing on the tokenizer worker, admission through the engine thread, running the
 prompts of one request concurrently, usage, and the tokenizer and model-list endpoints.
 
-The server reaches the engine only through `AsyncLLM` (its engine thread's queue) and reads only
-the immutable `ModelInfo` the engine published at start; it never touches engine or model state.
+The server reaches the engine only through an `EngineClient` (depthserve/engine/client.py: the
+engine thread's queue in `AsyncLLM`, or engine replicas on Ray Serve) and reads only the immutable
+`ModelInfo` the engine published at start; it never touches engine or model state.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from depthserve.depth import DepthParams, combine_reports
-from depthserve.engine.async_llm import AsyncLLM, RequestStream
+from depthserve.engine.client import EngineClient, OutputStream
 from depthserve.engine.context_length import ContextOverflow
 from depthserve.errors import EngineDeadError, InvalidRequestError, ModelNotFoundError, QueueFullError
 from depthserve.outputs import CompletionOutput, RequestOutput, TokenLogprobs
@@ -26,6 +27,7 @@ from depthserve.server.protocol import (
     DetokenizeResponse,
     ModelCard,
     ModelList,
+    PromptTokensDetails,
     ResponseModel,
     SamplingFields,
     TokenizeResponse,
@@ -73,7 +75,7 @@ class Prepared:
 
 
 class OpenAIServing:
-    def __init__(self, llm: AsyncLLM, served_model_name: str, depth_presets: dict[str, dict] | None,
+    def __init__(self, llm: EngineClient, served_model_name: str, depth_presets: dict[str, dict] | None,
                  metrics: ServerMetrics, tokenizer_worker: TokenizerWorker):
         self.llm = llm
         self.info = llm.model_info
@@ -161,7 +163,7 @@ class OpenAIServing:
         )
 
     # ---- running requests ----------------------------------------------------------------------------
-    async def admit(self, prepared: Prepared, request_id: str) -> list[RequestStream]:
+    async def admit(self, prepared: Prepared, request_id: str) -> list[OutputStream]:
         """Admit every prompt of one HTTP request, or none (validated and queued on the engine
         thread): a refusal raises before any response has started. A prompt plus max_tokens beyond
         the context is refused (a 400 naming the limit, as OpenAI's and vLLM's servers answer), not
@@ -169,22 +171,23 @@ class OpenAIServing:
         jobs = prepared.jobs
         ids = [request_id] if len(jobs) == 1 else [f"{request_id}-{i}" for i in range(len(jobs))]
         try:
-            return await self.llm.add_requests([job.token_ids for job in jobs], prepared.params, prepared.depth, ids,
-                                               overflow=ContextOverflow.REFUSE)
+            streams = await self.llm.add_requests([job.token_ids for job in jobs], prepared.params, prepared.depth, ids,
+                                                  overflow=ContextOverflow.REFUSE)
+            return list(streams)
         except StructuredOutputError as exc:
             raise (exc if exc.field else exc.located(prepared.constraint_field)) from None
         except (QueueFullError, EngineDeadError):
             self.metrics.requests.labels(outcome="rejected").inc()
             raise
 
-    async def run(self, jobs: list[Job], streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def run(self, jobs: list[Job], streams: list[OutputStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Yield (job index, cumulative output) as the admitted streams produce them.
         Closing this generator early (client gone) aborts every job that is still running."""
         queue: asyncio.Queue = asyncio.Queue()
         timers = [RequestTimer(self.metrics) for _ in jobs]
         generated = [0] * len(jobs)
 
-        async def pump(i: int, stream: RequestStream) -> None:
+        async def pump(i: int, stream: OutputStream) -> None:
             try:
                 async for out in stream:
                     await queue.put((i, out))
@@ -251,6 +254,8 @@ def usage(jobs: list[Job], outputs: list[RequestOutput | None]) -> UsageInfo:
     prompt_tokens = sum(len(job.token_ids) for job in jobs)
     completion_tokens = sum(len(c.token_ids) for out in outputs if out is not None for c in out.outputs)
     reports = [out.depth for out in outputs if out is not None and out.depth is not None]
+    cached = sum(out.num_cached_tokens for out in outputs if out is not None)
     return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                      total_tokens=prompt_tokens + completion_tokens,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
                      depth=combine_reports(reports) if reports else None)

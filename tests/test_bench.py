@@ -60,6 +60,13 @@ def test_tpot_and_goodput_slos():
         serving.parse_slos(["latency:5"])
 
 
+def test_shared_prefixes_replace_each_prompts_start_in_turn():
+    prompts = [[i] * 6 for i in range(5)]
+    shared = serving.with_shared_prefixes(prompts, 2, 4)
+    assert shared == [[0, 0, 0, 0, 2, 2], [1, 1, 1, 1, 3, 3], [0, 0, 0, 0, 4, 4]]
+    assert serving.with_shared_prefixes(prompts, 0, 4) == prompts
+
+
 def test_server_arg():
     assert serving.server_arg("--num-threads 2 --device=cpu", "--device") == "cpu"
     assert serving.server_arg("--num-threads 2", "--num-threads") == "2"

@@ -1,13 +1,16 @@
-"""depthserve replicas on Ray Serve (depthserve/deploy/ray_serve.py) on a local Ray cluster: two replicas
-of SmolLM2 behind one endpoint answer like one process, each response names its replica and both
-serve, the hardening table's bad requests get the same statuses and bodies through the ingress, and
-a replica killed mid-stream fails its streams visibly (a cut chunked body, never a hang or a clean
-end) while Serve replaces it and later requests succeed. Skipped where Ray Serve is not installed (`depthserve[ray]`, which
-`make test` installs)."""
+"""depthserve on Ray Serve (depthserve/deploy/ray_serve.py) on a local Ray cluster: two engine replicas
+of SmolLM2 behind one ingress answer like one process, each response names its engine replica and
+both serve, the hardening table's bad requests get the same statuses and bodies through the ingress,
+a repeated chat prefix stays on one replica and hits its prefix cache, and a replica killed
+mid-stream ends its streams with an error event (never a hang or a clean end) while streams on the
+other replica finish, Serve replaces it and later requests succeed. Skipped where Ray Serve is not
+installed (`depthserve[ray]`, which `make test` installs). The ingress's retry and router logic
+without a cluster: test_remote_engine.py."""
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import importlib
 import json
 import threading
@@ -22,7 +25,7 @@ serve = pytest.importorskip("ray.serve")
 
 from depthserve import LLM, SamplingParams  # noqa: E402
 from depthserve.config import EngineArgs  # noqa: E402
-from depthserve.deploy.ray_serve import (APP_NAME, DEPLOYMENT_NAME, REPLICA_HEADER, ReplicaSettings, Scaling,  # noqa: E402
+from depthserve.deploy.ray_serve import (APP_NAME, ENGINE_DEPLOYMENT, REPLICA_HEADER, ReplicaSettings, Scaling,  # noqa: E402
                                          application, build)
 from depthserve.errors import ConfigurationError  # noqa: E402
 from depthserve.tiny import make_tiny  # noqa: E402
@@ -126,11 +129,34 @@ def test_bad_requests_get_the_same_errors_through_the_ingress(cluster, path, bod
     assert error["type"] == err_type and error["code"] == status and words.lower() in error["message"].lower()
 
 
-REPLICA_ACTOR = f"SERVE_REPLICA::{APP_NAME}#{DEPLOYMENT_NAME}#"
+def test_a_repeated_chat_prefix_stays_on_one_replica_and_hits_its_cache(cluster):
+    """Chats sharing a long system prompt, one after another: all on the replica that took the first,
+    every later one reusing its cached prompt blocks; after /reset_prefix_cache (every replica) the
+    next one computes its prompt afresh."""
+    system = ("You are a librarian in a small town. You answer questions about books, opening hours and "
+              "the reading club, briefly and kindly, and you never invent titles. ") * 3
+
+    def chat(question: str) -> httpx.Response:
+        body = {"model": MODEL, "max_tokens": 4, "temperature": 0.0,
+                "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]}
+        return httpx.post(f"{cluster}/v1/chat/completions", json=body, headers=AUTH, timeout=120)
+
+    questions = ["When do you open?", "Is there a reading club?", "Do you lend DVDs?", "Can I renew online?"]
+    answers = [chat(q) for q in questions]
+    assert all(a.status_code == 200 for a in answers), answers[0].text
+    assert len({a.headers[REPLICA_HEADER] for a in answers}) == 1
+    cached = [a.json()["usage"]["prompt_tokens_details"]["cached_tokens"] for a in answers]
+    prompt = answers[0].json()["usage"]["prompt_tokens"]
+    assert all(c >= prompt // 2 for c in cached[1:]), (cached, prompt)  # the system prompt's blocks
+    assert httpx.post(f"{cluster}/reset_prefix_cache", headers=AUTH, timeout=60).status_code == 200
+    assert chat(questions[0]).json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+REPLICA_ACTOR = f"SERVE_REPLICA::{APP_NAME}#{ENGINE_DEPLOYMENT}#"
 
 
 def _running_replicas() -> int:
-    states = serve.status().applications[APP_NAME].deployments[DEPLOYMENT_NAME].replica_states
+    states = serve.status().applications[APP_NAME].deployments[ENGINE_DEPLOYMENT].replica_states
     return states.get("RUNNING", 0)
 
 
@@ -139,28 +165,42 @@ def _replica_actors() -> list[str]:
     return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(REPLICA_ACTOR)]
 
 
-def test_a_killed_replica_ends_its_streams_and_serve_replaces_it(cluster):
-    """Kill one replica's actor while it streams: that stream ends (an error event or a cut connection,
-    within a bound, never a hang), later requests succeed, and Serve brings the deployment back to two
-    replicas."""
-    body = {"model": MODEL, "prompt": "Count: one, two, three,", "max_tokens": 400, "ignore_eos": True,
-            "temperature": 0.0, "stream": True}
+def _data_lines(lines) -> list[str]:
+    return [line for line in lines if line.startswith("data: ")]
+
+
+def test_a_killed_replica_ends_its_streams_with_an_error_event_and_serve_replaces_it(cluster):
+    """Kill one engine replica's actor while it streams: its stream ends with an error event (no [DONE])
+    within a bound, a stream on the other replica finishes, later requests succeed, and Serve brings
+    the deployment back to two replicas."""
+    def body(prompt: str, tokens: int) -> dict:
+        return {"model": MODEL, "prompt": prompt, "max_tokens": tokens, "ignore_eos": True, "temperature": 0.0,
+                "stream": True}
+
     started = time.monotonic()
-    with httpx.stream("POST", f"{cluster}/v1/completions", json=body, headers=AUTH, timeout=60) as stream:
-        victim = stream.headers[REPLICA_HEADER]
-        lines = stream.iter_lines()
-        next(line for line in lines if line.startswith("data: "))  # it is streaming
-        ray.kill(ray.get_actor(REPLICA_ACTOR + victim, namespace="serve"), no_restart=True)
-        rest, cut = [], None
-        try:
-            rest = [line for line in lines if line.startswith("data: ")]
-        except httpx.HTTPError as exc:
-            cut = exc  # the proxy cut the connection: ended, not hung
+    with httpx.Client(headers=AUTH, timeout=60) as client, \
+            client.stream("POST", f"{cluster}/v1/completions", json=body("Count: one, two, three,", 400)) as doomed:
+        victim = doomed.headers[REPLICA_HEADER]
+        doomed_lines = doomed.iter_lines()
+        next(line for line in doomed_lines if line.startswith("data: "))  # it is streaming
+        with contextlib.ExitStack() as others:
+            # the router sends a new prefix to the less busy replica: the one not streaming already
+            bystander = None
+            for attempt in range(6):
+                stream = others.enter_context(client.stream(
+                    "POST", f"{cluster}/v1/completions", json=body(f"List {attempt} colours:", 24)))
+                if stream.headers[REPLICA_HEADER] != victim:
+                    bystander = stream
+                    break
+            assert bystander is not None
+            ray.kill(ray.get_actor(REPLICA_ACTOR + victim, namespace="serve"), no_restart=True)
+            rest = _data_lines(doomed_lines)
+            finished = _data_lines(bystander.iter_lines())
     assert time.monotonic() - started < 60
-    # The client learns that the stream failed: a cut chunked body (the proxy's answer when the replica
-    # that produced it dies; httpx and the openai SDK raise) or an error event, never a clean end.
-    assert "data: [DONE]" not in rest
-    assert cut is not None or (rest and '"error"' in rest[-1]), rest[-2:]
+    assert rest and "data: [DONE]" not in rest, rest[-2:]
+    error = json.loads(rest[-1][len("data: "):])["error"]
+    assert error["code"] == 503 and f"replica {victim}" in error["message"]
+    assert finished[-1] == "data: [DONE]"
     assert _complete(cluster, {"prompt": "Hi", "max_tokens": 2}).status_code == 200
     deadline = time.monotonic() + 120
     replaced = lambda: (_running_replicas() == 2 and len(_replica_actors()) == 2  # noqa: E731
@@ -170,6 +210,7 @@ def test_a_killed_replica_ends_its_streams_and_serve_replaces_it(cluster):
     assert replaced(), (serve.status(), _replica_actors())
     statuses = {_complete(cluster, {"prompt": "Hi", "max_tokens": 2}).status_code for _ in range(4)}
     assert statuses == {200}
+    assert httpx.get(f"{cluster}/health", timeout=10).json() == {"status": "ok"}
 
 
 def _wait_for_replicas(count: int, seconds: float) -> bool:

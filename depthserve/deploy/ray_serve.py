@@ -1,12 +1,15 @@
-"""depthserve replicas on Ray Serve behind one OpenAI endpoint (docs/server.md, "Scaling out").
+"""depthserve on Ray Serve: engine replicas behind one OpenAI endpoint (docs/server.md, "Scaling out").
 
-Each replica is one Ray actor that owns one `AsyncLLM` (engine thread, model, KV cache) and serves
-the same FastAPI app as `depthserve serve` (`server.app.build_app`: routes, validation, error
-bodies, streaming, `/metrics` of that replica), handed to Serve through `@serve.ingress` with the
-app built in the replica. Serve's proxy takes the HTTP requests and its router sends each to a
-replica (power of two choices on queue length); every response names its replica in the
-`x-depthserve-replica` header. Serve checks each replica through `check_health`, which fails once
-the engine has died (the engine's own `/health` 503), so Serve replaces that replica.
+Two deployments in one application:
+- the engine (`depthserve-engine`): each replica is one Ray actor that owns one `AsyncLLM` (engine
+  thread, model, KV cache, its own depth policy) and answers `EngineCall`s, one prompt each, as a
+  stream of outputs. Serve scales it (a fixed count, or autoscaling on ongoing calls) and replaces a
+  replica whose `check_health` fails: one whose engine has died (the engine's own `/health` 503).
+- the ingress (`depthserve`): the same FastAPI app as `depthserve serve` (`server.app.build_app`:
+  routes, validation, error bodies, streaming, `/metrics`), handed to Serve through
+  `@serve.ingress`, on a `RemoteEngine` (remote_engine.py) that sends each prompt to an engine
+  replica through a Serve handle routed by `PrefixAffinityRouter` (prefix_router.py). Every
+  generation response names the engine replica(s) that produced it in `x-depthserve-replica`.
 
 Ray is an optional dependency (`pip install depthserve[ray]`); nothing else in the package imports
 this module.
@@ -17,17 +20,23 @@ from __future__ import annotations
 import logging
 import signal
 import sys
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 from depthserve.config import EngineArgs
+from depthserve.deploy.remote_engine import SERVED_BY, Admitted, EngineCall, RemoteEngine, ReplicaReport, ReplicaTarget
+from depthserve.engine.llm_engine import ModelInfo
 from depthserve.errors import ConfigurationError
+from depthserve.outputs import RequestOutput
 
 log = logging.getLogger(__name__)
 
 REPLICA_HEADER = "x-depthserve-replica"
-DEPLOYMENT_NAME = "depthserve"
+ENGINE_DEPLOYMENT = "depthserve-engine"
+INGRESS_DEPLOYMENT = "depthserve"
 APP_NAME = "depthserve"
+ROUTINGS = ("prefix", "least-loaded")
 
 
 @dataclass(frozen=True)
@@ -58,6 +67,9 @@ class Scaling:
     look_back_period_s: float = 10.0  # the window the ongoing requests are averaged over
     metrics_interval_s: float = 2.0  # how often each replica reports them
     health_check_period_s: float = 5.0
+    # "prefix": a call goes to the replica holding the longest run of its leading blocks, "least-loaded":
+    # to the replica with the fewest calls in flight (both PrefixAffinityRouter, prefix_router.py)
+    routing: str = "prefix"
 
     def check(self) -> None:
         if self.replicas < 1:
@@ -66,8 +78,11 @@ class Scaling:
             raise ConfigurationError(f"max_replicas ({self.max_replicas}) is below replicas ({self.replicas})")
         if self.cpus_per_replica <= 0 or self.target_ongoing_requests <= 0:
             raise ConfigurationError("cpus_per_replica and target_ongoing_requests must be positive")
+        if self.routing not in ROUTINGS:
+            raise ConfigurationError(f"routing must be one of {', '.join(ROUTINGS)}, got {self.routing!r}")
 
-    def deployment_options(self) -> dict[str, Any]:
+    def engine_options(self) -> dict[str, Any]:
+        """The engine deployment's options (the ingress takes no CPU reservation of its own)."""
         options: dict[str, Any] = {"ray_actor_options": {"num_cpus": self.cpus_per_replica},
                                    "health_check_period_s": self.health_check_period_s,
                                    "max_ongoing_requests": 256}
@@ -83,61 +98,115 @@ class Scaling:
 
 
 class ReplicaHeader:
-    """ASGI middleware: every response names the replica that produced it."""
+    """ASGI middleware: a response names the engine replicas that produced it (those the ingress's
+    RemoteEngine admitted the request's prompts on, in the request's context)."""
 
-    def __init__(self, app, replica: str):
-        self.app, self.replica = app, replica.encode("latin-1")
+    def __init__(self, app):
+        self.app = app
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        served: list[str] = []
+        token = SERVED_BY.set(served)
 
         async def send_named(message):
-            if message["type"] == "http.response.start":
-                message["headers"] = [*message.get("headers", []), (REPLICA_HEADER.encode(), self.replica)]
+            if message["type"] == "http.response.start" and served:
+                value = ",".join(dict.fromkeys(served)).encode("latin-1")
+                message["headers"] = [*message.get("headers", []), (REPLICA_HEADER.encode(), value)]
             await send(message)
 
-        await self.app(scope, receive, send_named)
+        try:
+            await self.app(scope, receive, send_named)
+        finally:
+            SERVED_BY.reset(token)
 
 
-def replica_class():
-    """The deployment's class (built on first use: it needs Ray)."""
+def engine_class():
+    """The engine deployment's class (built on first use: it needs Ray)."""
     from ray import serve
 
-    @serve.ingress()
-    class DepthserveReplica:
+    class DepthserveEngine:
         def __init__(self, settings: ReplicaSettings):
             from depthserve.engine.async_llm import AsyncLLM
 
-            self.settings = settings
             self.replica = serve.get_replica_context().replica_id.unique_id
             self.llm = AsyncLLM.from_engine_args(settings.engine, settings.max_waiting_requests, settings.depth_presets)
-            log.info("replica %s serving %s", self.replica, self.llm.model_name)
+            log.info("engine replica %s serving %s", self.replica, self.llm.model_name)
 
-        def __serve_build_asgi_app__(self):
-            from depthserve.server.app import build_app
+        def model_info(self) -> ModelInfo:
+            return self.llm.model_info
 
-            s = self.settings
-            app = build_app(self.llm, s.served_model_name, s.api_key, s.depth_presets, s.max_body_bytes,
-                            s.chat_template)
-            app.add_middleware(ReplicaHeader, replica=self.replica)
-            return app
+        def report(self) -> ReplicaReport:
+            return ReplicaReport(self.replica, self.llm.is_healthy, self.llm.health_message(), self.llm.stats())
+
+        async def generate(self, call: EngineCall) -> AsyncIterator[Admitted | RequestOutput]:
+            """`Admitted` once the prompt is queued (or the request's typed error), then its outputs;
+            the caller cancelling the call (its client gone) aborts the request."""
+            [stream] = await self.llm.add_requests([call.token_ids], call.params, call.depth, [call.request_id],
+                                                   call.overflow)
+            try:
+                yield Admitted(self.report())
+                async for out in stream:
+                    yield out
+            finally:
+                stream.close()
+
+        async def reset_prefix_cache(self, target: ReplicaTarget) -> bool:
+            """Forget the cached prefixes if this is the target replica; False if it is not."""
+            if target.replica != self.replica:
+                return False
+            await self.llm.reset_prefix_cache()
+            return True
 
         async def check_health(self) -> None:
             """Serve replaces a replica whose check raises: one whose engine has died."""
             if not self.llm.is_healthy:
                 raise RuntimeError(f"engine of replica {self.replica} is down: {self.llm.health_message()}")
 
-    return DepthserveReplica
+        async def __del__(self) -> None:
+            await self.llm.shutdown()
+
+    return DepthserveEngine
+
+
+def ingress_class():
+    """The ingress deployment's class: the OpenAI app on a RemoteEngine."""
+    from ray import serve
+
+    @serve.ingress()
+    class DepthserveIngress:
+        async def __init__(self, engine, settings: ReplicaSettings):
+            self.settings = settings
+            self.engine = await RemoteEngine.connect(engine)
+
+        def __serve_build_asgi_app__(self):
+            from depthserve.server.app import build_app
+
+            s = self.settings
+            app = build_app(self.engine, s.served_model_name, s.api_key, s.depth_presets, s.max_body_bytes,
+                            s.chat_template)
+            app.add_middleware(ReplicaHeader)
+            return app
+
+    return DepthserveIngress
 
 
 def application(settings: ReplicaSettings, scaling: Scaling):
     """The Serve application: `serve.run(application(...), route_prefix="/")`."""
     from ray import serve
+    from ray.serve.config import RequestRouterConfig
+
+    from depthserve.deploy.prefix_router import PrefixAffinityRouter
 
     scaling.check()
-    deployment = serve.deployment(replica_class(), name=DEPLOYMENT_NAME)
-    return deployment.options(**scaling.deployment_options()).bind(settings)
+    router = RequestRouterConfig(request_router_class=PrefixAffinityRouter, request_router_kwargs={
+        "block_tokens": settings.engine.block_size, "prefix_affinity": scaling.routing == "prefix"})
+    engine = serve.deployment(engine_class(), name=ENGINE_DEPLOYMENT).options(
+        request_router_config=router, **scaling.engine_options()).bind(settings)
+    ingress = serve.deployment(ingress_class(), name=INGRESS_DEPLOYMENT).options(
+        ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096)
+    return ingress.bind(engine, settings)
 
 
 def build(args: dict[str, Any]):

@@ -233,7 +233,8 @@ def _serve_replicas(ns: argparse.Namespace, engine_args: EngineArgs, presets: di
     threads = engine_args.num_threads or 1
     settings = ray_serve.ReplicaSettings(engine_args, ns.served_model_name, ns.api_key, presets,
                                          ns.max_waiting_requests, max_body_bytes, chat_template)
-    scaling = ray_serve.Scaling(replicas=ns.replicas or 1, max_replicas=ns.max_replicas, cpus_per_replica=threads)
+    scaling = ray_serve.Scaling(replicas=ns.replicas or 1, max_replicas=ns.max_replicas, cpus_per_replica=threads,
+                                routing=ns.routing)
     try:
         scaling.check()
         ray_serve.run(settings, scaling, ns.host, ns.port, num_cpus=ns.ray_cpus)
@@ -395,6 +396,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                          help="autoscale between --replicas and this many replicas on ongoing requests")
     p_serve.add_argument("--ray-cpus", type=int, default=None,
                          help="CPUs of the local Ray cluster (default: every CPU of the machine)")
+    p_serve.add_argument("--routing", default="prefix", choices=["prefix", "least-loaded"],
+                         help="how prompts are sent to replicas: to the replica that computed the longest run of their "
+                              "leading blocks (prefix, the default), or to the replica with the fewest calls in flight")
     p_serve.set_defaults(func=cmd_serve)
 
     p_chat = add("chat", help="terminal chat with a running server (streams tokens)")
