@@ -57,3 +57,40 @@ def test_check_request_and_plan_run_once_per_prompt_on_the_engine_thread(tmp_pat
     # (n=2 shares its prompt's plan); the refused one is checked but fails before its plan.
     assert calls == {"check_request": 8, "plan": 7}
     assert threads == {"depthserve-engine"}
+
+
+def test_a_slow_reader_of_newest_outputs_gets_the_same_request_in_fewer_items(tmp_path, smollm_tokenizer):
+    """RequestStream.newest() (what a Ray Serve engine replica sends on): a reader slower than the engine
+    skips to the newest cumulative output and ends with the same final output as a reader of every
+    output."""
+    import asyncio
+
+    from depthserve.engine.context_length import ContextOverflow
+    from depthserve.sampling_params import SamplingParams
+
+    path = make_tiny("llama", tmp_path / "llama", seed=3, tokenizer=smollm_tokenizer)
+    llm = AsyncLLM(LLMEngine(EngineArgs(model=str(path), device="cpu", dtype="float32", load_progress=False,
+                                        kv_cache_memory_gib=0.02)))
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+    async def read(request_id: str, slow: bool) -> list:
+        [stream] = await llm.add_requests([[5, 6, 7, 8]], params, None, [request_id], ContextOverflow.REFUSE)
+        items = []
+        async for out in (stream.newest() if slow else stream):
+            items.append(out)
+            if slow:
+                await asyncio.sleep(0.05)
+        return items
+
+    async def main():
+        every = await read("every", slow=False)
+        newest = await read("newest", slow=True)
+        await llm.shutdown()
+        return every, newest
+
+    every, newest = asyncio.run(main())
+    assert len(every) == 24 and newest[-1].finished and len(newest) < len(every)
+    assert newest[-1].outputs[0].token_ids == every[-1].outputs[0].token_ids
+    assert newest[-1].outputs[0].text == every[-1].outputs[0].text
+    counts = [len(out.outputs[0].token_ids) for out in newest]
+    assert counts == sorted(counts)

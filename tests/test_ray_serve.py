@@ -13,6 +13,7 @@ import concurrent.futures
 import contextlib
 import importlib
 import json
+import re
 import threading
 import time
 from pathlib import Path
@@ -148,6 +149,8 @@ def test_a_repeated_chat_prefix_stays_on_one_replica_and_hits_its_cache(cluster)
     cached = [a.json()["usage"]["prompt_tokens_details"]["cached_tokens"] for a in answers]
     prompt = answers[0].json()["usage"]["prompt_tokens"]
     assert all(c >= prompt // 2 for c in cached[1:]), (cached, prompt)  # the system prompt's blocks
+    metrics = httpx.get(f"{cluster}/metrics", headers=AUTH, timeout=30).text  # the replicas' latest reports
+    assert float(re.search(r"^depthserve_prefix_cache_hits_total (\S+)$", metrics, re.M).group(1)) > 0
     assert httpx.post(f"{cluster}/reset_prefix_cache", headers=AUTH, timeout=60).status_code == 200
     assert chat(questions[0]).json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 

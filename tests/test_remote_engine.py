@@ -181,3 +181,21 @@ def test_a_targeted_call_goes_to_its_replica():
     r, (one, two) = router(), (replica("one"), replica("two"))
     assert asyncio.run(r.choose_replicas([one, two], pending(ReplicaTarget("two")))) == [[two]]
     assert asyncio.run(r.choose_replicas([one], pending(ReplicaTarget("two")))) == [[one]]
+
+
+def test_an_engine_replica_whose_engine_died_fails_serves_health_check():
+    """Serve replaces a replica whose check_health raises (test_ray_serve.py: a replaced replica)."""
+    from depthserve.deploy.ray_serve import engine_class
+
+    class Replica(engine_class()):
+        def __del__(self):  # Serve awaits the real one (async) at shutdown; nothing to stop here
+            pass
+
+    replica = Replica.__new__(Replica)
+    replica.replica = "r1"
+    replica.llm = SimpleNamespace(is_healthy=True, health_message=lambda: "ok")
+    asyncio.run(replica.check_health())
+    replica.llm = SimpleNamespace(is_healthy=False, health_message=lambda: "the engine loop stopped on a fault")
+    with pytest.raises(RuntimeError, match="replica r1 is down: the engine loop stopped on a fault"):
+        asyncio.run(replica.check_health())
+    assert asyncio.run(replica.reset_prefix_cache(ReplicaTarget("r2"))) is False  # not the target: nothing reset

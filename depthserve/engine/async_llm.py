@@ -386,10 +386,19 @@ class RequestStream:
     def __aiter__(self) -> AsyncIterator[RequestOutput]:
         return self._outputs()
 
-    async def _outputs(self) -> AsyncIterator[RequestOutput]:
+    def newest(self) -> AsyncIterator[RequestOutput]:
+        """The outputs, each time skipping to the newest one queued: outputs are cumulative, so a
+        consumer slower than the engine (a stream sent on to another process) loses nothing but the
+        number of chunks."""
+        return self._outputs(newest_only=True)
+
+    async def _outputs(self, newest_only: bool = False) -> AsyncIterator[RequestOutput]:
         try:
             while not self._done:
                 item = await self._stream.queue.get()
+                while (newest_only and not self._stream.queue.empty() and isinstance(item, RequestOutput)
+                       and not item.finished):
+                    item = self._stream.queue.get_nowait()
                 if isinstance(item, BaseException):
                     self._finish()
                     raise item
