@@ -1,7 +1,9 @@
-"""Where a decode step's time goes: the engine's compiled decode against the anchor's, under torch.profiler.
+"""Where a decode step's time goes: the engine's decode (compiled on CUDA, eager on CPU, as the engine
+runs by default) against the anchor's, under torch.profiler.
 
     python bench/profile_decode.py --model DIR --device cuda --dtype bfloat16 --batch-sizes 1,64
-    python bench/profile_decode.py --quick                      # CPU smoke run (no anchor there)
+    python bench/profile_decode.py --threads 2 --batch-sizes 1,32   # the CPU default (no anchor there)
+    python bench/profile_decode.py --quick                      # CPU smoke run
 
 Method: the throughput benchmark's (bench/throughput.py). For each system and concurrency,
 `concurrency` prompts of `--input-len` random tokens are generated greedily with EOS ignored, once as
@@ -11,8 +13,10 @@ step: wall time (inflated by the profiler's own cost, so read it against the oth
 against bench/throughput.py), device kernels run and their summed time, the host's launch calls
 (kernel launches and CUDA graph launches), the share of the wall time the device spent running
 kernels (the union of the kernels' intervals), and the kernels that took most of it. On CPU there
-are no device kernels: the figures are the torch operators run per step and the top ones by their
-own CPU time.
+are no device kernels: the figures are the operators run per step (torch's `aten::` and the native
+kernels' `depthserve_cpu::`, an operator's own time not counting the operators it calls), their
+summed own time (the rest of the wall time is Python and the engine's bookkeeping), and the top ones
+by their own time.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from throughput import AnchorRunner, EngineRunner  # noqa: E402
 TOP_KERNELS = 15
 LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")
 GRAPH_LAUNCH_CALLS = ("cudaGraphLaunch", "cuGraphLaunch")
+CPU_OP_NAMESPACES = ("aten::", "depthserve_cpu::")  # torch's ops and the native CPU kernels (kernels/csrc)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -47,6 +52,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quantization", default="auto", choices=["auto", "none", "gguf", "int8", "int4"])
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--no-anchor", action="store_true", help="profile the engine only (always so on CPU)")
+    p.add_argument("--eager", action="store_true",
+                   help="the eager engine instead of the compiled one (the engine's default on CPU: eager there "
+                        "unless --compiled)")
+    p.add_argument("--compiled", action="store_true", help="on CPU, the compiled engine instead of the eager default")
     p.add_argument("--scheduler-steps", type=int, default=None,
                    help="the engine's num_scheduler_steps (default: the engine's, 8 with CUDA graphs)")
     p.add_argument("--seed", type=int, default=0)
@@ -98,7 +107,7 @@ def summarize(wall: float, events: list, on_device: bool) -> dict:
             launches += 1
         elif event.name in GRAPH_LAUNCH_CALLS:
             graph_launches += 1
-        elif not on_device and event.device_type == DeviceType.CPU and event.name.startswith("aten::"):
+        elif not on_device and event.device_type == DeviceType.CPU and event.name.startswith(CPU_OP_NAMESPACES):
             entry = per_name[event.name]
             entry[0] += 1
             entry[1] += event.self_cpu_time_total
@@ -147,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     if ns.threads:
         torch.set_num_threads(ns.threads)
     batch_sizes = [int(b) for b in ns.batch_sizes.split(",")]
-    engine = EngineRunner(ns, max(batch_sizes), compiled=True)
+    on_cuda = ns.device == "cuda" or (ns.device == "auto" and torch.cuda.is_available())
+    engine = EngineRunner(ns, max(batch_sizes), compiled=not ns.eager and (on_cuda or ns.compiled))
     device = engine.device
     runners = [engine]
     if device.type == "cuda" and not ns.no_anchor:
