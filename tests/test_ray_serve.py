@@ -149,10 +149,32 @@ def test_a_repeated_chat_prefix_stays_on_one_replica_and_hits_its_cache(cluster)
     cached = [a.json()["usage"]["prompt_tokens_details"]["cached_tokens"] for a in answers]
     prompt = answers[0].json()["usage"]["prompt_tokens"]
     assert all(c >= prompt // 2 for c in cached[1:]), (cached, prompt)  # the system prompt's blocks
-    metrics = httpx.get(f"{cluster}/metrics", headers=AUTH, timeout=30).text  # the replicas' latest reports
-    assert float(re.search(r"^depthserve_prefix_cache_hits_total (\S+)$", metrics, re.M).group(1)) > 0
+    assert _metric(cluster, "depthserve_prefix_cache_hits_total") > 0  # the replicas' latest reports
     assert httpx.post(f"{cluster}/reset_prefix_cache", headers=AUTH, timeout=60).status_code == 200
     assert chat(questions[0]).json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def _metric(base: str, name: str) -> float:
+    text = httpx.get(f"{base}/metrics", headers=AUTH, timeout=30).text
+    return float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))
+
+
+def test_a_client_that_goes_away_aborts_its_request_on_the_replica(cluster):
+    """The ingress cancels the engine call when the client disconnects; the replica aborts the request
+    (its running count, reported to the ingress's /metrics, returns to 0)."""
+    body = {"model": MODEL, "prompt": "Tell me everything about rivers.", "max_tokens": 600, "ignore_eos": True,
+            "stream": True}
+    with httpx.stream("POST", f"{cluster}/v1/completions", json=body, headers=AUTH, timeout=60) as stream:
+        lines = stream.iter_lines()
+        next(line for line in lines if line.startswith("data: "))
+        deadline = time.monotonic() + 15
+        while _metric(cluster, "depthserve_requests_running") < 1 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert _metric(cluster, "depthserve_requests_running") >= 1
+    deadline = time.monotonic() + 20
+    while _metric(cluster, "depthserve_requests_running") > 0 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _metric(cluster, "depthserve_requests_running") == 0
 
 
 REPLICA_ACTOR = f"SERVE_REPLICA::{APP_NAME}#{ENGINE_DEPLOYMENT}#"

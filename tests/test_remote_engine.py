@@ -18,7 +18,7 @@ from ray.serve._private.common import DeploymentID, ReplicaID  # noqa: E402
 
 from depthserve.deploy.prefix_router import PrefixAffinityRouter, block_chain_keys  # noqa: E402
 from depthserve.deploy.remote_engine import (SERVED_BY, Admitted, EngineCall, RemoteEngine,  # noqa: E402
-                                             ReplicaLostError, ReplicaReport, ReplicaTarget)
+                                             ReplicaLostError, ReplicaReport, ReplicaTarget, merged_stats)
 from depthserve.engine.context_length import ContextOverflow  # noqa: E402
 from depthserve.errors import EngineDeadError, PromptTooLongError  # noqa: E402
 from depthserve.sampling_params import SamplingParams  # noqa: E402
@@ -127,6 +127,33 @@ def test_health_reflects_the_replicas_reports():
     assert not remote.is_healthy and "engine replica a: the engine loop stopped" in remote.health_message()
     remote._take_report(ReplicaReport("b", True, "ok", {}))
     assert remote.is_healthy and remote.health_message() == "ok"
+
+
+def test_reports_are_asked_of_every_replica_heard_from_and_silent_ones_are_forgotten():
+    asked = []
+
+    async def report(target):
+        asked.append(target)
+        return ReplicaReport("a" if target is None else target.replica, True, "ok", {})
+
+    remote = RemoteEngine(SimpleNamespace(report=SimpleNamespace(remote=report)), model_info=None, forget_after_s=30)
+    remote._take_report(ReplicaReport("b", True, "ok", {}))
+    asyncio.run(remote.poll_reports())
+    assert asked == [None, ReplicaTarget("b")] and set(remote._reports) == {"a", "b"}
+    remote._reports["b"] = ReplicaReport("b", True, "ok", {}, at=remote._reports["b"].at - 31)
+    asked.clear()
+    asyncio.run(remote.poll_reports())
+    assert asked == [None, ReplicaTarget("a")] and set(remote._reports) == {"a"}
+
+
+def test_replica_stats_merge_as_one_engines():
+    a = {"num_running": 2, "kv_bytes_used_by_kind": {"kv": 10}, "mean_relative_compute": 1.0,
+         "depth_policy": "slo", "depth_policy_target": 2, "depth_levels_run": {1: 3}}
+    b = {"num_running": 1, "kv_bytes_used_by_kind": {"kv": 5, "conv": 1}, "mean_relative_compute": 0.5,
+         "depth_policy": "slo", "depth_policy_target": 4, "depth_levels_run": {1: 1, 2: 2}}
+    assert merged_stats([a, b]) == {
+        "num_running": 3, "kv_bytes_used_by_kind": {"kv": 15, "conv": 1}, "mean_relative_compute": 0.75,
+        "depth_policy": "slo", "depth_policy_target": 4, "depth_levels_run": {1: 4, 2: 2}}
 
 
 # ---- the router ------------------------------------------------------------------------------------

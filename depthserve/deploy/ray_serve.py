@@ -138,7 +138,8 @@ def engine_class():
         def model_info(self) -> ModelInfo:
             return self.llm.model_info
 
-        def report(self) -> ReplicaReport:
+        def report(self, target: ReplicaTarget | None = None) -> ReplicaReport:
+            """This replica's report (`target`: the replica the caller meant, for the router)."""
             return ReplicaReport(self.replica, self.llm.is_healthy, self.llm.health_message(), self.llm.stats())
 
         async def generate(self, call: EngineCall) -> AsyncIterator[Admitted | RequestOutput]:

@@ -9,8 +9,8 @@ with the request's cumulative outputs.
 Faults (docs/server.md, "Scaling out"): a call whose replica dies before the request produced an
 output is sent again, to another replica (Serve removes the dead one from the router); a stream
 whose replica dies after that ends with `ReplicaLostError`, which the server sends as an error event.
-Health and the engine gauges come from `ReplicaReport`s: each replica's latest report, polled every
-`report_period_s` and sent with every admission.
+Health and the engine gauges come from `ReplicaReport`s: each replica's latest report, asked of every
+replica every `report_period_s` and sent with every admission.
 """
 
 from __future__ import annotations
@@ -95,11 +95,12 @@ class RemoteEngine:
     """EngineClient over a Serve handle to the engine deployment (module docstring)."""
 
     def __init__(self, handle, model_info: ModelInfo, attempts: int = 3, report_period_s: float = 2.0,
-                 report_timeout_s: float = 10.0):
+                 report_timeout_s: float = 10.0, forget_after_s: float = 60.0):
         self._handle = handle
         self.model_info = model_info
         self.attempts = attempts
         self.report_period_s, self.report_timeout_s = report_period_s, report_timeout_s
+        self.forget_after_s = forget_after_s
         self._reports: dict[str, ReplicaReport] = {}
         self._last_poll_error: str | None = None
         self._poller: asyncio.Task | None = None
@@ -130,18 +131,9 @@ class RemoteEngine:
             f" ({self._last_poll_error})" if self._last_poll_error else "")
 
     def stats(self) -> dict:
-        """The engine gauges and counters summed over the replicas' latest reports."""
+        """The engine gauges and counters over the replicas' latest reports (merged_stats)."""
         reports = self._fresh_reports()
-        total: dict = {}
-        for report in reports:
-            for key, value in report.stats.items():
-                if isinstance(value, dict):
-                    inner = total.setdefault(key, {})
-                    for k, v in value.items():
-                        inner[k] = inner.get(k, 0) + v
-                elif isinstance(value, (int, float)):
-                    total[key] = total.get(key, 0) + value
-        return total if reports else _EMPTY_STATS
+        return merged_stats([report.stats for report in reports]) if reports else _EMPTY_STATS
 
     # ---- requests --------------------------------------------------------------------------------
     async def add_requests(self, prompts: list[str | list[int]], sampling_params: SamplingParams,
@@ -199,13 +191,40 @@ class RemoteEngine:
 
     async def _poll_reports(self) -> None:
         while True:
+            await self.poll_reports()
+            await asyncio.sleep(self.report_period_s)
+
+    async def poll_reports(self) -> None:
+        """Ask every replica heard from for a report, and one more call to any replica (how a new one
+        is heard from); a replica silent for `forget_after_s` is forgotten."""
+        horizon = time.monotonic() - self.forget_after_s
+        self._reports = {name: r for name, r in self._reports.items() if r.at >= horizon}
+        for target in [None, *self._reports]:
             try:
-                report = await asyncio.wait_for(self._handle.report.remote(), self.report_timeout_s)
-                self._take_report(report)
+                call = self._handle.report.remote(None if target is None else ReplicaTarget(target))
+                self._take_report(await asyncio.wait_for(call, self.report_timeout_s))
                 self._last_poll_error = None
             except Exception as exc:  # noqa: BLE001 - no replica answered: health says so
                 self._last_poll_error = f"{type(exc).__name__}: {exc}"
-            await asyncio.sleep(self.report_period_s)
+
+
+def merged_stats(stats: list[dict]) -> dict:
+    """Several engines' stats (LLMEngine.stats) as one engine's: counts and per-kind counts summed, a
+    mean (`mean_*`) averaged, the depth policy's level cap the highest, a name the first engine's."""
+    merged: dict = {}
+    for key in dict.fromkeys(k for s in stats for k in s):
+        values = [s[key] for s in stats if key in s]
+        if all(isinstance(v, dict) for v in values):
+            merged[key] = {k: sum(v.get(k, 0) for v in values) for k in dict.fromkeys(k for v in values for k in v)}
+        elif not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            merged[key] = values[0]
+        elif key.startswith("mean_"):
+            merged[key] = sum(values) / len(values)
+        elif key == "depth_policy_target":
+            merged[key] = max(values)
+        else:
+            merged[key] = sum(values)
+    return merged
 
 
 _EMPTY_STATS = {"num_running": 0, "num_waiting": 0, "num_preemptions": 0, "kv_pages_used": 0, "kv_pages_total": 0,
