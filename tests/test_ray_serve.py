@@ -1,9 +1,10 @@
 """depthserve on Ray Serve (depthserve/deploy/ray_serve.py) on a local Ray cluster: two engine replicas
 of SmolLM2 behind one ingress answer like one process, each response names its engine replica and
 both serve, the hardening table's bad requests get the same statuses and bodies through the ingress,
-a repeated chat prefix stays on one replica and hits its prefix cache, and a replica killed
-mid-stream ends its streams with an error event (never a hang or a clean end) while streams on the
-other replica finish, Serve replaces it and later requests succeed. Skipped where Ray Serve is not
+a repeated chat prefix stays on one replica and hits its prefix cache, a client that goes away
+aborts its request, a replica killed mid-stream ends its streams with an error event (never a hang
+or a clean end) while streams on the other replica finish, Serve replaces it and later requests
+succeed, and a request queued on a killed replica completes on the other. Skipped where Ray Serve is not
 installed (`depthserve[ray]`, which `make test` installs). The ingress's retry and router logic
 without a cluster: test_remote_engine.py."""
 
@@ -236,6 +237,39 @@ def test_a_killed_replica_ends_its_streams_with_an_error_event_and_serve_replace
     statuses = {_complete(cluster, {"prompt": "Hi", "max_tokens": 2}).status_code for _ in range(4)}
     assert statuses == {200}
     assert httpx.get(f"{cluster}/health", timeout=10).json() == {"status": "ok"}
+
+
+def test_a_request_queued_on_a_replica_that_dies_is_retried_on_the_other(cluster):
+    """Replicas that run one sequence at a time: a second chat with the first one's prefix is routed to
+    the same replica and waits there (admitted, no output yet); killing that replica ends the first
+    stream with an error event and the second request completes on the other replica. Replaces the
+    module's application (as the autoscaling test after it does)."""
+    serve.delete(APP_NAME)
+    settings = ReplicaSettings(EngineArgs(**ENGINE, max_num_seqs=1), api_key=API_KEY)
+    serve.run(application(settings, Scaling(replicas=2, health_check_period_s=1.0)), name=APP_NAME, route_prefix="/")
+    prompt = "The history of the river, from its source in the mountains to the sea, told in detail:"
+    first = {"model": MODEL, "prompt": prompt, "max_tokens": 400, "ignore_eos": True, "stream": True}
+    queued: dict = {}
+
+    def second() -> None:
+        queued["response"] = _complete(cluster, {"prompt": prompt + " Part two.", "max_tokens": 8})
+
+    with httpx.stream("POST", f"{cluster}/v1/completions", json=first, headers=AUTH, timeout=60) as stream:
+        victim = stream.headers[REPLICA_HEADER]
+        lines = stream.iter_lines()
+        next(line for line in lines if line.startswith("data: "))
+        waiter = threading.Thread(target=second)
+        waiter.start()
+        time.sleep(3.0)  # admitted behind the running stream on the same replica
+        assert "response" not in queued
+        ray.kill(ray.get_actor(REPLICA_ACTOR + victim, namespace="serve"), no_restart=True)
+        rest = _data_lines(lines)
+    waiter.join(timeout=120)
+    assert rest and '"error"' in rest[-1] and "data: [DONE]" not in rest
+    response = queued["response"]
+    assert response.status_code == 200, response.text
+    assert response.headers[REPLICA_HEADER] == victim + "," + response.headers[REPLICA_HEADER].split(",")[-1]
+    assert response.headers[REPLICA_HEADER].split(",")[-1] != victim
 
 
 def _wait_for_replicas(count: int, seconds: float) -> bool:
