@@ -2,13 +2,13 @@
 VNNI dot products, and the same weights dequantized for prefill GEMMs (`csrc/group_gemm.cpp`); the
 decode step's paged attention and KV store (`csrc/paged_attention.cpp`); RMSNorm (`csrc/norm.cpp`)
 and the rotary embedding (`csrc/rotary.cpp`); a Llama decoder layer's decode step made of those
-(`csrc/decode_layer.cpp`); greedy sampling's argmax and log-normalizer in one call, and a structured-output
+(`csrc/decode_layer.cpp`); SwiGLU's SiLU(gate) * up (`csrc/activation.cpp`); greedy sampling's argmax and log-normalizer in one call, and a structured-output
 token bitmask applied to logits (`csrc/sampling.cpp`).
 
 Built on first use with torch's extension builder (g++ and ninja, ~1 minute; the build is cached
 under `TORCH_EXTENSIONS_DIR`, `make test` and `make serve` build it once at install) and loaded as
 the torch ops `depthserve_cpu::group_gemm`, `group_dequantize`, `paged_decode_attention`,
-`store_kv`, `rms_norm`, `apply_rope`, `llama_decode_layer`, `greedy_pick` and `apply_token_bitmask`. Only on CPUs
+`store_kv`, `rms_norm`, `apply_rope`, `silu_and_mul`, `llama_decode_layer`, `greedy_pick` and `apply_token_bitmask`. Only on CPUs
 with AVX-512 F/BW/VL and AVX-512 VNNI: elsewhere, or where the build fails, `available()` is False
 and the quantized layers use torch's weight-only kernels (the reason is logged once).
 """
@@ -28,8 +28,8 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).resolve().parent / "csrc" / name
-           for name in ("group_gemm.cpp", "paged_attention.cpp", "norm.cpp", "rotary.cpp", "decode_layer.cpp",
-                        "sampling.cpp")]
+           for name in ("group_gemm.cpp", "paged_attention.cpp", "norm.cpp", "rotary.cpp", "activation.cpp",
+                        "decode_layer.cpp", "sampling.cpp")]
 CFLAGS = ["-O3", "-fopenmp", "-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
           "-mavx512vnni"]
 FLOAT_DTYPES = (torch.float32, torch.bfloat16)  # the activations, norms, tables and pages the kernels take
@@ -96,6 +96,10 @@ def _register_fakes() -> None:
     @torch.library.register_fake("depthserve_cpu::rms_norm")
     def _(x, weight, eps):
         return torch.empty_like(x)
+
+    @torch.library.register_fake("depthserve_cpu::silu_and_mul")
+    def _(x):
+        return x.new_empty(x.shape[0], x.shape[1] // 2)
 
     @torch.library.register_fake("depthserve_cpu::apply_rope")
     def _(x, cos, sin):
@@ -226,6 +230,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     return torch.ops.depthserve_cpu.rms_norm(rows, weight, eps).view(x.shape)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up of x [..., 2 * width] = [gate | up], in fp32 and rounded once to x's dtype
+    (csrc/activation.cpp)."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    return torch.ops.depthserve_cpu.silu_and_mul(rows).view(*x.shape[:-1], x.shape[-1] // 2)
 
 
 def greedy_pick(logits: torch.Tensor, floor: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

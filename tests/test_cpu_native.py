@@ -278,3 +278,21 @@ def test_apply_token_bitmask_equals_the_torch_version(width, words):
     cpu_native.apply_token_bitmask(logits, bitmask, torch.tensor(rows), min(width, words * 32))
     assert torch.equal(logits, expected)
     assert torch.equal(padded[:, width:], beyond)  # nothing written past each row's width
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [1536, 40, 16, 7])
+def test_silu_and_mul_equals_torch_rounded_once(dtype, width):
+    """SiLU(gate) * up of [gate | up] rows, in fp32 and rounded once to the dtype: within a few fp32 ulp
+    of the float64 value (its e^x is a polynomial, not libm's), over the range SiLU bends in and its
+    tails (saturating to 0 and to the identity), odd widths included."""
+    generator = torch.Generator().manual_seed(width)
+    x = (torch.randn(6, 2 * width, generator=generator) * 6).to(dtype)
+    x[0, :width] = torch.linspace(-100, 100, width).to(dtype)  # the tails of the gate
+    got = cpu_native.silu_and_mul(x)
+    gate, up = x.double().chunk(2, dim=-1)
+    want = torch.nn.functional.silu(gate) * up
+    assert got.shape == (6, width) and got.dtype == dtype
+    tol = 1e-6 if dtype == torch.float32 else 2 ** -8  # fp32: the polynomial; bf16: one rounding
+    assert ((got.double() - want).abs() <= tol * want.abs() + 1e-30).all()
+    assert torch.isnan(cpu_native.silu_and_mul(torch.full((1, 4), float("nan"), dtype=dtype))).all()

@@ -27,6 +27,7 @@ using RopeSignature = at::Tensor(const at::Tensor&, const at::Tensor&, const at:
 using StoreSignature = void(const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&);
 using AttentionSignature = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                       const at::Tensor&, double);
+using GateSignature = at::Tensor(const at::Tensor&);
 
 struct NativeOps {
   c10::TypedOperatorHandle<GemmSignature> gemm = native_op<GemmSignature>("depthserve_cpu::group_gemm");
@@ -35,6 +36,7 @@ struct NativeOps {
   c10::TypedOperatorHandle<StoreSignature> store = native_op<StoreSignature>("depthserve_cpu::store_kv");
   c10::TypedOperatorHandle<AttentionSignature> attention =
       native_op<AttentionSignature>("depthserve_cpu::paged_decode_attention");
+  c10::TypedOperatorHandle<GateSignature> gate = native_op<GateSignature>("depthserve_cpu::silu_and_mul");
 };
 
 const NativeOps& ops() {
@@ -76,9 +78,7 @@ at::Tensor llama_decode_layer(const at::Tensor& x, const at::Tensor& input_norm,
   const at::Tensor h = at::add(x, project(attended.view({rows, q_size}), kOut));
 
   const at::Tensor gate_up = project(native.norm.call(h, post_norm, eps), kGateUp);
-  const int64_t intermediate = out_features[kGateUp] / 2;
-  const at::Tensor act = at::mul(at::silu(gate_up.narrow(1, 0, intermediate)), gate_up.narrow(1, intermediate, intermediate));
-  return at::add(h, project(act, kDown));
+  return at::add(h, project(native.gate.call(gate_up), kDown));
 }
 
 }  // namespace

@@ -7,13 +7,13 @@ x' = h + W_down · (SiLU(W_gate · RMSNorm_m(h)) ⊙ W_up · RMSNorm_m(h))
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from depthserve.archs.base import BuildOptions, DepthModel, StaticDecodeSpec
 from depthserve.archs.llama.format import PACKED_MODULES, LlamaConfig, plain_plan
 from depthserve.archs.llama.native_decode import NativeDecodeLayer
 from depthserve.depth import DepthParams, DepthPlan
+from depthserve.layers.activation import silu_and_mul
 from depthserve.layers.attention import AttentionMetadata, KVPool, paged_attention
 from depthserve.layers.norm import RMSNorm
 from depthserve.layers.rotary import apply_rope, rope_tables
@@ -51,8 +51,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
