@@ -272,6 +272,38 @@ def test_a_request_queued_on_a_replica_that_dies_is_retried_on_the_other(cluster
     assert response.headers[REPLICA_HEADER].split(",")[-1] != victim
 
 
+def test_depth_knobs_presets_and_reports_through_the_ingress_equal_one_process(cluster):
+    """A depth model (demo-dreamer) on two replicas: a fixed depth, a preset and a per-token depth range
+    give the text, the per-token depths and usage.depth that the one-process server gives. Replaces
+    the module's application (as the tests after it do)."""
+    from depthserve.engine.async_llm import AsyncLLM
+    from depthserve.server.app import build_app
+    from tests.live_server import live_server
+
+    serve.delete(APP_NAME)
+    demo = dict(model="demo-dreamer", dtype="float32", max_model_len=64, load_progress=False)
+    presets = {"deep": {"depth": 6}}
+    settings = ReplicaSettings(EngineArgs(**demo, num_threads=1), depth_presets=presets)
+    serve.run(application(settings, Scaling(replicas=2)), name=APP_NAME, route_prefix="/")
+    prompt = "k=3 c=7 p=k w=1 m=w d=p y=c t=y t?"
+    bodies = [{"model": "demo-dreamer", "depth": {"depth": 2}}, {"model": "demo-dreamer:deep"},
+              {"model": "demo-dreamer", "depth": {"depth": {"min": 1, "max": 6}}}]
+
+    def answers(base: str) -> list[dict]:
+        replies = [httpx.post(f"{base}/v1/completions", timeout=60, json={
+            "prompt": prompt, "max_tokens": 4, "temperature": 0.0, "ignore_eos": True, **body}) for body in bodies]
+        assert all(r.status_code == 200 for r in replies), replies[0].text
+        return [{"choices": [(c["text"], c.get("token_depths")) for c in r.json()["choices"]],
+                 "depth": r.json()["usage"]["depth"]} for r in replies]
+
+    through_ray = answers(cluster)
+    local = AsyncLLM.from_engine_args(EngineArgs(**demo), depth_presets=presets)
+    with live_server(build_app(local, depth_presets=presets)) as base:
+        in_one_process = answers(base)
+    assert through_ray == in_one_process
+    assert through_ray[1]["depth"]["depth"] == 6 and through_ray[2]["choices"][0][1]  # per-token depths given
+
+
 def _wait_for_replicas(count: int, seconds: float) -> bool:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
