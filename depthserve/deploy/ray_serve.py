@@ -240,8 +240,8 @@ def run(settings: ReplicaSettings, scaling: Scaling, host: str, port: int, num_c
     # SIGTERM (a process manager, `kill`) stops the replicas and the local cluster as Ctrl-C does
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     # Ray starts its workers at nice 15, below every other process of the machine: an engine replica
-    # would then lose its cores to anything else running (on 2 cores, the benchmark's client raised
-    # a replica's median TPOT at 2 req/s from 28.5 to 33.5-42.5 ms). The local cluster is the engine's.
+    # would then lose its cores to anything else running (on 2 cores, to the benchmark's own client).
+    # The local cluster is the engine's.
     os.environ.setdefault("RAY_worker_niceness", "0")
     ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
     try:

@@ -13,28 +13,10 @@
 
 namespace {
 
+using depthserve_simd::exp16;
 using depthserve_simd::load16;
 using depthserve_simd::store16;
 using depthserve_simd::tail_mask;
-
-// e^x for x in fp32 lanes, within ~2 ulp: x = n ln2 + r with |r| <= ln2 / 2, e^r by its degree-7
-// Taylor-like minimax polynomial (the classic single-precision coefficients), times 2^n by VSCALEFPS.
-// x is clamped to [-88, 88] first (e^88 ~ 1.7e38: SiLU's 1 + e^-g stays finite and exact enough).
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-88.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  // ln2 in two parts: exact n * hi
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
-}
 
 template <typename T>
 void gate(const at::Tensor& x, at::Tensor& out) {
@@ -48,7 +30,11 @@ void gate(const at::Tensor& x, at::Tensor& out) {
       for (int64_t c = 0; c < width; c += 16) {
         const __mmask16 m = tail_mask(width - c);
         const __m512 gv = load16(g + c, m);
-        const __m512 silu = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
+        // e^-g with -g clamped to [-88, 88] (e^88 ~ 1.7e38): 1 + e^-g stays finite, and a NaN gate
+        // stays NaN through the numerator
+        const __m512 minus = _mm512_max_ps(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), gv), _mm512_set1_ps(88.0f)),
+                                           _mm512_set1_ps(-88.0f));
+        const __m512 silu = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(minus)));
         store16(dst + r * width + c, _mm512_mul_ps(silu, load16(u + c, m)), m);
       }
     }

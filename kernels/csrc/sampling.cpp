@@ -11,33 +11,14 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include "simd.h"
+
 #include <cmath>
 #include <cstdint>
 #include <limits>
 #include <tuple>
 
 namespace {
-
-// exp(x) for x in [-87.4, 0]: 2^k * p(r), x = k ln2 + r with |r| <= ln2 / 2, p Cephes' degree-6
-// polynomial for expf (relative error ~1e-7), 2^k applied with scalef.
-inline __m512 exp_nonpositive(__m512 x) {
-  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, k);
-}
-
-inline __mmask16 lanes_left(int64_t left) {
-  return left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
-}
 
 // (first maximum, its index) of one row; NaN maximum if the row holds a NaN.
 std::pair<float, int64_t> first_max(const float* row, int64_t width) {
@@ -48,7 +29,7 @@ std::pair<float, int64_t> first_max(const float* row, int64_t width) {
   const __m512i step = _mm512_set1_epi32(16);
   __mmask16 nan = 0;
   for (int64_t c = 0; c < width; c += 16) {
-    const __mmask16 m = lanes_left(width - c);
+    const __mmask16 m = depthserve_simd::tail_mask(width - c);
     const __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(neg_inf), m, row + c);
     nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
     const __mmask16 greater = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);  // strictly: a lane keeps its first
@@ -69,9 +50,9 @@ float log_normalizer(const float* row, int64_t width, float peak, float floor) {
   const __m512 shift = _mm512_set1_ps(peak), lowest = _mm512_set1_ps(floor);
   __m512 sum = _mm512_setzero_ps();
   for (int64_t c = 0; c < width; c += 16) {
-    const __mmask16 m = lanes_left(width - c);
+    const __mmask16 m = depthserve_simd::tail_mask(width - c);
     const __m512 v = _mm512_maskz_loadu_ps(m, row + c);
-    sum = _mm512_mask_add_ps(sum, m, sum, exp_nonpositive(_mm512_max_ps(_mm512_sub_ps(v, shift), lowest)));
+    sum = _mm512_mask_add_ps(sum, m, sum, depthserve_simd::exp16(_mm512_max_ps(_mm512_sub_ps(v, shift), lowest)));
   }
   return std::log(_mm512_reduce_add_ps(sum)) + peak;
 }
@@ -127,14 +108,14 @@ void apply_token_bitmask(at::Tensor logits, const at::Tensor& bitmask, const at:
       for (int64_t c = 0; c < limit; c += 32) {
         const uint32_t allowed = row_mask[c / 32];
         if (allowed == 0xFFFFFFFFu && c + 32 <= limit) continue;
-        const __mmask16 low = static_cast<__mmask16>(~allowed & 0xFFFFu) & lanes_left(limit - c);
+        const __mmask16 low = static_cast<__mmask16>(~allowed & 0xFFFFu) & depthserve_simd::tail_mask(limit - c);
         _mm512_mask_storeu_ps(row + c, low, neg_inf);
         if (c + 16 < limit) {
-          const __mmask16 high = static_cast<__mmask16>(~allowed >> 16) & lanes_left(limit - c - 16);
+          const __mmask16 high = static_cast<__mmask16>(~allowed >> 16) & depthserve_simd::tail_mask(limit - c - 16);
           _mm512_mask_storeu_ps(row + c + 16, high, neg_inf);
         }
       }
-      for (int64_t c = limit; c < width; c += 16) _mm512_mask_storeu_ps(row + c, lanes_left(width - c), neg_inf);
+      for (int64_t c = limit; c < width; c += 16) _mm512_mask_storeu_ps(row + c, depthserve_simd::tail_mask(width - c), neg_inf);
     }
   });
 }
