@@ -2,13 +2,13 @@
 VNNI dot products, and the same weights dequantized for prefill GEMMs (`csrc/group_gemm.cpp`); the
 decode step's paged attention and KV store (`csrc/paged_attention.cpp`); RMSNorm (`csrc/norm.cpp`)
 and the rotary embedding (`csrc/rotary.cpp`); a Llama decoder layer's decode step made of those
-(`csrc/decode_layer.cpp`); SwiGLU's SiLU(gate) * up (`csrc/activation.cpp`); greedy sampling's argmax and log-normalizer in one call, and a structured-output
+(`csrc/decode_layer.cpp`: one layer, or a model's layers in one call); SwiGLU's SiLU(gate) * up (`csrc/activation.cpp`); greedy sampling's argmax and log-normalizer in one call, and a structured-output
 token bitmask applied to logits (`csrc/sampling.cpp`).
 
 Built on first use with torch's extension builder (g++ and ninja, ~1 minute; the build is cached
 under `TORCH_EXTENSIONS_DIR`, `make test` and `make serve` build it once at install) and loaded as
 the torch ops `depthserve_cpu::group_gemm`, `group_dequantize`, `paged_decode_attention`,
-`store_kv`, `rms_norm`, `apply_rope`, `silu_and_mul`, `llama_decode_layer`, `greedy_pick` and `apply_token_bitmask`. Only on CPUs
+`store_kv`, `rms_norm`, `apply_rope`, `silu_and_mul`, `llama_decode_layers`, `greedy_pick` and `apply_token_bitmask`. Only on CPUs
 with AVX-512 F/BW/VL and AVX-512 VNNI: elsewhere, or where the build fails, `available()` is False
 and the quantized layers use torch's weight-only kernels (the reason is logged once).
 """
@@ -261,14 +261,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.ops.depthserve_cpu.apply_rope(x, cos, sin)
 
 
-def llama_decode_layer(x: torch.Tensor, input_norm: torch.Tensor, post_norm: torch.Tensor, eps: float,
-                       weights: tuple[torch.Tensor, ...], bits: tuple[int, ...], out_features: tuple[int, ...],
-                       cos: torch.Tensor, sin: torch.Tensor, num_heads: int, k_pages: torch.Tensor,
-                       v_pages: torch.Tensor, slot_index: torch.Tensor, page_table: torch.Tensor,
-                       context_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """One Llama decoder layer's decode step (depthserve/archs/llama/native_decode.py): x [rows, hidden]
-    bf16, the step's keys and values stored at slot_index [rows, kv_heads], attention over page_table
-    [rows, kv_heads, blocks]; the four projections' (codes, scale, low) in `weights`."""
-    return torch.ops.depthserve_cpu.llama_decode_layer(x, input_norm, post_norm, eps, list(weights), list(bits),
-                                                       list(out_features), cos, sin, num_heads, k_pages, v_pages,
-                                                       slot_index, page_table, context_lens, scale)
+def llama_decode_layers(x: torch.Tensor, norms: list[torch.Tensor], eps: float, weights: list[torch.Tensor],
+                        bits: list[int], out_features: list[int], cos: torch.Tensor, sin: torch.Tensor,
+                        num_heads: int, kv_heads: int, k_pages: torch.Tensor, v_pages: torch.Tensor,
+                        slot_index: torch.Tensor, page_table: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                        first_columns: list[int]) -> torch.Tensor:
+    """Consecutive Llama decoder layers' decode step (depthserve/archs/llama/native_decode.py): x [rows,
+    hidden] bf16; layer i has the norms 2 i, 2 i + 1, the four projections' (codes, scale, low) from
+    weights[12 i], and the cache columns first_columns[i] .. + kv_heads of slot_index [rows, width]
+    (where the step's keys and values are stored) and page_table [rows, blocks, width]."""
+    return torch.ops.depthserve_cpu.llama_decode_layers(x, norms, eps, weights, bits, out_features, cos, sin,
+                                                        num_heads, kv_heads, k_pages, v_pages, slot_index,
+                                                        page_table, context_lens, scale, first_columns)

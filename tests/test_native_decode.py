@@ -1,15 +1,16 @@
-"""A Llama decoder layer's decode step as one native call (depthserve/archs/llama/native_decode.py)
-computes what the eager layer computes, bit for bit: the same engine generates the same tokens with
+"""Llama decoder layers' decode step as one native call (depthserve/archs/llama/native_decode.py)
+computes what the eager layers compute, bit for bit: the same engine generates the same tokens with
 the same log-probabilities with the native step and without it, on mixed batches (prefill chunks
-and decode rows in one step, decode-only steps of several rows) of the plain model and of the depth
-models whose plain layers are Llama layers, at mixed depth."""
+and decode rows in one step, decode-only steps of several rows) of the plain model (all its layers
+in one call) and of the depth models whose plain layers are Llama layers (a call per layer), at
+mixed depth."""
 
 from __future__ import annotations
 
 import pytest
 
 from depthserve import LLM, SamplingParams
-from depthserve.archs.llama.native_decode import NativeDecodeLayer
+from depthserve.archs.llama.native_decode import NativeDecodeLayers
 from depthserve.kernels import cpu_native
 from depthserve.tiny import make_tiny
 from tests.depth_helpers import depth_params, stream_prompts
@@ -44,20 +45,27 @@ def test_native_decode_layer_is_the_eager_layer_bit_for_bit(name, bits, tmp_path
     path = make_tiny(arch, tmp_path / name, seed=3, tokenizer=smollm_tokenizer, **options)
     llm = LLM(str(path), device="cpu", dtype="bfloat16", quantization=f"int{bits}", load_progress=False,
               max_model_len=96, block_size=8, max_num_batched_tokens=24, enable_prefix_caching=False)
-    layers = [m for m in llm.engine.model.modules() if isinstance(getattr(m, "native_decode", None), NativeDecodeLayer)]
+    model = llm.engine.model
+    layers = [m for m in model.modules() if isinstance(getattr(m, "native_decode", None), NativeDecodeLayers)]
     assert layers, "no layer took the native decode step"
+    whole_model = name == "llama"  # the plain model's layers in one call; the depth models' a call per layer
+    assert (model.native_layers is not None) == whole_model
     rows_seen: list[int] = []
-    native_step = cpu_native.llama_decode_layer
+    layers_per_call: list[int] = []
+    native_step = cpu_native.llama_decode_layers
 
     def counted(x, *args):
         rows_seen.append(x.shape[0])
+        layers_per_call.append(len(args[-1]))
         return native_step(x, *args)
 
-    monkeypatch.setattr(cpu_native, "llama_decode_layer", counted)
+    monkeypatch.setattr(cpu_native, "llama_decode_layers", counted)
     native = _trace(_generate(llm, depths))
     assert rows_seen and max(rows_seen) > 1, "the native step never ran on a decode batch of several rows"
+    assert set(layers_per_call) == ({len(model.layers)} if whole_model else {1})
     for layer in layers:
         layer.native_decode = None
+    model.native_layers = None
     calls = len(rows_seen)
     eager = _trace(_generate(llm, depths))
     assert len(rows_seen) == calls
@@ -69,5 +77,7 @@ def test_only_plain_layers_on_native_weights_take_it(tmp_path, smollm_tokenizer)
     path = make_tiny("llama", tmp_path / "llama", seed=3, tokenizer=smollm_tokenizer)
     fp32 = LLM(str(path), device="cpu", dtype="float32", quantization="int4", load_progress=False, max_model_len=64)
     assert all(layer.native_decode is None for layer in fp32.engine.model.layers)  # fp32 activations: torch's kernels
+    assert fp32.engine.model.native_layers is None
     dense = LLM(str(path), device="cpu", dtype="bfloat16", quantization="none", load_progress=False, max_model_len=64)
     assert all(layer.native_decode is None for layer in dense.engine.model.layers)
+    assert dense.engine.model.native_layers is None

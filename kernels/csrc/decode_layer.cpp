@@ -1,10 +1,12 @@
-// A Llama decoder layer's decode step (every row one decoding sequence) as one call from Python:
+// Consecutive Llama decoder layers' decode step (every row one decoding sequence) in one call from
+// Python, each layer computing
 //   h  = x + W_O · Attn(RoPE(W_QKV · RMSNorm_a(x)))   (the step's keys and values stored in the pages)
 //   x' = h + W_down · (SiLU(gate) ⊙ up),  [gate, up] = W_gate_up · RMSNorm_m(h)
 // the same ops, in the same order and dtype, as depthserve/archs/llama/model.py's eager layer with
 // its projections on the native group GEMM: the result is bit-identical to that layer's. What it
 // saves is the ~30 dispatched torch ops and module calls per layer that the eager step pays in
-// Python (about 0.4 ms a layer on a 2-core Xeon, more than the layer's own arithmetic at one row).
+// Python (about 0.4 ms a layer on a 2-core Xeon, more than the layer's own arithmetic at one row);
+// a whole model's layers in one call also save the per-layer module call and table slicing.
 // The native ops are called through the dispatcher (the other csrc files define them), the
 // elementwise ones are ATen's, as the eager layer calls them. kernels/cpu_native.py builds this file.
 #include <ATen/ATen.h>
@@ -44,24 +46,21 @@ const NativeOps& ops() {
   return handles;
 }
 
-// The projections in `weights`, three tensors each (codes, scale, low; csrc/group_gemm.cpp), in the
-// order qkv, o, gate_up, down.
+// A layer's projections in `weights`, three tensors each (codes, scale, low; csrc/group_gemm.cpp), in
+// the order qkv, o, gate_up, down.
 enum Projection : int64_t { kQKV = 0, kOut = 1, kGateUp = 2, kDown = 3 };
+constexpr int64_t kProjections = 4, kTensorsPerProjection = 3;
 
-at::Tensor llama_decode_layer(const at::Tensor& x, const at::Tensor& input_norm, const at::Tensor& post_norm,
-                              double eps, at::TensorList weights, at::IntArrayRef bits, at::IntArrayRef out_features,
-                              const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads, at::Tensor& k_pages,
-                              at::Tensor& v_pages, const at::Tensor& slot_index, const at::Tensor& page_table,
-                              const at::Tensor& context_lens, double scale) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "llama_decode_layer: x must be a contiguous [rows, hidden]");
-  TORCH_CHECK(weights.size() == 12 && bits.size() == 4 && out_features.size() == 4,
-              "llama_decode_layer: four projections (qkv, o, gate_up, down), three tensors each");
-  TORCH_CHECK(slot_index.dim() == 2 && page_table.dim() == 3 && slot_index.size(1) == page_table.size(1),
-              "llama_decode_layer: slot_index [rows, kv_heads] and page_table [rows, kv_heads, blocks]");
-  const NativeOps& native = ops();
+// One layer's step; `weights`, `bits` and `out_features` are that layer's, slot_index [rows, kv_heads]
+// and page_table [rows, kv_heads, blocks] its cache columns.
+at::Tensor decode_layer(const NativeOps& native, const at::Tensor& x, const at::Tensor& input_norm,
+                        const at::Tensor& post_norm, double eps, at::TensorList weights, at::IntArrayRef bits,
+                        at::IntArrayRef out_features, const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads,
+                        at::Tensor& k_pages, at::Tensor& v_pages, const at::Tensor& slot_index,
+                        const at::Tensor& page_table, const at::Tensor& context_lens, double scale) {
   const int64_t rows = x.size(0), kv_heads = slot_index.size(1), head_dim = k_pages.size(2);
   const int64_t q_size = num_heads * head_dim, kv_size = kv_heads * head_dim;
-  TORCH_CHECK(out_features[kQKV] == q_size + 2 * kv_size, "llama_decode_layer: the qkv projection has ",
+  TORCH_CHECK(out_features[kQKV] == q_size + 2 * kv_size, "llama_decode_layers: the qkv projection has ",
               out_features[kQKV], " outputs, the heads need ", q_size + 2 * kv_size);
   auto project = [&](const at::Tensor& input, Projection p) {
     return native.gemm.call(input, weights[3 * p], weights[3 * p + 1], weights[3 * p + 2], bits[p], out_features[p],
@@ -81,14 +80,47 @@ at::Tensor llama_decode_layer(const at::Tensor& x, const at::Tensor& input_norm,
   return at::add(h, project(native.gate.call(gate_up), kDown));
 }
 
+// Consecutive layers, layer i with norms[2 i] and norms[2 i + 1], the 12 tensors of weights from
+// 12 i and its cache columns first_columns[i] .. + kv_heads of slot_index [rows, width] and page_table
+// [rows, blocks, width] (the step's whole tables: slicing them here, not per layer in Python).
+at::Tensor llama_decode_layers(const at::Tensor& x, at::TensorList norms, double eps, at::TensorList weights,
+                               at::IntArrayRef bits, at::IntArrayRef out_features, const at::Tensor& cos,
+                               const at::Tensor& sin, int64_t num_heads, int64_t kv_heads, at::Tensor& k_pages,
+                               at::Tensor& v_pages, const at::Tensor& slot_index, const at::Tensor& page_table,
+                               const at::Tensor& context_lens, double scale, at::IntArrayRef first_columns) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "llama_decode_layers: x must be a contiguous [rows, hidden]");
+  const int64_t layers = static_cast<int64_t>(first_columns.size());
+  TORCH_CHECK(static_cast<int64_t>(norms.size()) == 2 * layers &&
+                  static_cast<int64_t>(weights.size()) == kProjections * kTensorsPerProjection * layers &&
+                  static_cast<int64_t>(bits.size()) == kProjections * layers &&
+                  static_cast<int64_t>(out_features.size()) == kProjections * layers,
+              "llama_decode_layers: per layer two norms and four projections (qkv, o, gate_up, down) of three "
+              "tensors each");
+  TORCH_CHECK(slot_index.dim() == 2 && page_table.dim() == 3 && slot_index.size(1) == page_table.size(2),
+              "llama_decode_layers: slot_index [rows, width] and page_table [rows, blocks, width]");
+  const NativeOps& native = ops();
+  at::Tensor hidden = x;
+  for (int64_t i = 0; i < layers; ++i) {
+    TORCH_CHECK(first_columns[i] >= 0 && first_columns[i] + kv_heads <= slot_index.size(1),
+                "llama_decode_layers: layer ", i, "'s cache columns are outside the tables");
+    const at::Tensor slots = slot_index.narrow(1, first_columns[i], kv_heads);
+    const at::Tensor table = page_table.narrow(2, first_columns[i], kv_heads).transpose(1, 2);
+    hidden = decode_layer(native, hidden, norms[2 * i], norms[2 * i + 1], eps,
+                          weights.slice(kProjections * kTensorsPerProjection * i, kProjections * kTensorsPerProjection),
+                          bits.slice(kProjections * i, kProjections), out_features.slice(kProjections * i, kProjections),
+                          cos, sin, num_heads, k_pages, v_pages, slots, table, context_lens, scale);
+  }
+  return hidden;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(depthserve_cpu, m) {
-  m.def("llama_decode_layer(Tensor x, Tensor input_norm, Tensor post_norm, float eps, Tensor[] weights, int[] bits, "
-        "int[] out_features, Tensor cos, Tensor sin, int num_heads, Tensor(a!) k_pages, Tensor(b!) v_pages, "
-        "Tensor slot_index, Tensor page_table, Tensor context_lens, float scale) -> Tensor");
+  m.def("llama_decode_layers(Tensor x, Tensor[] norms, float eps, Tensor[] weights, int[] bits, int[] out_features, "
+        "Tensor cos, Tensor sin, int num_heads, int kv_heads, Tensor(a!) k_pages, Tensor(b!) v_pages, "
+        "Tensor slot_index, Tensor page_table, Tensor context_lens, float scale, int[] first_columns) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(depthserve_cpu, CPU, m) {
-  m.impl("llama_decode_layer", &llama_decode_layer);
+  m.impl("llama_decode_layers", &llama_decode_layers);
 }

@@ -11,7 +11,7 @@ from torch import nn
 
 from depthserve.archs.base import BuildOptions, DepthModel, StaticDecodeSpec
 from depthserve.archs.llama.format import PACKED_MODULES, LlamaConfig, plain_plan
-from depthserve.archs.llama.native_decode import NativeDecodeLayer
+from depthserve.archs.llama.native_decode import NativeDecodeLayers
 from depthserve.depth import DepthParams, DepthPlan
 from depthserve.layers.activation import silu_and_mul
 from depthserve.layers.attention import AttentionMetadata, KVPool, paged_attention
@@ -62,11 +62,11 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(cfg, slot=index)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg)
-        self.native_decode: NativeDecodeLayer | None = None  # set after loading (finish_load), where it applies
+        self.native_decode: NativeDecodeLayers | None = None  # set after loading (finish_load), where it applies
 
     def forward(self, x, cos, sin, pool, meta, columns) -> torch.Tensor:
         if self.native_decode is not None and self.native_decode.applies(x, meta):
-            return self.native_decode(x, cos, sin, pool, meta, columns)  # the lines below as one native call
+            return self.native_decode(x, cos, sin, pool, meta, [columns.start])  # the lines below as one native call
         h = x + self.self_attn(self.input_layernorm(x), cos, sin, pool, meta, columns)
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -86,6 +86,8 @@ class LlamaForCausalLM(nn.Module, DepthModel):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self._base_plan = plain_plan(cfg, DepthParams())
+        self.native_layers: NativeDecodeLayers | None = None  # every layer in one native call (finish_load)
+        self._first_columns = [self._base_plan.layout.columns(i).start for i in range(cfg.num_layers)]
 
     @property
     def head_dim(self) -> int:
@@ -101,6 +103,8 @@ class LlamaForCausalLM(nn.Module, DepthModel):
         x = self.embed_tokens(input_ids)
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         layout = self._base_plan.layout
+        if self.native_layers is not None and self.native_layers.applies(x, meta):
+            return self.norm(self.native_layers(x, cos, sin, pool, meta, self._first_columns))
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, pool, meta, layout.columns(i))
         return self.norm(x)
@@ -116,7 +120,10 @@ class LlamaForCausalLM(nn.Module, DepthModel):
         for layer in self.layers:
             plain = (type(layer) is LlamaDecoderLayer and type(layer.self_attn) is LlamaAttention
                      and type(layer.mlp) is LlamaMLP)  # a subclass's parts are not what the native step computes
-            layer.native_decode = NativeDecodeLayer.of(layer) if plain and torch.device(device).type == "cpu" else None
+            layer.native_decode = NativeDecodeLayers.of([layer]) if plain and torch.device(device).type == "cpu" else None
+        runs_this_loop = type(self).forward is LlamaForCausalLM.forward  # the depth models loop their own way
+        if runs_this_loop and all(layer.native_decode is not None for layer in self.layers):
+            self.native_layers = NativeDecodeLayers.of(self.layers)
 
 
 def tie_lm_head(model: nn.Module, loaded: set[str]) -> set[str]:
