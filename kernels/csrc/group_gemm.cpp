@@ -185,7 +185,7 @@ void block_rows(const uint8_t* codes, const c10::Half* scale, const c10::Half* l
   const int8_t* row_codes[Rows];
   const int64_t stride = block_group_bytes(bits);
   for (int64_t g = 0; g < x.groups; ++g) {
-    prefetch_ahead(codes, scale, low, g, bits);
+    if constexpr (Rows == 1) prefetch_ahead(codes, scale, low, g, bits);  // tiles of more rows are compute-bound
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scale + g * kBlock)));
     const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(low + g * kBlock)));
     for (int64_t r = 0; r < Rows; ++r) row_codes[r] = x.codes.data() + (first_row + r) * x.width + g * kGroup;
