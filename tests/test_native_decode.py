@@ -81,3 +81,24 @@ def test_only_plain_layers_on_native_weights_take_it(tmp_path, smollm_tokenizer)
     dense = LLM(str(path), device="cpu", dtype="bfloat16", quantization="none", load_progress=False, max_model_len=64)
     assert all(layer.native_decode is None for layer in dense.engine.model.layers)
     assert dense.engine.model.native_layers is None
+
+
+def test_the_layers_call_refuses_cache_columns_outside_the_tables(tmp_path, smollm_tokenizer):
+    import torch
+
+    path = make_tiny("llama", tmp_path / "llama", seed=3, tokenizer=smollm_tokenizer)
+    llm = LLM(str(path), device="cpu", dtype="bfloat16", quantization="int4", load_progress=False, max_model_len=64)
+    stack, pool = llm.engine.model.native_layers, llm.engine.runner.pool
+    hidden = llm.engine.model.config.hidden_size
+    layers = len(llm.engine.model.layers)
+    width = stack.kv_heads * layers
+    args = dict(x=torch.zeros(1, hidden, dtype=torch.bfloat16), norms=stack.norms, eps=stack.eps,
+                weights=stack.weights, bits=stack.bits, out_features=stack.out_features,
+                cos=torch.ones(1, llm.engine.model.head_dim // 2), sin=torch.zeros(1, llm.engine.model.head_dim // 2),
+                num_heads=stack.num_heads, kv_heads=stack.kv_heads, k_pages=pool.k_pages, v_pages=pool.v_pages,
+                slot_index=torch.zeros(1, width, dtype=torch.long), page_table=torch.zeros(1, 2, width, dtype=torch.int32),
+                context_lens=torch.ones(1, dtype=torch.int32), scale=stack.scale)
+    with pytest.raises(RuntimeError, match="cache columns are outside the tables"):
+        cpu_native.llama_decode_layers(**args, first_columns=[width - stack.kv_heads + 1] * layers)
+    with pytest.raises(RuntimeError, match="two norms and four projections"):
+        cpu_native.llama_decode_layers(**args, first_columns=[0] * (layers + 1))

@@ -108,9 +108,9 @@ inline void group_dots(const __m512i w[], const int8_t* const codes[], __m512 do
 
 inline int64_t block_group_bytes(int64_t bits) { return kBlock * kGroup * bits / 8; }
 
-// Asks for the codes, scales and offsets kPrefetchGroups block-groups ahead of `g`: a decode step
-// reads each weight once, from memory, in calls too short for the hardware prefetcher to get ahead
-// (at one row, with the weights not in cache, 12% less time on SmolLM2's layers, bench/quant_kernels.py).
+// Asks for the codes, scales and offsets kPrefetchGroups block-groups ahead of `g`: a one-row decode
+// step reads each weight once, from memory, in calls too short for the hardware prefetcher to get
+// ahead (docs/quantization.md has the measurement).
 constexpr int64_t kPrefetchGroups = 4;
 
 inline void prefetch_ahead(const uint8_t* codes, const c10::Half* scale, const c10::Half* low, int64_t g, int64_t bits) {
