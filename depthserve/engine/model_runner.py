@@ -17,6 +17,7 @@ from depthserve.engine.sequence import Sequence
 from depthserve.engine.structured_output import StepMasks, StructuredOutputs
 from depthserve.engine.static_decode import DecodeRow, StaticDecode, spec_columns
 from depthserve.kernels.dispatch import Kernels
+from depthserve.layers import huge_pages
 from depthserve.layers.attention import AttentionMetadata, KVPool, PrefillSeqMeta
 from depthserve.layers.batch import BatchItem, StepBatch, decode_tables_tensors, page_table_tensor
 from depthserve.sampler import (NO_FINITE_SCORE, Sampler, SampledToken, SamplingFault, SamplingRow, greedy_tokens,
@@ -57,6 +58,14 @@ class SeqStepOutput:
     fault: str | None = None  # no token could be sampled for this sequence (SamplingFault.reason)
 
 
+def _page_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The zeroed K or V pages; on the CPU on huge pages, where a decode step's reads of pages
+    scattered over the pool took 19% less time (layers/huge_pages.py)."""
+    if device.type == "cpu":
+        return huge_pages.zeros(shape, dtype)
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
 def request_state(seq: Sequence) -> RequestState:
     """What the model sees of a sequence (DepthModel.report): its plan, record and token counts."""
     return RequestState(seq.plan, seq.depth_record, seq.num_computed_tokens, seq.num_prompt_tokens,
@@ -80,10 +89,7 @@ class ModelRunner:
         # decode step's padding rows and missing slots point at (whatever they write lands there).
         self.scratch_page = block_manager.num_pages
         shape = (block_manager.num_pages + 1, self.block_size, model.head_dim)
-        self.pool = KVPool(
-            k_pages=torch.zeros(shape, dtype=dtype, device=device),
-            v_pages=torch.zeros(shape, dtype=dtype, device=device),
-        )
+        self.pool = KVPool(k_pages=_page_pool(shape, dtype, device), v_pages=_page_pool(shape, dtype, device))
 
     def enable_static_decode(self, spec: StaticDecodeSpec, max_blocks: int, max_num_seqs: int,
                              cuda_graphs: bool = True, steps_ahead: int = 1) -> None:

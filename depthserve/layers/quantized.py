@@ -20,13 +20,14 @@ Formats, for a weight W [out, in]:
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from depthserve.kernels import cpu_native
+from depthserve.layers import huge_pages
 
 INT4_GROUP = 32
 _INT4_BLOCK_ROWS = 64  # the CPU int4 packing interleaves output rows n and n + 32 of each 64-row block
@@ -170,11 +171,7 @@ class QuantLinear(nn.Module):
         self.policy, self.scratch = policy, scratch
         self.native: cpu_native.PackedWeight | None = None
         if uses_native_kernel(dtype):
-            self.native = cpu_native.pack(*weight.unsigned_form(), weight.bits)
-            # registered so that the model's buffers (resident bytes, .to) include them
-            self.register_buffer("packed", self.native.codes)
-            self.register_buffer("scales", self.native.scale)
-            self.register_buffer("lows", self.native.low)
+            self.hold_native(cpu_native.pack(*weight.unsigned_form(), weight.bits))
             self.padded_out = self.out_features
         elif weight.grouped and weight.bits == 8:
             raise ValueError("int8 codes with a scale per group (GGUF Q8_0) run only on the native kernels")
@@ -188,6 +185,16 @@ class QuantLinear(nn.Module):
             self.register_buffer("scales", weight.scale.to(dtype))
             self.padded_out = self.out_features
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype), requires_grad=False)
+
+    def hold_native(self, packed: cpu_native.PackedWeight) -> None:
+        """Serve `packed` on the native kernel. Its tensors are registered as buffers so that the
+        model's buffers (resident bytes) include them; the fp16 scales and offsets as int16 views,
+        which Module.to(dtype) leaves alone (a floating buffer would be cast to a copy in the model's
+        dtype that the kernel never reads, beside the fp16 tensor it does)."""
+        self.native = packed
+        self.register_buffer("packed", packed.codes)
+        self.register_buffer("scales", packed.scale.view(torch.int16))
+        self.register_buffer("lows", packed.low.view(torch.int16))
 
     @property
     def max_kernel_rows(self) -> int:
@@ -249,6 +256,16 @@ class QuantLinear(nn.Module):
     def extra_repr(self) -> str:
         kernel = "native" if self.native is not None else "torch"
         return f"in_features={self.in_features}, out_features={self.out_features}, int{self.bits}, {kernel} kernel"
+
+
+def move_native_weights_to_huge_pages(model: nn.Module) -> None:
+    """The codes, scales and offsets of every layer on the native kernel copied, in the model's
+    module order (the order a step reads them), into one arena on huge pages (layers/huge_pages.py)."""
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear) and m.native is not None]
+    copies = huge_pages.copy_to_huge_pages([t for m in layers for t in (m.native.codes, m.native.scale, m.native.low)])
+    for i, layer in enumerate(layers):
+        codes, scale, low = copies[3 * i:3 * i + 3]
+        layer.hold_native(replace(layer.native, codes=codes, scale=scale, low=low))
 
 
 def served_weight(layer: nn.Module) -> torch.Tensor:

@@ -29,7 +29,8 @@ from torch import nn
 from depthserve.errors import ConfigurationError
 from depthserve.kernels import cpu_native
 from depthserve.layers.quantized import (DequantScratch, QuantEmbedding, QuantizedWeight, QuantLinear, QuantPolicy,
-                                         concat_rows, quantizable, quantize_rtn, uses_native_kernel)
+                                         concat_rows, move_native_weights_to_huge_pages, quantizable, quantize_rtn,
+                                         uses_native_kernel)
 from depthserve.loading.weights import parameter_name
 
 log = logging.getLogger(__name__)
@@ -144,6 +145,7 @@ def quantize_model(model: nn.Module, mode: str, codes: dict[str, QuantizedWeight
             quantized_tables[id(linear.weight)] = layer
             report.quantized.append(name)
         _share_embedding_tables(model, quantized_tables)
+        move_native_weights_to_huge_pages(model)
         if report.quantized:
             report.kernel = ("native kernels, AVX-512 VNNI" if uses_native_kernel(dtype)
                              else f"torch's kernels: native ones {_why_not_native(dtype)}")
