@@ -60,7 +60,7 @@ class SeqStepOutput:
 
 def _page_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """The zeroed K or V pages; on the CPU on huge pages, where a decode step's reads of pages
-    scattered over the pool took 19% less time (layers/huge_pages.py)."""
+    scattered over the pool take less time (layers/huge_pages.py)."""
     if device.type == "cpu":
         return huge_pages.zeros(shape, dtype)
     return torch.zeros(shape, dtype=dtype, device=device)

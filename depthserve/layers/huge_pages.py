@@ -3,10 +3,9 @@
 A CPU decode step streams every weight of the model (SmolLM2-135M's 4-bit codes: ~94 MB) and every
 running sequence's KV pages through the caches. On 4 KiB pages each 4 KiB of that costs an address
 translation the TLB does not hold, and the KV pages, scattered over the pool, give the hardware
-prefetcher no stride to follow across them. Held on 2 MiB pages the same reads took 11% less time
-for the quantized weight matmuls and 19% less for paged attention at 32 sequences
-(docs/quantization.md, "Huge pages"). llama.cpp gets the same effect for its weights from the page
-cache of the mmapped file; here the weights are repacked at load and the KV pool is the engine's.
+prefetcher no stride to follow across them. Held on 2 MiB pages the same reads took 6% less time
+for the quantized weight matmuls of a one-row step and 9% less for paged attention at 32 sequences,
+and the 32-sequence decode step 6% less (docs/quantization.md, "Huge pages").
 
 Linux gives anonymous memory huge pages when `/sys/kernel/mm/transparent_hugepage/enabled` is
 `always`, or `madvise` (the common default) and the region asks with MADV_HUGEPAGE, which is what
