@@ -163,7 +163,6 @@ inline void load_block_group(const uint8_t* src, int64_t bits, __m512i w[kSteps]
   }
 }
 
-
 void check_weight(const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& low, int64_t bits) {
   TORCH_CHECK(bits == 4 || bits == 8, "group_gemm: bits must be 4 or 8, got ", bits);
   TORCH_CHECK(codes.dtype() == at::kByte && codes.dim() == 3 && codes.is_contiguous() &&
