@@ -21,7 +21,7 @@ needs_huge_pages = pytest.mark.skipif(not huge_pages.available(), reason="no tra
 def test_zeros_are_zeros_on_a_huge_page_boundary():
     pages = huge_pages.zeros((5, 16, 64), torch.bfloat16)
     assert pages.shape == (5, 16, 64) and pages.dtype == torch.bfloat16 and pages.is_contiguous()
-    assert pages.data_ptr() % huge_pages.HUGE_PAGE == 0
+    assert pages.data_ptr() % huge_pages.HUGE_PAGE == 0 and pages.storage_offset() == 0
     assert not pages.any()
     pages[4, 15, 63] = 3.0  # writable to its last element
     assert pages.sum().item() == 3.0
@@ -39,6 +39,7 @@ def test_copies_share_one_arena_and_outlive_their_sources():
     gc.collect()
     for copy, want in zip(copies, expected, strict=True):
         assert copy.dtype == want.dtype and torch.equal(copy, want) and copy.is_contiguous()
+        assert copy.storage_offset() == 0  # each its own storage, as torch's allocations (huge_pages._Arena)
         assert copy.data_ptr() % huge_pages.ALIGNMENT == 0
     assert copies[0].data_ptr() % huge_pages.HUGE_PAGE == 0
     # one after another: each starts at the previous one's end, rounded up to a cache line

@@ -15,6 +15,7 @@ this module does. Elsewhere (THP `never`, other systems) the tensors are ordinar
 from __future__ import annotations
 
 import functools
+import math
 import mmap
 import sys
 from collections.abc import Sequence
@@ -38,14 +39,23 @@ def available() -> bool:
         return False
 
 
-def _arena(nbytes: int) -> torch.Tensor:
-    """A zero-filled uint8 tensor of `nbytes` starting on a 2 MiB boundary of a mapping advised
-    MADV_HUGEPAGE (the mapping lives as long as any view of the tensor does)."""
-    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    mapping.madvise(mmap.MADV_HUGEPAGE)
-    whole = torch.frombuffer(mapping, dtype=torch.uint8)
-    start = -whole.data_ptr() % HUGE_PAGE
-    return whole[start:start + nbytes]
+class _Arena:
+    """An anonymous mapping of at least `nbytes` past its first 2 MiB boundary, advised MADV_HUGEPAGE;
+    tensors are cut from it at offsets from that boundary. Each is its own storage at offset 0, as
+    torch's allocations are: with the KV pool a view at a storage offset into the mapping, PUT's
+    compiled decode step generated other tokens than its eager step (tests/test_static_decode.py).
+    The mapping lives as long as any of the tensors does."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self.mapping.madvise(mmap.MADV_HUGEPAGE)
+        self.start = -torch.frombuffer(self.mapping, dtype=torch.uint8, count=1).data_ptr() % HUGE_PAGE
+
+    def tensor(self, offset: int, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        count = math.prod(shape)
+        if count == 0:
+            return torch.empty(tuple(shape), dtype=dtype)
+        return torch.frombuffer(self.mapping, dtype=dtype, count=count, offset=self.start + offset).view(tuple(shape))
 
 
 def zeros(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
@@ -53,12 +63,8 @@ def zeros(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     now, as torch.zeros does, so that the memory is committed at start-up, not in the first steps."""
     if not available():
         return torch.zeros(shape, dtype=dtype)
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    numel = 1
-    for size in shape:
-        numel *= size
-    tensor = _arena(numel * itemsize).view(dtype).view(tuple(shape))
-    return tensor.zero_()
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return _Arena(nbytes).tensor(0, shape, dtype).zero_()
 
 
 def copy_to_huge_pages(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -70,11 +76,10 @@ def copy_to_huge_pages(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     for tensor in tensors:
         offsets.append(total)
         total += -(-tensor.numel() * tensor.element_size() // ALIGNMENT) * ALIGNMENT
-    arena = _arena(total)
+    arena = _Arena(total)
     copies = []
     for tensor, offset in zip(tensors, offsets, strict=True):
-        nbytes = tensor.numel() * tensor.element_size()
-        copy = arena[offset:offset + nbytes].view(tensor.dtype).view(tensor.shape)
+        copy = arena.tensor(offset, tensor.shape, tensor.dtype)
         copy.copy_(tensor)
         copies.append(copy)
     return copies
