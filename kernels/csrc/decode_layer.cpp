@@ -63,7 +63,8 @@ at::Tensor decode_layer(const NativeOps& native, const at::Tensor& x, const at::
   TORCH_CHECK(out_features[kQKV] == q_size + 2 * kv_size, "llama_decode_layers: the qkv projection has ",
               out_features[kQKV], " outputs, the heads need ", q_size + 2 * kv_size);
   auto project = [&](const at::Tensor& input, Projection p) {
-    return native.gemm.call(input, weights[3 * p], weights[3 * p + 1], weights[3 * p + 2], bits[p], out_features[p],
+    const int64_t first = kTensorsPerProjection * p;
+    return native.gemm.call(input, weights[first], weights[first + 1], weights[first + 2], bits[p], out_features[p],
                             false);
   };
 
