@@ -5,8 +5,10 @@ and the rotary embedding (`csrc/rotary.cpp`); a Llama decoder layer's decode ste
 (`csrc/decode_layer.cpp`: one layer, or a model's layers in one call); SwiGLU's SiLU(gate) * up (`csrc/activation.cpp`); greedy sampling's argmax and log-normalizer in one call, and a structured-output
 token bitmask applied to logits (`csrc/sampling.cpp`).
 
-Built on first use with torch's extension builder (g++ and ninja, ~1 minute; the build is cached
-under `TORCH_EXTENSIONS_DIR`, `make test` and `make serve` build it once at install) and loaded as
+Built on first use with torch's extension builder (g++ and ninja, about a minute, logged as a
+warning when it starts; the build is cached under `TORCH_EXTENSIONS_DIR` in a folder named by the
+checkout, so two checkouts never rebuild each other's; `make test` and `make serve` build it once at
+install) and loaded as
 the torch ops `depthserve_cpu::group_gemm`, `group_dequantize`, `paged_decode_attention`,
 `store_kv`, `rms_norm`, `apply_rope`, `silu_and_mul`, `llama_decode_layers`, `greedy_pick` and `apply_token_bitmask`. Only on CPUs
 with AVX-512 F/BW/VL and AVX-512 VNNI: elsewhere, or where the build fails, `available()` is False
@@ -16,6 +18,7 @@ and the quantized layers use torch's weight-only kernels (the reason is logged o
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import shutil
@@ -27,7 +30,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).resolve().parent / "csrc" / name
+SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
+EXTENSION_PREFIX = "depthserve_cpu_kernels"  # + a hash of SOURCE_DIR (extension_name)
+SOURCES = [SOURCE_DIR / name
            for name in ("group_gemm.cpp", "paged_attention.cpp", "norm.cpp", "rotary.cpp", "activation.cpp",
                         "decode_layer.cpp", "sampling.cpp")]
 CFLAGS = ["-O3", "-fopenmp", "-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
@@ -49,17 +54,46 @@ def unavailable_reason() -> str | None:
     if not cpu_has_vnni():
         return "the CPU lacks AVX-512 VNNI"
     try:
-        from torch.utils import cpp_extension
-
-        _put_venv_ninja_on_path()
-
-        cpp_extension.load(name="depthserve_cpu_kernels", sources=[str(source) for source in SOURCES], extra_cflags=CFLAGS,
-                           extra_include_paths=[str(SOURCES[0].parent)],
-                           extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+        build_and_load()
     except Exception as exc:  # noqa: BLE001 - a missing compiler, ninja or header: fall back, say why
         return f"the build failed: {type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
     _register_fakes()
     return None
+
+
+def build_and_load() -> None:
+    """Load the kernels' library, building it first where this checkout's build is missing or older
+    than its sources (saying so: the first model load waits for it)."""
+    from torch.utils import cpp_extension
+
+    _put_venv_ninja_on_path()
+    name = extension_name(SOURCE_DIR)
+    build_directory = Path(cpp_extension._get_build_directory(name, verbose=False))
+    if not build_is_current(build_directory, name, source_files(SOURCE_DIR)):
+        log.warning("building native CPU kernels (about a minute) in %s", build_directory)
+    cpp_extension.load(name=name, sources=[str(source) for source in SOURCES], extra_cflags=CFLAGS,
+                       extra_include_paths=[str(SOURCE_DIR)], build_directory=str(build_directory),
+                       extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+
+
+def extension_name(source_dir: Path) -> str:
+    """The build's name, one per checkout: torch's builder keeps one folder per name under
+    TORCH_EXTENSIONS_DIR, and under one shared name each checkout's build file names its own sources,
+    so loading from one checkout after another rebuilt every kernel (about 100 s)."""
+    return f"{EXTENSION_PREFIX}_{hashlib.sha256(str(source_dir.resolve()).encode()).hexdigest()[:12]}"
+
+
+def source_files(source_dir: Path) -> list[Path]:
+    """Everything the build reads: the sources and the headers they include."""
+    return sorted(path for path in source_dir.iterdir() if path.suffix in (".cpp", ".h"))
+
+
+def build_is_current(build_directory: Path, name: str, sources: list[Path]) -> bool:
+    """Whether the built library exists and is newer than every source (else loading builds it)."""
+    library = build_directory / f"{name}.so"
+    if not library.is_file():
+        return False
+    return library.stat().st_mtime >= max(source.stat().st_mtime for source in sources)
 
 
 def _put_venv_ninja_on_path() -> None:
