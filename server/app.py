@@ -27,6 +27,7 @@ from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Res
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from depthserve.engine.async_llm import AsyncLLM
 from depthserve.engine.client import EngineClient
@@ -244,14 +245,16 @@ class RequestIdAuthAndLimit:
                 raise _BodyTooLarge()  # an HTTPException: FastAPI passes it to the handler above
             return message
 
-        if self.api_key and _needs_key(scope["path"]) and not _authorized(headers, self.api_key):
-            response = _error(401, "missing or wrong API key (Authorization: Bearer ...)", "authentication_error")
-            await response(scope, receive, send_with_id)
+        refusal = _auth_refusal(scope, headers, self.api_key) if self.api_key and _needs_key(scope["path"]) else None
+        if refusal is not None:
+            await refusal(scope, receive, send_with_id)
         elif _declared_length(headers) > self.max_body_bytes:
             await _too_large(self.max_body_bytes)(scope, receive, send_with_id)
         else:
             try:
                 await self.app(scope, receive_within_limit, send_with_id)
+            except ClientDisconnect:  # gone, or closed by the body deadline (server/connections.py): no answer
+                reason.append("the connection closed before the request body arrived")
             except Exception:
                 logger.exception("%s %s %s failed", request_id, scope.get("method"), scope["path"])
                 if status:  # the response has started: nothing better to send than a cut connection
@@ -326,9 +329,24 @@ def _needs_key(path: str) -> bool:
     return path.startswith("/v1") or path in ("/tokenize", "/detokenize", "/reset_prefix_cache")
 
 
+def _auth_refusal(scope, headers: dict[str, str], api_key: str) -> JSONResponse | None:
+    """The answer to a request without the key: a 401; a 400 for more than one Authorization header,
+    since which one would count is ambiguous (proxies and frameworks differ; docs/server.md, "Errors")."""
+    count = sum(1 for name, _ in scope.get("headers", []) if name.lower() == b"authorization")
+    if count > 1:
+        return _error(400, f"{count} Authorization headers: send exactly one", "invalid_request_error",
+                      "Authorization")
+    if not _authorized(headers, api_key):
+        return _error(401, "missing or wrong API key (Authorization: Bearer ...)", "authentication_error")
+    return None
+
+
 def _authorized(headers: dict[str, str], api_key: str) -> bool:
+    """Compared as bytes: a token with non-ASCII bytes (the header decoded as latin-1) is simply wrong
+    (hmac.compare_digest refuses non-ASCII str)."""
     scheme, _, token = headers.get("authorization", "").partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip(), api_key)
+    sent = token.strip().encode("latin-1")
+    return scheme.lower() == "bearer" and hmac.compare_digest(sent, api_key.encode("utf-8"))
 
 
 async def _stream(chunks: AsyncGenerator[str, None]) -> StreamingResponse:

@@ -197,6 +197,37 @@ def test_bad_request_gets_a_clean_4xx_and_the_server_keeps_serving(server, name,
     _assert_still_serving(base, llm)
 
 
+# (the headers as sent; httpx sends a bytes value's bytes as they are)
+ODD_AUTHORIZATION = [
+    ("a non-ASCII byte as the token", [("Authorization", b"Bearer \xe9")], 401, "authentication_error", "API key"),
+    ("the key and a non-ASCII byte", [("Authorization", f"Bearer {API_KEY}".encode() + b"\xe9")], 401,
+     "authentication_error", "API key"),
+    ("the key, then a wrong one", [("Authorization", f"Bearer {API_KEY}"), ("Authorization", "Bearer wrong")], 400,
+     "invalid_request_error", "2 Authorization headers"),
+    ("a wrong key, then the key", [("Authorization", "Bearer wrong"), ("Authorization", f"Bearer {API_KEY}")], 400,
+     "invalid_request_error", "2 Authorization headers"),
+]
+
+
+@pytest.mark.parametrize("name, headers, status, err_type, words", ODD_AUTHORIZATION,
+                         ids=[row[0] for row in ODD_AUTHORIZATION])
+def test_odd_authorization_headers_get_a_json_4xx(server, name, headers, status, err_type, words):
+    base, llm = server
+    response = httpx.post(f"{base}/v1/completions", json=_completion(), headers=headers, timeout=60)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["type"] == err_type and error["code"] == status and words in error["message"]
+    _assert_still_serving(base, llm)
+
+
+def test_a_non_ascii_api_key_matches_its_utf8_bytes():
+    from depthserve.server.app import _authorized
+
+    sent = "Bearer clé".encode().decode("latin-1")  # what the server's header dict holds
+    assert _authorized({"authorization": sent}, "clé")
+    assert not _authorized({"authorization": sent}, "cle")
+
+
 @pytest.mark.parametrize("path, body", [("/v1/completions", _completion(temperature=0.0)),
                                         ("/v1/chat/completions", {**_chat("hi"), "temperature": 0.0})])
 def test_openai_fields_that_do_not_change_the_output_are_accepted_and_ignored(server, path, body):
