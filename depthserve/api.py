@@ -21,16 +21,18 @@ Prompt = str | list[int]
 class LLM:
     """Load a model and run batches of prompts through the engine.
 
-    `LLM(model="smollm2-135m-instruct" | path, dtype=..., device=..., **engine_args)`; any
-    `EngineArgs` field may be passed by name.
+    `LLM(model="smollm2-135m-instruct" | path | "org/name", revision=None, dtype=..., device=...,
+    **engine_args)`; any `EngineArgs` field may be passed by name. A Hugging Face Hub id (`org/name`)
+    is served from the local Hub cache, downloaded first where it is not there; `revision` (a branch,
+    tag or commit of it) picks another snapshot than main (docs/checkpoint-format.md).
     """
 
-    def __init__(self, model: str = EngineArgs.model, **kwargs):
+    def __init__(self, model: str = EngineArgs.model, revision: str | None = None, **kwargs):
         known = {f.name for f in fields(EngineArgs)}
         unknown = sorted(set(kwargs) - known)
         if unknown:
             raise TypeError(f"unknown engine argument(s): {unknown}")
-        self.engine = LLMEngine(EngineArgs(model=model, **kwargs))
+        self.engine = LLMEngine(EngineArgs(model=model, revision=revision, **kwargs))
         self._ids = itertools.count()
 
     @property

@@ -13,6 +13,7 @@ DEPTH_POLICIES = ("fixed", "slo", "confidence", "need")  # depthserve/engine/dep
 @dataclass
 class EngineArgs:
     model: str = DEFAULT_MODEL
+    revision: str | None = None  # of a Hugging Face Hub model id: a branch, tag or commit (None: main)
     # auto: bfloat16 on CUDA and on CPUs with AVX-512 BF16 or AMX, float32 on other CPUs
     dtype: str = "auto"
     # Weight-only quantization on CPU (loading/quantization.py, vLLM's name): auto serves a GGUF in its

@@ -58,6 +58,12 @@ class UnknownModelError(DepthServeError, LookupError):
     error_type = "not_found_error"
 
 
+class HubModelError(UnknownModelError):
+    """A Hugging Face Hub id that resolves to no servable checkpoint: no such repository or revision,
+    access refused (a gated or private model: HF_TOKEN), not cached while the Hub cannot be reached,
+    or no config.json and safetensors weights in it. The message says which, and what to do."""
+
+
 class CheckpointFormatError(DepthServeError, ValueError):
     """A checkpoint's `depth` section or its weights are malformed or incomplete."""
 

@@ -50,7 +50,7 @@ class LLMEngine:
         if args.num_threads:
             torch.set_num_threads(args.num_threads)  # asked for explicitly: torch's threads are per process
         self.device = _resolve_device(args.device)
-        source = resolve_model(args.model)
+        source = resolve_model(args.model, args.revision)
         self.dtype = resolve_dtype(args.dtype, self.device, weight_bytes(source))
         self.args = args = replace(args, max_num_batched_tokens=args.step_token_budget(self.device.type))
         kernels = Kernels(args.kernel_backend, native_cpu=self.device.type == "cpu")

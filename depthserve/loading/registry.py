@@ -1,4 +1,5 @@
-"""Where a model name or path points: a built-in name, a GGUF file, or a HF-style directory."""
+"""Where a model name or path points: a built-in name, a GGUF file, a HF-style directory, or a
+Hugging Face Hub id (`org/name`, its snapshot in the local Hub cache: loading/hub.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from depthserve.errors import UnknownModelError
+from depthserve.errors import ConfigurationError, UnknownModelError
+from depthserve.loading.hub import hub_snapshot, is_hub_id
 
 
 @dataclass(frozen=True)
@@ -94,8 +96,27 @@ def builtin_source(model: BuiltinModel) -> ModelSource:
     return ModelSource(name=model.name, format="hf", path=path)
 
 
-def resolve_model(name_or_path: str | Path) -> ModelSource:
+def resolve_model(name_or_path: str | Path, revision: str | None = None) -> ModelSource:
+    """The checkpoint `name_or_path` names: a built-in name, then an existing path, then a Hub id
+    (downloaded into the Hub cache unless there). `revision` (a branch, tag or commit) applies to Hub
+    ids only; the served name stays what the user wrote."""
     name = str(name_or_path)
+    local = _local_source(name)
+    if local is not None:
+        if revision is not None:
+            raise ConfigurationError(f"revision '{revision}' applies to Hugging Face Hub ids (org/name), "
+                                     f"not to '{name}'")
+        return local
+    if is_hub_id(name):
+        return ModelSource(name=name, format="hf", path=hub_snapshot(name, revision))
+    raise UnknownModelError(
+        f"unknown model '{name}': not a built-in name ({', '.join(sorted(BUILTIN_MODELS))}), "
+        "a .gguf file, a directory with config.json, or a Hugging Face Hub id (org/name)"
+    )
+
+
+def _local_source(name: str) -> ModelSource | None:
+    """A built-in model or a checkpoint on disk, if `name` is one."""
     if name in BUILTIN_MODELS:
         return builtin_source(BUILTIN_MODELS[name])
     path = Path(name).expanduser()
@@ -103,7 +124,4 @@ def resolve_model(name_or_path: str | Path) -> ModelSource:
         return ModelSource(name=name, format="gguf", path=path)
     if path.is_dir() and (path / "config.json").is_file():
         return ModelSource(name=name, format="hf", path=path)
-    raise UnknownModelError(
-        f"unknown model '{name}': not a built-in name ({', '.join(sorted(BUILTIN_MODELS))}), "
-        "a .gguf file, or a directory with config.json"
-    )
+    return None

@@ -53,7 +53,10 @@ def _depth_json(text: str) -> dict:
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=DEFAULT_MODEL, help="built-in name, .gguf file or checkpoint dir")
+    parser.add_argument("--model", default=DEFAULT_MODEL,
+                        help="built-in name, .gguf file, checkpoint dir or Hugging Face Hub id (org/name)")
+    parser.add_argument("--revision", default=None,
+                        help="branch, tag or commit of a Hub model id (default: main)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                         help="activations and cache dtype (auto: bfloat16 on CUDA and on CPUs with AVX-512 BF16 "
                              "or AMX, float32 on other CPUs)")
@@ -120,7 +123,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
 
     engine_args = engine_args_from(ns)
     try:  # a wrong name, path or option fails here, before torch is imported or anything loads
-        resolve_model(ns.model)
+        resolve_model(ns.model, ns.revision)
         engine_args.validate()
     except DepthServeError as exc:
         return fail(str(exc))
@@ -186,9 +189,13 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     from depthserve.errors import DepthServeError
 
     presets = dict(ns.depth_preset or [])
+    if ns.model_tag is not None:  # `serve MODEL`, as vLLM's
+        if ns.model not in (DEFAULT_MODEL, ns.model_tag):
+            return fail(f"two models: {ns.model_tag} and --model {ns.model}; name one")
+        ns.model = ns.model_tag
     engine_args = engine_args_from(ns)
     try:  # what can be checked without the model, before torch is imported or the model loads
-        resolve_model(ns.model)
+        resolve_model(ns.model, ns.revision)
         engine_args.validate()
         for name, settings in presets.items():
             DepthParams.from_dict(settings, known=knob_names())
@@ -372,6 +379,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 
     p_serve = add("serve", help="serve the model over an OpenAI-compatible HTTP API")
     add_engine_args(p_serve)
+    p_serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help="the model, as --model takes it")
     p_serve.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     p_serve.add_argument("--port", type=int, default=8000, help="port to listen on")
     p_serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
