@@ -5,10 +5,15 @@ a byte now and then holds them all: slowloris) and answers what it cannot parse 
 Content-Length, a broken request line) with a plain-text 400. Here:
 - a connection has `header_timeout_s` from opening, or from its previous response, to finish
   sending a request's headers, then the server closes it;
+- a request's body has `body_timeout_s` from the end of its headers to arrive in full (a body sent a
+  byte now and then, a declared length never sent, an absurd chunk size never filled): past it the
+  server answers 408 with an OpenAI-style JSON error body (or, if the response has started, just
+  closes) and closes the connection;
 - an idle keep-alive connection is closed after `keep_alive_s` (uvicorn's own timer);
 - beyond `max_connections` open connections, requests are answered 503 at once (uvicorn's
   `limit_concurrency`) instead of queueing;
-- a request the HTTP parser rejects gets a 400 with an OpenAI-style JSON error body.
+- a request the HTTP parser rejects gets a 400 with an OpenAI-style JSON error body;
+- on shutdown (Ctrl-C, SIGTERM) requests still running get `shutdown_grace_s` to finish.
 """
 
 from __future__ import annotations
@@ -23,61 +28,88 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 @dataclass(frozen=True)
 class ConnectionLimits:
     header_timeout_s: float = 10.0
+    body_timeout_s: float = 20.0  # the default 4 MB body limit at 200 KB/s
     keep_alive_s: float = 5.0
     max_connections: int = 1000
+    shutdown_grace_s: float = 5.0
 
 
 def uvicorn_config(app, host: str, port: int, log_level: str, limits: ConnectionLimits = ConnectionLimits()):
     import uvicorn
 
-    protocol = type("LimitedH11Protocol", (HeaderTimeoutProtocol,), {"header_timeout_s": limits.header_timeout_s})
+    protocol = type("LimitedH11Protocol", (DeadlineProtocol,), {"header_timeout_s": limits.header_timeout_s,
+                                                                "body_timeout_s": limits.body_timeout_s})
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,  # ours is the access line
                           http=protocol, timeout_keep_alive=limits.keep_alive_s,
-                          limit_concurrency=limits.max_connections)
+                          limit_concurrency=limits.max_connections,
+                          timeout_graceful_shutdown=limits.shutdown_grace_s)
 
 
-class HeaderTimeoutProtocol(H11Protocol):
+class DeadlineProtocol(H11Protocol):
+    """uvicorn's h11 protocol with one deadline at a time: for the next request's headers while no
+    request is being answered, for the request's body while it is still arriving."""
+
     header_timeout_s: float = ConnectionLimits.header_timeout_s
+    body_timeout_s: float = ConnectionLimits.body_timeout_s
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        self._header_deadline: asyncio.TimerHandle | None = None
+        self._deadline: asyncio.TimerHandle | None = None
+        self._awaiting: str | None = None  # "headers" or "body": what the deadline is for
         super().connection_made(transport)
-        self._await_headers()
+        self._update_deadline()
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
-        if not self._waiting_for_headers():
-            self._stop_waiting()
+        self._update_deadline()
 
     def on_response_complete(self) -> None:
+        self._stop_deadline()  # the next request's headers get a deadline of their own
         super().on_response_complete()  # (a pipelined request may start here)
-        if not self.transport.is_closing() and self._waiting_for_headers():
-            self._await_headers()
+        self._update_deadline()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._stop_waiting()
+        self._stop_deadline()
         super().connection_lost(exc)
 
     def send_400_response(self, msg: str) -> None:
-        body = json.dumps({"error": {"message": f"malformed HTTP request: {msg}", "type": "invalid_request_error",
-                                     "param": None, "code": None}}).encode()
-        self.transport.write(b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\nconnection: close\r\n"
-                             b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        self._send_error(400, "Bad Request", f"malformed HTTP request: {msg}", "invalid_request_error")
         self.transport.close()
 
-    def _waiting_for_headers(self) -> bool:
-        return self.cycle is None or self.cycle.response_complete
+    def _send_error(self, status: int, reason: str, message: str, err_type: str) -> None:
+        """A last response with the OpenAI error body, written past h11 (the connection closes after it)."""
+        body = json.dumps({"error": {"message": message, "type": err_type, "param": None, "code": status}}).encode()
+        self.transport.write(f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\nconnection: close"
+                             f"\r\ncontent-length: {len(body)}\r\n\r\n".encode() + body)
 
-    def _await_headers(self) -> None:
-        self._stop_waiting()
-        self._header_deadline = self.loop.call_later(self.header_timeout_s, self._headers_too_slow)
+    def _waiting_for(self) -> str | None:
+        """What the connection waits for from the client: a request's "headers" (none is being
+        answered; a body still arriving after its response counts as the next request's head), the
+        "body" of the request being answered, or nothing."""
+        if self.cycle is None or self.cycle.response_complete:
+            return "headers"
+        return "body" if self.cycle.more_body else None
 
-    def _stop_waiting(self) -> None:
-        if self._header_deadline is not None:
-            self._header_deadline.cancel()
-            self._header_deadline = None
+    def _update_deadline(self) -> None:
+        """Arm the deadline when the connection starts waiting for something else; keep it while it
+        waits for the same thing (bytes trickling in do not extend it)."""
+        awaiting = None if self.transport.is_closing() else self._waiting_for()
+        if awaiting == self._awaiting and (awaiting is None or self._deadline is not None):
+            return
+        self._stop_deadline()
+        if awaiting is not None:
+            timeout = self.header_timeout_s if awaiting == "headers" else self.body_timeout_s
+            self._awaiting, self._deadline = awaiting, self.loop.call_later(timeout, self._too_slow)
 
-    def _headers_too_slow(self) -> None:
-        self._header_deadline = None
-        if self._waiting_for_headers() and not self.transport.is_closing():
-            self.transport.close()
+    def _stop_deadline(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+        self._deadline, self._awaiting = None, None
+
+    def _too_slow(self) -> None:
+        awaiting, self._deadline, self._awaiting = self._awaiting, None, None
+        if self.transport.is_closing() or self._waiting_for() != awaiting:
+            return
+        if awaiting == "body" and not self.cycle.response_started:
+            self._send_error(408, "Request Timeout", f"the request body did not arrive within "
+                             f"{self.body_timeout_s:g} s of its headers", "request_timeout")
+        self.transport.close()  # the app reading the body sees the client gone

@@ -5,28 +5,38 @@ minimal app: the connection layer is the same whatever app it serves."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import time
 
 import httpx
 import pytest
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 
+from depthserve.server.app import DEFAULT_MAX_BODY_BYTES, RequestIdAuthAndLimit
 from depthserve.server.connections import ConnectionLimits
 from tests.live_server import live_server
 
-LIMITS = ConnectionLimits(header_timeout_s=1.0, keep_alive_s=0.5, max_connections=20)
+LIMITS = ConnectionLimits(header_timeout_s=1.0, body_timeout_s=1.5, keep_alive_s=0.5, max_connections=20)
 
 
 @pytest.fixture(scope="module")
 def base():
+    """/health, and /echo that reads the body (under the server's own middleware, as every route is)."""
     app = FastAPI()
 
     @app.get("/health")
     async def health():
         return {"status": "ok"}
 
+    @app.post("/echo")
+    async def echo(request: Request, delay_s: float = 0.0):
+        body = await request.body()
+        await asyncio.sleep(delay_s)
+        return {"bytes": len(body)}
+
+    app.add_middleware(RequestIdAuthAndLimit, api_key=None, max_body_bytes=DEFAULT_MAX_BODY_BYTES)
     with live_server(app, LIMITS) as url:
         yield url
 
@@ -120,3 +130,71 @@ def test_what_the_http_parser_rejects_gets_a_json_400(base, request_head):
     assert head.startswith(b"HTTP/1.1 400") and b"content-type: application/json" in head.lower()
     error = json.loads(body)["error"]
     assert error["type"] == "invalid_request_error" and error["message"].startswith("malformed HTTP request")
+
+
+
+def _until_closed(sock: socket.socket, within: float) -> tuple[bytes, float]:
+    """What the server sends until it closes the connection, and after how many seconds it closed
+    (the socket timing out first fails the test)."""
+    started, answer = time.monotonic(), b""
+    sock.settimeout(within)
+    while chunk := sock.recv(4096):
+        answer += chunk
+    return answer, time.monotonic() - started
+
+
+def _assert_408(answer: bytes) -> None:
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408") and b"content-type: application/json" in head.lower(), answer
+    error = json.loads(body)["error"]
+    assert error["type"] == "request_timeout" and error["code"] == 408 and "body did not arrive" in error["message"]
+
+
+def test_a_body_sent_a_byte_now_and_then_gets_a_408_on_the_deadline(base):
+    """Content-Length 100000, then a byte every 0.2 s: each byte would reset an idle timer, not the
+    deadline for the whole body."""
+    slow = _connect(base)
+    slow.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n")
+    started = time.monotonic()
+    while time.monotonic() - started < LIMITS.body_timeout_s + 2:
+        try:
+            slow.sendall(b"a")
+        except OSError:
+            break
+        if _closed_by_server(slow, within=0.2):
+            break
+    else:
+        raise AssertionError("the slow body's connection is still open")
+    assert LIMITS.body_timeout_s - 0.2 <= time.monotonic() - started < LIMITS.body_timeout_s + 1
+    slow.close()
+
+
+@pytest.mark.parametrize("request_head", [
+    b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 4000000\r\n\r\n{",
+    b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nffffffffffffffffffff\r\nabc",
+    b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nabcde\r\n",
+], ids=["declared-length-never-sent", "absurd-chunk-size", "last-chunk-never-sent"])
+def test_a_body_that_never_arrives_gets_a_json_408_and_a_closed_connection(base, request_head):
+    sock = _connect(base)
+    sock.sendall(request_head)
+    answer, closed_after = _until_closed(sock, within=LIMITS.body_timeout_s + 3)
+    sock.close()
+    _assert_408(answer)
+    assert LIMITS.body_timeout_s - 0.2 <= closed_after < LIMITS.body_timeout_s + 1
+    assert httpx.get(f"{base}/health", timeout=5).status_code == 200
+
+
+def test_a_slow_body_that_arrives_within_the_deadline_is_answered(base):
+    """The deadline is for the whole body, and a complete body stops it: an answer that takes longer
+    than the deadline still comes, and the connection serves the next request."""
+    sock = _connect(base)
+    sock.sendall(b"POST /echo?delay_s=%g HTTP/1.1\r\nHost: x\r\nContent-Length: 6\r\n\r\nab" % (LIMITS.body_timeout_s + 0.5))
+    for part in (b"cd", b"ef"):
+        time.sleep(LIMITS.body_timeout_s / 4)
+        sock.sendall(part)
+    sock.settimeout(LIMITS.body_timeout_s + 5)
+    first = sock.recv(4096)
+    assert first.startswith(b"HTTP/1.1 200 OK") and first.endswith(b'{"bytes":6}'), first
+    sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert sock.recv(4096).startswith(b"HTTP/1.1 200 OK")
+    sock.close()
