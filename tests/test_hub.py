@@ -2,7 +2,9 @@
 snapshots,blobs}`, as huggingface_hub writes it) holding tiny Llama checkpoints at two revisions.
 `org/name` and its revisions resolve to their snapshots, through the API and the command line; the
 tokenizer and chat template come from the checkpoint; what cannot resolve fails with a HubModelError
-that says what to do. HF_HUB_OFFLINE=1 in every test: nothing here reaches the Hub."""
+that says what to do. Downloads are tested against a stand-in Hub on 127.0.0.1 (tests/fake_hub.py,
+HF_ENDPOINT). HF_HUB_OFFLINE=1 in every test but those, which name that endpoint: nothing here
+reaches the Hub."""
 
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from depthserve.loading.registry import resolve_model
 from depthserve.loading.tokenizer import byte_tokenizer
 from depthserve.tiny import make_tiny
 from depthserve.tools.cli import main as cli_main
+from tests.fake_hub import FakeHub, checkpoint_files, serve_fake_hub
 
 REPO = "tiny-org/tiny-llama"
 CHAT_TEMPLATE = ("{% for m in messages %}<<{{ m['role'] | upper }}::{{ m['content'] }}>>{% endfor %}"
@@ -228,3 +231,74 @@ def test_serve_resolves_a_hub_id_before_loading(busy_port, capsys):
     assert "at revision 'nosuch' is not in the Hugging Face cache" in capsys.readouterr().err
     assert cli_main(["serve", REPO, "--model", "tiny-org/other", "--port", str(busy_port)]) == 2
     assert "two models" in capsys.readouterr().err
+
+
+# ---- downloads, from a stand-in Hub on 127.0.0.1 ----------------------------------------------------------
+
+
+@pytest.fixture
+def fake_hub(hub, monkeypatch, tmp_path):
+    """A Hub on 127.0.0.1 (HF_ENDPOINT) holding REPO at main (the checkpoint, plus a README and .bin
+    weights that are not served) and v2, and a gated copy of main; an empty cache; online."""
+    fake = FakeHub()
+    served = checkpoint_files(hub.main)
+    fake.repo(REPO).add_commit("main", {**served, "README.md": b"# tiny", "pytorch_model.bin": b"not served"})
+    fake.repo(REPO).add_commit("v2", checkpoint_files(hub.v2))
+    gated = fake.repo("tiny-org/gated")
+    gated.token = "hf_test_token"
+    gated.add_commit("main", served)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "downloads"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    for token_variable in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"):
+        monkeypatch.delenv(token_variable, raising=False)
+    with serve_fake_hub(fake) as url:
+        monkeypatch.setenv("HF_ENDPOINT", url)
+        yield fake
+
+
+def _asked_for(fake: FakeHub, repo_id: str) -> list[str]:
+    return [request for request in fake.requests if repo_id in request]
+
+
+def test_a_model_not_cached_is_downloaded_then_served_from_the_cache_offline(hub, fake_hub, direct_tokens,
+                                                                             monkeypatch, capfd):
+    path = resolve_model(REPO).path
+    assert sorted(file.name for file in path.iterdir()) == sorted(checkpoint_files(hub.main))  # no README, no .bin
+    assert (path.parents[1] / "refs" / "main").read_text() == path.name
+    if not os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS"):
+        assert "Fetching" in capfd.readouterr().err  # huggingface_hub's progress bar
+    assert any(request.startswith(f"GET /{REPO}/resolve/") for request in fake_hub.requests)
+    v2 = resolve_model(REPO, revision="v2").path
+    assert sorted(file.name for file in v2.iterdir()) == sorted(checkpoint_files(hub.v2)) and v2 != path
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    fake_hub.requests.clear()
+    assert greedy_tokens(tiny_llm(REPO)) == direct_tokens["main"]
+    assert _asked_for(fake_hub, REPO) == []  # offline: served from the cache alone
+
+
+def test_a_gated_model_downloads_with_hf_token(fake_hub, monkeypatch):
+    with pytest.raises(HubModelError, match=f"'tiny-org/gated' is a gated model: accept its terms on "
+                                            f"{os.environ['HF_ENDPOINT']}/tiny-org/gated and set HF_TOKEN"):
+        resolve_model("tiny-org/gated")
+    monkeypatch.setenv("HF_TOKEN", "hf_test_token")
+    assert (resolve_model("tiny-org/gated").path / "model.safetensors").is_file()
+
+
+def test_the_hubs_answers_for_an_unknown_id_or_revision(fake_hub):
+    with pytest.raises(HubModelError, match="no model 'tiny-org/nothing' on the Hugging Face Hub"):
+        resolve_model("tiny-org/nothing")
+    with pytest.raises(HubModelError, match="'tiny-org/tiny-llama' on the Hugging Face Hub has no revision 'v9'"):
+        resolve_model(REPO, revision="v9")
+    assert _asked_for(fake_hub, "tiny-org/nothing") and _asked_for(fake_hub, "v9")
+
+
+def test_an_unreachable_hub_falls_back_to_the_cache(hub, monkeypatch):
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        closed = sock.getsockname()[1]
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{closed}")
+    assert resolve_model(REPO).path == hub.main
+    with pytest.raises(HubModelError, match="'tiny-org/not-cached' is not in the Hugging Face cache .* and the "
+                                            "Hub cannot be reached"):
+        resolve_model("tiny-org/not-cached")

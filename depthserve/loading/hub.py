@@ -2,8 +2,8 @@
 Hub cache, downloaded through `huggingface_hub` when it is not there yet (docs/checkpoint-format.md,
 "Models from the Hugging Face Hub").
 
-The cache, the token and offline mode are huggingface_hub's own: HF_HUB_CACHE (or HF_HOME/hub),
-HF_TOKEN (or the token `hf auth login` saved), HF_HUB_OFFLINE=1. Only the files a checkpoint is served
+The cache, the token, offline mode and the endpoint are huggingface_hub's own: HF_HUB_CACHE (or
+HF_HOME/hub), HF_TOKEN (or the token `hf auth login` saved), HF_HUB_OFFLINE=1, HF_ENDPOINT (a mirror). Only the files a checkpoint is served
 from are fetched (CHECKPOINT_PATTERNS), with huggingface_hub's progress bars.
 """
 
@@ -47,8 +47,9 @@ def is_hub_id(name: str) -> bool:
 
 def hub_cache_dir() -> str | None:
     """The Hub cache the environment names now (HF_HUB_CACHE, else HF_HOME/hub; None: huggingface_hub's
-    default). Read at each call: huggingface_hub reads these once, when it is first imported (by
-    transformers, early), so a process that sets them later would otherwise not be heard."""
+    default). Read at each call, as HF_HUB_OFFLINE and HF_ENDPOINT are: huggingface_hub reads them once,
+    when it is first imported (by transformers, early), so a process that sets them later would
+    otherwise not be heard."""
     if os.environ.get("HF_HUB_CACHE"):
         return os.path.expanduser(os.environ["HF_HUB_CACHE"])
     if os.environ.get("HF_HOME"):
@@ -80,10 +81,11 @@ def hub_snapshot(repo_id: str, revision: str | None = None) -> Path:
     shown = _shown(repo_id, revision)
     try:
         folder = snapshot_download(repo_id, revision=revision, allow_patterns=list(CHECKPOINT_PATTERNS),
-                                   cache_dir=hub_cache_dir(), local_files_only=offline, library_name="depthserve",
+                                   cache_dir=hub_cache_dir(), local_files_only=offline,
+                                   endpoint=_hub_url(), library_name="depthserve",
                                    library_version=__version__)
     except GatedRepoError as exc:
-        raise HubModelError(f"'{repo_id}' is a gated model: accept its terms on https://huggingface.co/{repo_id} "
+        raise HubModelError(f"'{repo_id}' is a gated model: accept its terms on {_hub_url()}/{repo_id} "
                             "and set HF_TOKEN to a token of that account") from exc
     except RepositoryNotFoundError as exc:
         raise HubModelError(f"no model '{repo_id}' on the Hugging Face Hub (or it is private: set HF_TOKEN to a "
@@ -100,6 +102,10 @@ def hub_snapshot(repo_id: str, revision: str | None = None) -> Path:
     except OSError as exc:  # the cache folder not writable, the disk full
         raise HubModelError(f"cannot download {shown} into the Hugging Face cache: {exc}") from exc
     return _checked_snapshot(Path(folder), shown)
+
+
+def _hub_url() -> str:
+    return (os.environ.get("HF_ENDPOINT") or "https://huggingface.co").rstrip("/")
 
 
 def _shown(repo_id: str, revision: str | None) -> str:
