@@ -72,6 +72,7 @@ def paged_decode_attention(
     page_table: torch.Tensor,  # [batch, num_kv_heads, num_blocks]; padding blocks may hold any page
     context_lens: torch.Tensor,  # [batch] keys visible to each query (its own included)
     scale: float,
+    window: int | None = None,  # keys a query sees, its own included (sliding-window layers); None: all
 ) -> torch.Tensor:
     """Single-query attention over each sequence's paged keys. Returns [batch, num_q_heads, head_dim].
 
@@ -86,7 +87,10 @@ def paged_decode_attention(
     values = gather_kv(v_pages, page_table)
     num_kv_heads, max_len = keys.shape[1], keys.shape[2]
     query = q.view(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim).to(keys.dtype)
-    visible = torch.arange(max_len, device=q.device)[None, :] < context_lens[:, None]
+    key_pos = torch.arange(max_len, device=q.device)[None, :]
+    visible = key_pos < context_lens[:, None]
+    if window is not None:
+        visible = visible & (key_pos >= context_lens[:, None] - window)
     out = F.scaled_dot_product_attention(query, keys, values, attn_mask=visible[:, None, None, :], scale=scale)
     return out.reshape(batch, num_q_heads, head_dim)
 
@@ -98,6 +102,7 @@ def paged_prefill_attention(
     page_table: torch.Tensor,  # [num_kv_heads, num_blocks] of this sequence
     context_len: int,  # keys visible to the last query (start + num_queries)
     scale: float,
+    window: int | None = None,  # keys a query sees, its own included (sliding-window layers); None: all
 ) -> torch.Tensor:
     """Causal attention of a prompt chunk over its sequence's cache (earlier chunks and prefix hits included)."""
     num_queries = q.shape[0]
@@ -109,12 +114,14 @@ def paged_prefill_attention(
     query = q.transpose(0, 1).to(keys.dtype)[None]  # [1, heads, n, d]
     keys, values = keys[None], values[None]
     gqa = q.shape[1] != keys.shape[1]
-    if start == 0:
+    if start == 0 and window is None:
         out = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale, enable_gqa=gqa)
     else:
         key_pos = torch.arange(context_len, device=q.device)
         query_pos = torch.arange(start, context_len, device=q.device)
         mask = key_pos[None, :] <= query_pos[:, None]
+        if window is not None:
+            mask = mask & (key_pos[None, :] > query_pos[:, None] - window)
         out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa)
     return out[0].transpose(0, 1)
 
@@ -127,6 +134,7 @@ def paged_prefill_attention_varlen(
     query_starts: torch.Tensor,  # [num_seqs + 1] row of each sequence's first query
     context_lens: torch.Tensor,  # [num_seqs] keys visible to each sequence's last query
     scale: float,
+    window: int | None = None,  # keys a query sees, its own included (sliding-window layers); None: all
 ) -> torch.Tensor:
     """Causal attention of several packed prompt chunks, each over its own sequence's cache."""
     out = torch.empty_like(q)
@@ -134,5 +142,5 @@ def paged_prefill_attention_varlen(
     for i, context_len in enumerate(context_lens.tolist()):
         rows = slice(starts[i], starts[i + 1])
         if rows.start < rows.stop:
-            out[rows] = paged_prefill_attention(q[rows], k_pages, v_pages, page_tables[i], context_len, scale)
+            out[rows] = paged_prefill_attention(q[rows], k_pages, v_pages, page_tables[i], context_len, scale, window)
     return out

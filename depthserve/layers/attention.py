@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from depthserve.kernels import paged as paged_ops
 from depthserve.kernels.dispatch import Kernels
 
 
@@ -106,9 +107,16 @@ def paged_attention(
     meta: AttentionMetadata,
     slot_columns: slice,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Store the step's keys/values in the slot, then attend causally. Returns [num_tokens, num_q_heads, head_dim]."""
+    """Store the step's keys/values in the slot, then attend causally. Returns [num_tokens, num_q_heads, head_dim].
+
+    `window`: a query sees only the last `window` keys, its own included (a sliding-window layer).
+    Only the torch implementations (kernels/paged.py) take a window, so a windowed layer runs
+    them on every backend; the native and Triton kernels attend over the whole context."""
     meta.kernels.store_kv(k, v, pool.k_pages, pool.v_pages, meta.slot_index[:, slot_columns])
+    if window is not None:
+        return _windowed_attention(q, pool, meta, slot_columns, scale, window)
     if not meta.prefills and meta.num_decodes:  # decode only: the kernel's output as it is (no copy kernel per layer)
         return _decode_attention(q, pool, meta, slot_columns, scale)
     out = torch.empty_like(q)
@@ -122,6 +130,24 @@ def paged_attention(
     if meta.num_decodes:
         rows = slice(meta.num_prefill_tokens, None)  # the rest: no bound for a compiled graph to specialise on
         out[rows] = _decode_attention(q[rows], pool, meta, slot_columns, scale)
+    return out
+
+
+def _windowed_attention(q: torch.Tensor, pool: KVPool, meta: AttentionMetadata, slot_columns: slice, scale: float,
+                        window: int) -> torch.Tensor:
+    """paged_attention's attention step for a sliding-window layer, on the torch implementations."""
+    out = torch.empty_like(q)
+    if meta.prefills:
+        rows = slice(0, meta.num_prefill_tokens)
+        packed = meta.packed_prefills()
+        tables = packed.page_tables[:, :, slot_columns].transpose(1, 2)
+        out[rows] = paged_ops.paged_prefill_attention_varlen(
+            q[rows], pool.k_pages, pool.v_pages, tables, packed.query_starts, packed.context_lens, scale, window)
+    if meta.num_decodes:
+        rows = slice(meta.num_prefill_tokens, None)
+        table = meta.decode_page_table[:, :, slot_columns].transpose(1, 2)
+        out[rows] = paged_ops.paged_decode_attention(q[rows], pool.k_pages, pool.v_pages, table,
+                                                     meta.decode_context_lens, scale, window)
     return out
 
 

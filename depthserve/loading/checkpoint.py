@@ -18,11 +18,18 @@ from depthserve.errors import CheckpointFormatError, MissingCalibrationError  # 
 FORMAT_VERSION = 1
 
 
+# transformers model types whose checkpoints are served as they are, under the architecture of
+# the same name (docs/checkpoint-format.md, "Dory").
+NATIVE_MODEL_TYPES = ("dory",)
+
+
 def depth_section(hf_config: dict[str, Any]) -> tuple[str, dict[str, Any] | None]:
     """(architecture name, the `depth` section) of a config; a config without one is a plain Llama."""
     section = hf_config.get("depth")
     if section is None:
-        return "llama", None
+        # A transformers model type served as an architecture of its own (its config is its spec).
+        model_type = hf_config.get("model_type")
+        return (model_type if model_type in NATIVE_MODEL_TYPES else "llama"), None
     if not isinstance(section, dict):
         raise CheckpointFormatError("config.json: `depth` must be an object")
     version = section.get("format_version", FORMAT_VERSION)

@@ -1,0 +1,240 @@
+"""Dory (NVIDIA Nemotron-Labs): a looped nGPT decoder (docs/depth-semantics.md, "Public looped
+models: Dory"), computed as transformers' DoryForCausalLM computes it.
+
+    x   = embed(ids)
+    x   = prelude layers (n_input_layers, once)
+    p   = N(x)                                     N: projection onto the unit sphere
+    x   = recurrent layers over N(x) + p, `loops` times
+    x   = coda layers (n_output_layers, once)
+    out = (W_head N(x)) * logit_scale
+
+A decoder layer interpolates on the sphere instead of adding:
+
+    h  = N(x);  h = h + |a1| * (N(Attn(h)) - h)
+    h  = N(h);  x' = h + |a2| * (N(MLP(h)) - h)
+
+Attention: unit-norm queries and keys per head, rotated (the rope theta of the layer's type),
+queries scaled per channel by sqk^2, a sliding window on sliding layers; its output gated by
+sigmoid(g * s_gate^2) and normed before W_O. MLP: down(N(silu(gate * suv_gate) * (up * suv_up))).
+
+Caches (DoryConfig.recurrent_kv_cache_mode): per_loop gives each (pass, recurrent layer) its own
+slot; last_loop gives each recurrent layer one slot that every pass writes in turn, so after the
+forward it holds the last pass's keys, and pass t of a chunk attends over the earlier forwards'
+last-pass keys plus this chunk's pass-t keys (what transformers computes for that chunk).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from depthserve.archs.base import BuildOptions, DepthModel, RequestState
+from depthserve.archs.dory.format import (
+    DoryConfig,
+    DoryPlan,
+    base_slots,
+    knobs,
+    layer_slot_name,
+    parameter_name,
+    recurrent_slot_name,
+)
+from depthserve.archs.dory.format import plan as dory_plan
+from depthserve.archs.dory.format import report as dory_report
+from depthserve.cache import CacheLayout
+from depthserve.depth import DepthParams, DepthReport, KnobSpec
+from depthserve.errors import CheckpointFormatError
+from depthserve.layers.attention import AttentionMetadata, KVPool, paged_attention
+from depthserve.layers.rotary import apply_rope, rope_tables
+from depthserve.layers.rows import step_rows
+
+L2_EPS = 1e-6  # transformers' DoryL2Norm
+
+
+def unit_norm(x: torch.Tensor) -> torch.Tensor:
+    """x projected onto the unit sphere along its last dimension (computed in fp32)."""
+    y = x.float()
+    return (y * torch.rsqrt(y.pow(2).sum(-1, keepdim=True) + L2_EPS)).type_as(x)
+
+
+def _scale(size: int, init: float) -> nn.Parameter:
+    return nn.Parameter(torch.full((size,), init), requires_grad=False)
+
+
+class DoryAttention(nn.Module):
+    def __init__(self, cfg: DoryConfig, index: int):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, q_size, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, kv_size, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=cfg.attention_bias)
+        self.gate_proj = nn.Linear(cfg.hidden_size, q_size, bias=False)
+        self.sqk = _scale(q_size, cfg.initializer_range)
+        self.s_gate = _scale(q_size, cfg.initializer_range)
+        # the stored scales are used as s * (their init value) / initializer_range
+        self.sqk_factor = cfg.head_dim**0.5 / cfg.initializer_range
+        self.s_gate_factor = cfg.hidden_size**0.25 / cfg.initializer_range
+        self.scale = cfg.head_dim**-0.5
+        self.window = cfg.window(index)
+
+    def forward(self, x, cos, sin, pool: KVPool, meta: AttentionMetadata, columns: slice) -> torch.Tensor:
+        n = x.shape[0]
+        q = unit_norm(self.q_proj(x).view(n, self.num_heads, self.head_dim))
+        k = unit_norm(self.k_proj(x).view(n, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q = q * (self.sqk * self.sqk_factor).view(self.num_heads, self.head_dim).square()
+        out = paged_attention(q, k, v, pool, meta, columns, self.scale, self.window).reshape(n, -1)
+        out = out * torch.sigmoid(self.gate_proj(x) * (self.s_gate * self.s_gate_factor).square())
+        return self.o_proj(unit_norm(out))
+
+
+class DoryMLP(nn.Module):
+    def __init__(self, cfg: DoryConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.suv_gate = _scale(cfg.intermediate_size, 1.0)
+        self.suv_up = _scale(cfg.intermediate_size, 1.0)
+        self.suv_factor = cfg.hidden_size**0.5
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = self.gate_proj(x) * (self.suv_gate * self.suv_factor)
+        up = self.up_proj(x) * (self.suv_up * self.suv_factor)
+        return self.down_proj(unit_norm(F.silu(gate) * up))
+
+
+class DoryDecoderLayer(nn.Module):
+    def __init__(self, cfg: DoryConfig, index: int):
+        super().__init__()
+        self.layer_type = cfg.layer_types[index]
+        self.self_attn = DoryAttention(cfg, index)
+        self.mlp = DoryMLP(cfg)
+        self.lambda_1 = _scale(cfg.hidden_size, cfg.initializer_range)
+        self.lambda_2 = _scale(cfg.hidden_size, cfg.initializer_range)
+        self.lambda_factor = cfg.ngpt_alpha_init / cfg.initializer_range
+
+    def forward(self, x, cos, sin, pool, meta, columns) -> torch.Tensor:
+        h = unit_norm(x)
+        attention = unit_norm(self.self_attn(h, cos, sin, pool, meta, columns))
+        h = h + (self.lambda_1 * self.lambda_factor).abs() * (attention - h)
+        h = unit_norm(h)
+        mlp = unit_norm(self.mlp(h))
+        return h + (self.lambda_2 * self.lambda_factor).abs() * (mlp - h)
+
+
+class DoryLMHead(nn.Module):
+    """W_head with a learned per-token logit scale (used as logit_scale / initializer_range)."""
+
+    def __init__(self, cfg: DoryConfig):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(cfg.vocab_size, cfg.hidden_size), requires_grad=False)
+        self.logit_scale = _scale(cfg.vocab_size, cfg.initializer_range)
+        self.factor = 1 / cfg.initializer_range
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.weight).float() * (self.logit_scale.float() * self.factor)
+
+
+class DoryForCausalLM(nn.Module, DepthModel):
+    uses_step_batch = True
+
+    def __init__(self, cfg: DoryConfig, max_positions: int):
+        super().__init__()
+        self.config = cfg
+        self.max_positions = max_positions
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DoryDecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.lm_head = DoryLMHead(cfg)
+        self.rope: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # filled by finish_load
+        self.base_columns = dict(CacheLayout(base_slots(cfg)).slot_columns())  # alike in every request's table
+
+    @property
+    def head_dim(self) -> int:
+        return self.config.head_dim
+
+    def forward(self, input_ids, positions, pool: KVPool, meta: AttentionMetadata) -> torch.Tensor:
+        cfg = self.config
+        rope = {kind: (cos[positions], sin[positions]) for kind, (cos, sin) in self.rope.items()}
+        columns = self.base_columns
+        x = self.embed_tokens(input_ids)
+        for i in range(cfg.n_input_layers):
+            x = self.layers[i](x, *rope[cfg.layer_types[i]], pool, meta, columns[layer_slot_name(i)])
+        x = self.recurrent(x, rope, pool, meta)
+        for i in cfg.output_layers:
+            x = self.layers[i](x, *rope[cfg.layer_types[i]], pool, meta, columns[layer_slot_name(i)])
+        return unit_norm(x)
+
+    def recurrent(self, x, rope, pool, meta) -> torch.Tensor:
+        """The recurrent section's passes: pass t over the rows whose requests run at least t loops,
+        each pass restarting from N(x) + N(prelude output)."""
+        cfg, rows = self.config, step_rows(meta)
+        loops = rows.setting(0)
+        prelude = unit_norm(x)
+        for t in range(1, rows.deepest(loops, cfg.max_loops) + 1):
+            level = rows.narrow(loops, t)
+            xs = unit_norm(level.take(x)) + level.take(prelude)
+            for i in cfg.recurrent_layers:
+                cos, sin = rope[cfg.layer_types[i]]
+                sub_meta, columns = level.attend(recurrent_slot_name(cfg, i, t))
+                xs = self.layers[i](xs, level.take(cos), level.take(sin), pool, sub_meta, columns)
+            x = level.merge(x, xs)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    # ---- depth ------------------------------------------------------------------------------------
+    def depth_knobs(self) -> dict[str, KnobSpec]:
+        return knobs(self.config)
+
+    def plan(self, depth: DepthParams) -> DoryPlan:
+        return dory_plan(self.config, depth)
+
+    def row_settings(self, plan: DoryPlan, level: int | None) -> np.ndarray:
+        return np.array([plan.step_level(level)], dtype=np.float32)
+
+    def report(self, request: RequestState) -> DepthReport:
+        return dory_report(self.config, request.plan, request.num_computed_tokens, request.num_output_tokens)
+
+    # ---- weights ----------------------------------------------------------------------------------
+    checkpoint_prefix = ""
+
+    @torch.no_grad()
+    def take_weights(self, weights: dict[str, torch.Tensor], source: str) -> set[str]:
+        """Every tensor, by its name in any of the checkpoint spellings (format.parameter_name)."""
+        params = dict(self.named_parameters())
+        filled = set()
+        for checkpoint_name in [name for name in weights if parameter_name(name) in params]:
+            target = parameter_name(checkpoint_name)
+            tensor = weights.pop(checkpoint_name)
+            if tuple(tensor.shape) != tuple(params[target].shape):
+                raise CheckpointFormatError(f"{source}: {checkpoint_name} must be {list(params[target].shape)}, "
+                                            f"got {list(tensor.shape)}")
+            params[target].copy_(tensor)
+            filled.add(target)
+        return filled
+
+    def after_load(self, loaded: set[str]) -> set[str]:
+        if self.config.tie_word_embeddings or "lm_head.weight" not in loaded:
+            self.lm_head.weight = self.embed_tokens.weight
+            return {"lm_head.weight"}
+        return set()
+
+    def finish_load(self, device: torch.device) -> None:
+        """The rotary tables of each layer type (its own theta), fp32 whatever the model dtype."""
+        self.rope = {kind: tuple(t.to(device) for t in rope_tables(self.config.head_dim, self.max_positions, theta))
+                     for kind, theta in self.config.rope_thetas.items()}
+
+
+def build(hf_config: dict, spec: DoryConfig, options: BuildOptions) -> DoryForCausalLM:
+    """`options.max_loops`: the engine's ceiling of `loops` instead of the checkpoint's."""
+    if options.max_loops is not None:
+        spec = replace(spec, max_loops=options.max_loops)
+    return DoryForCausalLM(spec, options.max_len)

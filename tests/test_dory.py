@@ -1,0 +1,230 @@
+"""Dory (docs/depth-semantics.md, "Public looped models: Dory"): the config and weights read as
+transformers reads them, and the engine against transformers' DoryForCausalLM in fp32 (with
+`n_recurrent_loops` = the request's `loops`): greedy tokens identical, logprobs within 1e-4, in
+mixed batches of loop counts, with chunked prefill, preemption, prefix-cache hits and a sliding
+window shorter than the prompts. The checkpoints are tiny ones saved by transformers itself."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from depthserve import DepthParams, SamplingParams
+from depthserve.archs import read_depth_spec
+from depthserve.archs.dory import format as dory_format
+from depthserve.archs.dory import reference as dory_reference
+from depthserve.archs.dory.tiny import make_tiny
+from depthserve.errors import CheckpointFormatError, InvalidDepthError
+from tests.depth_helpers import cache_layout, check_logprobs, tiny_llm
+
+TOL = 1e-4
+NEAR_TIE = 0.0  # greedy tokens must be the reference's argmax
+WINDOW = 8  # the tiny checkpoints' sliding window: every prompt below is longer
+VOCAB = 257  # the byte tokenizer's
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dory")
+    per_loop = make_tiny(root / "per-loop", seed=3, loops=2, sliding_window=WINDOW)
+    return {"per_loop": per_loop, "released": _released_copy(per_loop, root / "released")}
+
+
+def _released_copy(path, out):
+    """The same checkpoint in the layout released Dory checkpoints use: each decoder layer as an
+    attention block `layers.{2i}.mixer` and an MLP block `layers.{2i+1}.mixer`, the rates as
+    `attn_alpha` / `mlp_alpha` (transformers reads it through its conversion mapping)."""
+    shutil.copytree(path, out)
+    renamed = {}
+    for name, tensor in load_file(str(path / "model.safetensors")).items():
+        parts = name.split(".")
+        if parts[:2] == ["backbone", "layers"]:
+            i, rest = int(parts[2]), parts[3:]
+            if rest[0] in ("lambda_1", "lambda_2"):
+                block, rest = (2 * i, ["attn_alpha"]) if rest[0] == "lambda_1" else (2 * i + 1, ["mlp_alpha"])
+            else:
+                block, rest = (2 * i if rest[0] == "self_attn" else 2 * i + 1), ["mixer", *rest[1:]]
+            name = ".".join(["backbone", "layers", str(block), *rest])
+        renamed[name] = tensor
+    save_file(renamed, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    return torch.randint(1, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _check(path, prompt, depth, completion, stats, **reference_options):
+    logits = dory_reference.forward(path, prompt + completion.token_ids[:-1], depth, prompt_len=len(prompt),
+                                    **reference_options)
+    check_logprobs(torch.log_softmax(logits, dim=-1), len(prompt), completion, stats, tol=TOL, near_tie=NEAR_TIE)
+
+
+def _run(engine, requests) -> dict:
+    for rid, prompt, params, depth in requests:
+        engine.add_request(rid, prompt, params, depth)
+    final = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+    return final
+
+
+# ---- the config and the weights ----------------------------------------------------------------------
+def _transformers_config(hf: dict):
+    from transformers import DoryConfig
+
+    return DoryConfig(**{k: v for k, v in hf.items() if k not in ("architectures", "transformers_version")})
+
+
+@pytest.mark.parametrize("layout", ["released", "per_layer"])
+def test_config_reads_as_transformers_reads_it(ckpts, layout):
+    hf = json.loads((ckpts["per_loop"] / "config.json").read_text())
+    assert "mlp" in hf["layer_types"] and hf["num_hidden_layers"] == 12  # transformers saves the released layout
+    if layout == "per_layer":  # one entry per decoder layer, as DoryConfig holds it in memory
+        hf = {**hf, "layer_types": hf["layer_types"][::2], "num_hidden_layers": 6, "n_input_layers": 2,
+              "n_recurrent_layers": 2, "n_output_layers": 2}
+    ours, theirs = read_depth_spec(hf), _transformers_config(hf)
+    assert ours.layer_types == tuple(theirs.layer_types) and ours.num_layers == theirs.num_hidden_layers == 6
+    assert (ours.n_input_layers, ours.n_recurrent_layers, ours.n_output_layers) == (
+        theirs.n_input_layers, theirs.n_recurrent_layers, theirs.n_output_layers) == (2, 2, 2)
+    assert ours.rope_thetas == {t: p["rope_theta"] for t, p in theirs.rope_parameters.items()}
+    assert (ours.sliding_window, ours.n_recurrent_loops, ours.recurrent_kv_cache_mode) == (WINDOW, 2, "per_loop")
+    assert ours.max_loops == dory_format.MAX_LOOPS_FACTOR * 2
+
+
+def test_defaults_are_transformers_defaults():
+    """A config naming only what it must gets DoryConfig's defaults (layer types, rope thetas, counts)."""
+    hf = {"model_type": "dory", "num_hidden_layers": 20}
+    ours, theirs = read_depth_spec(hf), _transformers_config(hf)
+    assert ours.layer_types == tuple(theirs.layer_types)
+    assert ours.n_recurrent_layers == theirs.n_recurrent_layers == 4
+    assert ours.rope_thetas == {t: p["rope_theta"] for t, p in theirs.rope_parameters.items()}
+    assert (ours.head_dim, ours.sliding_window, ours.n_recurrent_loops) == (theirs.head_dim, theirs.sliding_window, 2)
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"n_recurrent_layers": 20}, "must equal num_hidden_layers"),
+    ({"recurrent_kv_cache_mode": "every_loop"}, "recurrent_kv_cache_mode"),
+    ({"n_recurrent_loops": 0}, "n_recurrent_loops"),
+    ({"hidden_act": "gelu"}, "hidden_act"),
+    ({"layer_types": ["full_attention", "mlp", "mlp"]}, "alternates"),
+    ({"layer_types": ["local"] * 6, "num_hidden_layers": 6, "n_recurrent_layers": 2}, "layer_types"),
+    ({"rope_parameters": {"full_attention": {"rope_type": "yarn", "rope_theta": 1e4}}}, "rope"),
+    ({"depth": {"architecture": "dory"}}, "carries no `depth` section"),
+])
+def test_malformed_configs_are_refused(ckpts, change, match):
+    hf = {**json.loads((ckpts["per_loop"] / "config.json").read_text()), **change}
+    if "depth" in change:
+        with pytest.raises(CheckpointFormatError, match=match):
+            dory_format.read_spec(change["depth"], hf)
+        return
+    with pytest.raises(CheckpointFormatError, match=match):
+        read_depth_spec(hf)
+
+
+def test_weight_names_in_every_spelling():
+    name = dory_format.parameter_name
+    assert name("backbone.embeddings.weight") == name("model.embed_tokens.weight") == "embed_tokens.weight"
+    assert name("backbone.layers.6.mixer.g_proj.weight") == "layers.3.self_attn.gate_proj.weight"
+    assert name("backbone.layers.3.self_attn.g_proj.weight") == "layers.3.self_attn.gate_proj.weight"
+    assert name("backbone.layers.7.mixer.suv_up") == name("model.layers.3.mlp.suv_up") == "layers.3.mlp.suv_up"
+    assert name("backbone.layers.6.attn_alpha") == "layers.3.lambda_1"
+    assert name("backbone.layers.7.mlp_alpha") == "layers.3.lambda_2"
+    assert name("lm_head.logit_scale") == "lm_head.logit_scale"
+
+
+def test_reference_is_peaked_and_loops_change_it(ckpts):
+    path, ids = ckpts["per_loop"], _ids(40, seed=1)
+    logits = {L: dory_reference.forward(path, ids, {"loops": L}) for L in (1, 2, 4)}
+    torch.testing.assert_close(dory_reference.forward(path, ids), logits[2], rtol=0, atol=0)  # default: trained
+    for lg in logits.values():
+        top2 = lg.topk(2, dim=-1).values
+        assert float((top2[:, 0] - top2[:, 1]).median()) > 0.5
+    for a, b in ((1, 2), (2, 4)):
+        assert (logits[a].argmax(-1) != logits[b].argmax(-1)).any()
+
+
+# ---- the engine, per_loop ----------------------------------------------------------------------------
+LENGTHS = [9, 23, 40, 17, 31, 12, 55, 26]
+LOOPS = [1, 2, 4, None, 4, 1, 2, 4]
+
+
+def test_mixed_loops_batch_equals_transformers_with_chunks_and_preemption(ckpts):
+    path = ckpts["per_loop"]
+    prompts = [_ids(n, seed=10 + i) for i, n in enumerate(LENGTHS)]
+    depths = [DepthParams() if n is None else DepthParams(loops=n) for n in LOOPS]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2)
+    probe = tiny_llm(path)
+    bm, model = probe.engine.block_manager, probe.engine.model
+    need = [bm.pages_for(cache_layout(model, d), len(p) + params.max_tokens) for p, d in zip(prompts, depths)]
+    pages = max(need) + 6
+    assert sum(need) > 2 * pages
+    # A step budget of 13 tokens: prompts cut into uneven chunks across steps.
+    engine = tiny_llm(path, pages=pages, max_model_len=80, max_num_batched_tokens=13).engine
+    final = _run(engine, [(f"r{i}", p, params, d) for i, (p, d) in enumerate(zip(prompts, depths))])
+    assert engine.scheduler.num_preemptions > 0, "the KV budget was meant to force preemption"
+    stats = {"tokens": 0, "max_err": 0.0}
+    for i, (prompt, depth) in enumerate(zip(prompts, depths)):
+        out = final[f"r{i}"]
+        _check(path, prompt, depth, out.outputs[0], stats)
+        report = out.depth
+        assert report.settings["loops"] == (LOOPS[i] or 2) and report.settings["trained_loops"] == 2
+        assert report.counters["recurrent_layer_passes"] == report.tokens * report.settings["loops"] * 2
+    print("dory per_loop mixed batch:", engine.scheduler.num_preemptions, "preemptions", stats)
+    assert engine.block_manager.num_used_pages == 0
+
+
+def test_cache_slots_grow_with_loops_in_per_loop_mode(ckpts):
+    model = tiny_llm(ckpts["per_loop"]).engine.model
+    for loops in (1, 2, 4):
+        layout = cache_layout(model, DepthParams(loops=loops))
+        assert len(layout.slots) == 4 + 2 * loops  # prelude and coda layers once, the recurrent ones per pass
+        assert layout.base_width == 6 * model.config.num_kv_heads
+
+
+def test_prefix_cache_hits_are_exact_and_keyed_by_loops(ckpts):
+    path = ckpts["per_loop"]
+    llm = tiny_llm(path)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=1)
+    shared = _ids(33, seed=4)
+    first = llm.generate([shared], params, DepthParams(loops=4))[0]
+    hit = llm.generate([shared + _ids(5, seed=5)], params, DepthParams(loops=4))[0]
+    other_loops = llm.generate([shared + _ids(5, seed=5)], params, DepthParams(loops=1))[0]
+    assert first.num_cached_tokens == 0 and hit.num_cached_tokens == 32 and other_loops.num_cached_tokens == 0
+    stats = {"tokens": 0, "max_err": 0.0}
+    _check(path, shared + _ids(5, seed=5), {"loops": 4}, hit.outputs[0], stats)
+    _check(path, shared + _ids(5, seed=5), {"loops": 1}, other_loops.outputs[0], stats)
+    assert llm.engine.block_manager.num_used_pages == 0
+
+
+def test_released_layout_checkpoint_serves_the_same(ckpts):
+    path = ckpts["released"]
+    prompt = _ids(29, seed=6)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2)
+    out = tiny_llm(path, max_num_batched_tokens=11).generate([prompt], params, DepthParams(loops=3))[0]
+    stats = {"tokens": 0, "max_err": 0.0}
+    _check(path, prompt, {"loops": 3}, out.outputs[0], stats)  # transformers reads the released names itself
+    _check(ckpts["per_loop"], prompt, {"loops": 3}, out.outputs[0], stats)
+
+
+@pytest.mark.parametrize("depth, match", [
+    ({"loops": 0}, "1..8"),
+    ({"loops": 9}, "1..8"),
+    ({"loops": 1.5}, "integer"),
+    ({"loops": {"min": 1, "max": 2}}, "per-token depth ranges"),
+    ({"depth": 2}, "not supported"),
+])
+def test_invalid_loops_raise_and_leave_no_pages(ckpts, depth, match):
+    llm = tiny_llm(ckpts["per_loop"])
+    with pytest.raises(InvalidDepthError, match=match):
+        llm.generate([[1, 2, 3], [4, 5, 6]], SamplingParams(max_tokens=2),
+                     [DepthParams(), DepthParams.from_dict(depth)])
+    assert not llm.engine.has_unfinished_requests() and llm.engine.block_manager.num_used_pages == 0
+    knob = llm.engine.model.depth_knobs()["loops"]
+    assert (knob.minimum, knob.maximum, knob.default) == (1, 8, 2)
