@@ -14,8 +14,10 @@ import torch
 
 from depthserve.errors import InvalidRequestError
 from depthserve.structured import bitmask as bitmask_module
+from depthserve.structured.compile_cache import CacheKey, CompileCache
 from depthserve.structured import (
     BitmaskFillWorker,
+    GrammarLimits,
     ChoiceConstraint,
     CompiledGrammar,
     GrammarBackend,
@@ -33,6 +35,7 @@ from depthserve.structured import (
     RegexConstraint,
     ToolCallConstraint,
     ToolSpec,
+    UnsatisfiableConstraintError,
     UnsupportedJsonSchemaError,
     apply_token_bitmask_,
     create_grammar_backend,
@@ -352,3 +355,98 @@ def test_background_fill_matches_direct_fill(backend):
     for row, matcher in enumerate(matchers):
         matcher.fill_bitmask(direct, row)
     assert torch.equal(background, direct)
+
+
+# ---- constraints that fail safe (issue 51) ----------------------------------------------------------
+ENDLESS = {"$defs": {"n": {"type": "object", "properties": {"next": {"$ref": "#/$defs/n"}}, "required": ["next"]}},
+           "$ref": "#/$defs/n"}
+HOSTILE = {
+    "schema without a finite instance": (JsonSchemaConstraint(ENDLESS), GrammarTooComplexError, "too many items"),
+    "the same as a required tool": (ToolCallConstraint((ToolSpec("f", ENDLESS),)), GrammarTooComplexError,
+                                    "too many items"),
+    "regex of a million states": (RegexConstraint("a{1000}{1001}"), GrammarTooComplexError, ""),
+    "40,000 choices": (ChoiceConstraint(tuple(f"c{i}" for i in range(40_000))), GrammarTooComplexError,
+                       "40000 choices"),
+    "grammar of 20,000 alternatives": (GrammarConstraint("start: " + " | ".join(f'"alt{i}"' for i in range(20_000))),
+                                       GrammarTooComplexError, "items"),
+    "grammar of no sentence": (GrammarConstraint(r"start: /[^\s\S]/"), UnsatisfiableConstraintError, "no output"),
+    "schema that is only itself": (JsonSchemaConstraint({"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}),
+                                   UnsatisfiableConstraintError, "no output"),
+    "regex of a lone backslash": (RegexConstraint("\\"), InvalidRegexError, "lone backslash"),
+}
+
+
+@pytest.mark.parametrize("name", HOSTILE)
+def test_hostile_constraints_get_the_same_typed_400_every_time(backend, name, monkeypatch):
+    """Each compiled without error before, and failed (or wrote "") only once running; now the first
+    compile refuses it, and a repeat is refused with the same error from the failure record."""
+    constraint, error, reason = HOSTILE[name]
+    with pytest.raises(error) as first:
+        backend.compile(constraint)
+    assert reason in first.value.reason.lower() and first.value.status == 400
+    monkeypatch.setattr(backend, "_build", lambda *args: pytest.fail("a failed constraint was compiled again"))
+    with pytest.raises(error) as again:
+        backend.compile(constraint)
+    assert type(again.value) is type(first.value) and again.value.reason == first.value.reason
+
+
+def test_a_grammar_whose_lexer_failed_while_running_is_refused_from_then_on(backend, smollm_tokenizer, monkeypatch):
+    """A lexer bound exceeded mid-output fails the lexer every copy of the grammar shares: that
+    output's matcher rejects even EOS (never a "complete" output), and the next compile refuses it."""
+    monkeypatch.setattr(backend, "limits", dataclasses.replace(backend.limits, max_lexer_states=100))
+    constraint = RegexConstraint("[a-z]{0,300}")
+    matcher = backend.compile(constraint).new_matcher()
+    long_word = smollm_tokenizer.encode("ectable")
+    for _ in range(40):
+        allowed_tokens(backend, matcher)
+        if matcher.error:
+            break
+        assert matcher.accept_token(long_word[0])
+    assert matcher.error and "too many states" in matcher.error
+    assert not matcher.accept_token(backend.tokenizer.eos_token_ids[0])
+    with pytest.raises(GrammarTooComplexError, match="too many states"):
+        backend.compile(constraint)
+
+
+def test_choices_are_matched_literally(backend, smollm_tokenizer):
+    """A choice list is one regex lexeme: every regex metacharacter, the slash that would end it,
+    control characters and non-ASCII text in a choice stand for themselves."""
+    choices = ("a.b", "a+b*?", "(x|y)", "[^z]{2}", "$^#&-~", "path/to\\file", "tab\there\nnext", "naïve ✓", "")
+    compiled = backend.compile(ChoiceConstraint(choices))
+    eos = backend.tokenizer.eos_token_ids[0]
+    for choice in choices:
+        tokens = smollm_tokenizer.encode(choice) + [eos]
+        assert compiled.new_matcher().validate_tokens(tokens) == len(tokens), choice
+    for near_miss in ("aXb", "x|y", "zz", "path/to/file", "tab"):
+        tokens = smollm_tokenizer.encode(near_miss) + [eos]
+        assert compiled.new_matcher().validate_tokens(tokens) < len(tokens), near_miss
+
+
+def test_the_compile_cache_is_bounded_by_bytes_and_keeps_only_errors_of_failures():
+    cache: CompileCache[str] = CompileCache(max_bytes=100, max_failures=2)
+    keys = [CacheKey.of(f"start: {i}", GrammarLimits()) for i in range(5)]
+    for key in keys[:3]:
+        cache.keep(key, "compiled", 40)
+    assert len(cache) == 2 and cache.nbytes == 80 and cache.compiled(keys[0]) is None
+    assert cache.keep(keys[3], "too big to keep", 101) == 0 and cache.compiled(keys[3]) is None
+    cache.remember_failure(keys[2], InvalidRegexError("bad"))
+    assert cache.compiled(keys[2]) is None and cache.nbytes == 40
+    assert isinstance(cache.failure(keys[2]), InvalidRegexError) and cache.failure(keys[2]).reason == "bad"
+    for key in keys[3:]:
+        cache.remember_failure(key, InvalidRegexError("bad"))
+    assert cache.failure(keys[2]) is None  # the oldest failure forgotten beyond max_failures
+
+
+def test_the_backend_keeps_compiled_grammars_within_its_byte_budget(smollm_tokenizer):
+    """Lists of 3,000 choices (past the 2,000 Earley items a row that Lark alternatives would need)."""
+    backend = create_grammar_backend(smollm_tokenizer, eos_token_ids=[2, 0], cache_bytes=4 * 2**20)
+    try:
+        for i in range(12):
+            choices = tuple(f"list {i} item {j}" for j in range(3000))
+            compiled = backend.compile(ChoiceConstraint(choices))
+            assert backend.cache.nbytes <= 4 * 2**20
+        tokens, finished = drive(backend, compiled.new_matcher(), seed=0)
+        assert finished and smollm_tokenizer.decode(tokens) in choices
+        assert 0 < len(backend.cache) < 12
+    finally:
+        backend.close()

@@ -27,6 +27,7 @@ from depthserve.structured.errors import (
     InvalidRegexError,
     InvalidToolError,
     StructuredOutputError,
+    UnsatisfiableConstraintError,
     UnsupportedJsonSchemaError,
 )
 
@@ -36,7 +37,8 @@ __all__ = [
     "unpack_token_bitmask", "ChoiceConstraint", "Constraint", "GrammarConstraint", "JsonObjectConstraint",
     "JsonSchemaConstraint", "RegexConstraint", "ToolCallConstraint", "ToolSpec", "GrammarCompileTimeoutError",
     "GrammarTooComplexError", "InvalidChoiceError", "InvalidGrammarError", "InvalidJsonSchemaError",
-    "InvalidRegexError", "InvalidToolError", "StructuredOutputError", "UnsupportedJsonSchemaError",
+    "InvalidRegexError", "InvalidToolError", "StructuredOutputError", "UnsatisfiableConstraintError",
+    "UnsupportedJsonSchemaError",
     "StructuredOutputsParams", "as_constraint",
 ]
 

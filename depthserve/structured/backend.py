@@ -38,6 +38,7 @@ class GrammarLimits:
 
     compile_timeout_s: float = 5.0
     max_constraint_chars: int = 1_000_000  # the schema/grammar text, before compiling
+    max_choices: int = 10_000  # a choice list's strings (its lexer takes ~2.4 kB a choice)
     max_grammar_symbols: int = 500_000  # llguidance max_grammar_size
     initial_lexer_fuel: int = 1_000_000  # regex work while compiling (~50k per ms)
     step_lexer_fuel: int = 200_000  # regex work per mask (~14k per ms)

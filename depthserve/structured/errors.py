@@ -61,8 +61,14 @@ class InvalidToolError(StructuredOutputError):
     """A tool's name is not a function name, or its `parameters` are not a usable JSON schema."""
 
 
+class UnsatisfiableConstraintError(StructuredOutputError):
+    """No output satisfies the constraint: a grammar whose language is empty, a schema whose only
+    definition is itself. Found by the first-token check of compiling."""
+
+
 class GrammarTooComplexError(StructuredOutputError):
-    """The constraint exceeds a size bound (text length, grammar symbols, lexer fuel)."""
+    """The constraint exceeds a size bound (text length, choices, grammar symbols, lexer fuel, parser
+    items), when compiled or at its first token."""
 
 
 class GrammarCompileTimeoutError(GrammarTooComplexError):

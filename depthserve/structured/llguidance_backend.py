@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import re
 import threading
-from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeoutError
@@ -24,7 +23,9 @@ from llguidance.gbnf_to_lark import any_to_lark
 
 from depthserve.structured import errors
 from depthserve.structured.backend import GrammarLimits, TokenizerInfo
-from depthserve.structured.bitmask import allocate_token_bitmask, bitmask_words
+from depthserve.structured.bitmask import allocate_token_bitmask, bitmask_words, unpack_token_bitmask
+from depthserve.structured.compile_cache import CacheKey, CompileCache
+from depthserve.structured.native_heap import heap_bytes_in_use, release_free_heap
 from depthserve.structured.constraints import (
     TOOL_NAME_PATTERN,
     ChoiceConstraint,
@@ -37,8 +38,13 @@ from depthserve.structured.constraints import (
     ToolSpec,
 )
 
-# llguidance reports an exceeded compile bound with one of these phrases.
-_OVER_BOUND = re.compile(r"too big|too complex|limit for this|fuel", re.IGNORECASE)
+# llguidance reports an exceeded compile or step bound with one of these phrases ("too many
+# expressions constructed": lexer fuel; "Too many items", "Current row has N items; max is M": parser).
+_OVER_BOUND = re.compile(r"too big|too complex|too many|limit for this|fuel|max is \d", re.IGNORECASE)
+# ... and a grammar that can write nothing at all (its parser stops before the first byte) thus.
+_NO_OUTPUT = re.compile(r"^\s*NoExtension")
+# Rust regex metacharacters, and the slash that ends a Lark regex literal.
+_REGEX_SPECIAL = frozenset("\\.+*?()|[]{}^$#&-~/")
 # ... and a schema feature it cannot enforce with one of these.
 _UNSUPPORTED_SCHEMA = re.compile(r"unimplemented|unknown format|not supported|unsupported", re.IGNORECASE)
 
@@ -121,12 +127,31 @@ def _json_schema_grammar(schema: Any, options: dict[str, Any]) -> str:
         raise errors.InvalidJsonSchemaError(str(exc)) from exc
 
 
-def _choice_grammar(choices: Sequence[Any]) -> str:
+def _regex_literal(text: str) -> str:
+    """`text` as a Rust regex matching exactly it, safe inside a Lark `/.../` literal."""
+    return "".join("\\" + char if char in _REGEX_SPECIAL
+                   else f"\\x{{{ord(char):x}}}" if char < " " or char == "\x7f" else char for char in text)
+
+
+def _choice_grammar(choices: Sequence[Any], limits: GrammarLimits) -> str:
     if isinstance(choices, str) or not choices:
         raise errors.InvalidChoiceError("the choice list must be a non-empty list of strings")
+    if len(choices) > limits.max_choices:
+        raise errors.GrammarTooComplexError(f"{len(choices)} choices; the limit is {limits.max_choices}")
     if not all(isinstance(choice, str) for choice in choices):
         raise errors.InvalidChoiceError("every choice must be a string")
-    return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(_lark_literal(c) for c in choices))
+    # One lexeme for the whole list: as Lark alternatives, each choice would be an Earley item of the
+    # start row, and a list past llguidance's 2,000 items a row fails at its first token.
+    return llguidance.LLMatcher.grammar_from_lark("start: /(" + "|".join(_regex_literal(c) for c in choices) + ")/")
+
+
+def _regex_grammar(pattern: Any) -> str:
+    if not isinstance(pattern, str):
+        raise errors.InvalidRegexError("the regex must be a string")
+    if (len(pattern) - len(pattern.rstrip("\\"))) % 2:
+        # llguidance's regex-to-Lark conversion drops it, which would leave a different regex
+        raise errors.InvalidRegexError("the regex ends in a lone backslash, which escapes nothing")
+    return llguidance.LLMatcher.grammar_from_regex(pattern)
 
 
 def _lark_grammar(text: Any) -> str:
@@ -185,7 +210,8 @@ def _tool_call_grammar(constraint: ToolCallConstraint, options: dict[str, Any]) 
     return llguidance.LLMatcher.grammar_from_lark("\n".join(lines))
 
 
-def constraint_grammar(constraint: Constraint, flexible_json_whitespace: bool = False) -> str:
+def constraint_grammar(constraint: Constraint, flexible_json_whitespace: bool = False,
+                       limits: GrammarLimits = GrammarLimits()) -> str:
     """llguidance's grammar text for `constraint` (not yet compiled: `LLGuidanceBackend.compile`)."""
     options = _json_options(flexible_json_whitespace)
     if isinstance(constraint, JsonSchemaConstraint):
@@ -193,11 +219,9 @@ def constraint_grammar(constraint: Constraint, flexible_json_whitespace: bool = 
     if isinstance(constraint, JsonObjectConstraint):
         return _json_schema_grammar({"type": "object"}, options)
     if isinstance(constraint, RegexConstraint):
-        if not isinstance(constraint.pattern, str):
-            raise errors.InvalidRegexError("the regex must be a string")
-        return llguidance.LLMatcher.grammar_from_regex(constraint.pattern)
+        return _regex_grammar(constraint.pattern)
     if isinstance(constraint, ChoiceConstraint):
-        return _choice_grammar(constraint.choices)
+        return _choice_grammar(constraint.choices, limits)
     if isinstance(constraint, GrammarConstraint):
         return _lark_grammar(constraint.grammar)
     if isinstance(constraint, ToolCallConstraint):
@@ -206,6 +230,9 @@ def constraint_grammar(constraint: Constraint, flexible_json_whitespace: bool = 
 
 
 def _compile_error(constraint: Constraint, message: str) -> errors.StructuredOutputError:
+    message = message.replace("<non-verbose/>", "").strip()  # llguidance's mark that details were left out
+    if _NO_OUTPUT.match(message):
+        return errors.UnsatisfiableConstraintError(f"no output satisfies the constraint ({message.split()[0]})")
     if _OVER_BOUND.search(message):
         return errors.GrammarTooComplexError(message)
     if isinstance(constraint, (JsonSchemaConstraint, JsonObjectConstraint)):
@@ -235,7 +262,9 @@ class LLGuidanceMatcher:
         self._matcher.unsafe_compute_mask_ptr(target.data_ptr(), target.numel() * target.element_size())
 
     def accept_token(self, token_id: int) -> bool:
-        return self._matcher.consume_token(int(token_id))
+        # A matcher past a per-step bound lets only EOS through its mask; accepting it would end
+        # the output as if complete.
+        return not self._matcher.is_error() and self._matcher.consume_token(int(token_id))
 
     def validate_tokens(self, token_ids: Sequence[int]) -> int:
         return self._matcher.validate_tokens([int(token) for token in token_ids])
@@ -278,8 +307,43 @@ def _check_bitmask(bitmask: torch.Tensor, rows: int, words: int | None = None) -
 
 
 # ---- the backend ---------------------------------------------------------------------------------
+def _first_steps_problem(template: llguidance.LLMatcher, tokenizer: TokenizerInfo) -> str | None:
+    """What goes wrong for a fresh matcher at its first mask, its first token or the mask after it
+    (None: nothing). llguidance builds its lexer and parser rows lazily, so a constraint that can
+    write nothing, or whose first steps exceed a bound, compiles without error and fails only here;
+    these faults are the constraint's, so they are found before admission."""
+    matcher = template.deep_copy()
+    bitmask = allocate_token_bitmask(1, tokenizer.vocab_size)
+    row = bitmask[0]
+    matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
+    if matcher.is_error():
+        return matcher.get_error()
+    allowed = unpack_token_bitmask(bitmask, tokenizer.vocab_size)[0]
+    allowed[list(tokenizer.eos_token_ids)] = False
+    tokens = torch.nonzero(allowed).flatten()
+    if tokens.numel() == 0:  # only the end: fine where the empty output satisfies the constraint
+        return None if matcher.is_accepting() else "NoExtension: no token can start the output"
+    if not matcher.consume_token(int(tokens[0])) or matcher.is_error():
+        return matcher.get_error() or f"its first allowed token {int(tokens[0])} is rejected"
+    matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
+    return matcher.get_error() if matcher.is_error() else None
+
+
+@dataclass(frozen=True)
+class _Built:
+    """A compile job's outcome: the template and its heap bytes, or llguidance's reason it failed."""
+
+    template: llguidance.LLMatcher | None
+    nbytes: int
+    problem: str | None
+
+
 class LLGuidanceBackend:
-    """A `GrammarBackend` for one model's tokenizer (build it once; it is thread-safe)."""
+    """A `GrammarBackend` for one model's tokenizer (build it once; it is thread-safe).
+
+    Compiled grammars are cached within `cache_bytes` (their lexers are most of it: from a few kB to
+    hundreds of MB for a hostile regex); the last `cached_failures` constraints that failed keep only
+    their error, so a repeat is refused at once with the same 400."""
 
     def __init__(
         self,
@@ -288,7 +352,8 @@ class LLGuidanceBackend:
         limits: GrammarLimits = GrammarLimits(),
         flexible_json_whitespace: bool = False,
         mask_threads: int = 1,
-        cache_size: int = 128,
+        cache_bytes: int = 256 * 2**20,
+        cached_failures: int = 1024,
         compile_threads: int = 2,
     ):
         self._lltokenizer, self.tokenizer = build_llguidance_tokenizer(hf_tokenizer, eos_token_ids)
@@ -297,9 +362,7 @@ class LLGuidanceBackend:
         self.words = bitmask_words(self.tokenizer.vocab_size)
         self._executor = llguidance.LLExecutor(num_threads=mask_threads)
         self._compile_pool = ThreadPoolExecutor(compile_threads, thread_name_prefix="depthserve-grammar-compile")
-        self._cache: OrderedDict[tuple[str, GrammarLimits], LLGuidanceGrammar] = OrderedDict()
-        self._cache_size = cache_size
-        self._lock = threading.Lock()
+        self.cache: CompileCache[llguidance.LLMatcher] = CompileCache(cache_bytes, cached_failures)
 
     def _parser_limits(self) -> llguidance.LLParserLimits:
         bounds = self.limits
@@ -311,37 +374,59 @@ class LLGuidanceBackend:
         )
 
     def compile(self, constraint: Constraint) -> LLGuidanceGrammar:
-        grammar = constraint_grammar(constraint, self.flexible_json_whitespace)
+        grammar = constraint_grammar(constraint, self.flexible_json_whitespace, self.limits)
         if len(grammar) > self.limits.max_constraint_chars:
             raise errors.GrammarTooComplexError(
                 f"the constraint is {len(grammar)} characters long; the limit is {self.limits.max_constraint_chars}")
-        key = (grammar, self.limits)  # a grammar that passed looser limits may fail tighter ones
-        with self._lock:
-            cached = self._cache.get(key)
-            if cached is not None:
-                self._cache.move_to_end(key)
-                return LLGuidanceGrammar(constraint, grammar, cached._template)
-        template = self._compile_with_deadline(constraint, grammar)
-        compiled = LLGuidanceGrammar(constraint, grammar, template)
-        with self._lock:
-            self._cache[key] = compiled
-            while len(self._cache) > self._cache_size:
-                self._cache.popitem(last=False)
-        return compiled
+        key = CacheKey.of(grammar, self.limits)
+        failure = self.cache.failure(key)
+        if failure is not None:
+            raise failure
+        template = self.cache.compiled(key)
+        if template is not None:
+            # A request that ran past a lexer bound leaves the shared lexer failed for every copy.
+            problem = _first_steps_problem(template, self.tokenizer)
+            if problem is not None:
+                raise self._failed(key, _compile_error(constraint, problem))
+            return LLGuidanceGrammar(constraint, grammar, template)
+        built = self._compile_with_deadline(key, constraint, grammar)
+        if built.problem is not None:
+            raise self._failed(key, _compile_error(constraint, built.problem))
+        if self.cache.keep(key, built.template, max(built.nbytes, len(grammar))):
+            release_free_heap()
+        return LLGuidanceGrammar(constraint, grammar, built.template)
 
-    def _compile_with_deadline(self, constraint: Constraint, grammar: str) -> llguidance.LLMatcher:
-        # The constructor builds the parser and lexer with the GIL released; on a timeout it runs on
-        # to completion in the pool (its fuel bounds end it), but the caller is answered at once.
-        future: Future[llguidance.LLMatcher] = self._compile_pool.submit(
-            llguidance.LLMatcher, self._lltokenizer, grammar, log_level=0, limits=self._parser_limits())
+    def _failed(self, key: CacheKey, error: errors.StructuredOutputError) -> errors.StructuredOutputError:
+        self.cache.remember_failure(key, error)
+        release_free_heap()  # the failed lexer's pages, back from the compile thread's arena
+        return error
+
+    def _build(self, grammar: str, abandoned: threading.Event) -> _Built:
+        """The compile job: the matcher, then its first steps (both bounded by the parser limits)."""
+        before = heap_bytes_in_use()
+        template = llguidance.LLMatcher(self._lltokenizer, grammar, log_level=0, limits=self._parser_limits())
+        problem = template.get_error() if template.is_error() else _first_steps_problem(template, self.tokenizer)
+        after = heap_bytes_in_use()
+        if problem is not None or abandoned.is_set():
+            del template
+            release_free_heap()
+            return _Built(None, 0, problem or "abandoned")
+        # Other compile threads allocate meanwhile: an estimate, which the text length floors.
+        return _Built(template, 0 if before is None or after is None else max(0, after - before), None)
+
+    def _compile_with_deadline(self, key: CacheKey, constraint: Constraint, grammar: str) -> _Built:
+        # llguidance builds with the GIL released; on a timeout the job runs on (its fuel bounds end
+        # it) and frees what it built, but the caller is answered at once and a job still queued is
+        # cancelled.
+        abandoned = threading.Event()
+        future: Future[_Built] = self._compile_pool.submit(self._build, grammar, abandoned)
         try:
-            matcher = future.result(timeout=self.limits.compile_timeout_s)
+            return future.result(timeout=self.limits.compile_timeout_s)
         except FutureTimeoutError:
-            raise errors.GrammarCompileTimeoutError(
-                f"compiling the constraint took longer than {self.limits.compile_timeout_s:g} s") from None
-        if matcher.is_error():
-            raise _compile_error(constraint, matcher.get_error())
-        return matcher
+            abandoned.set()
+            future.cancel()
+            raise self._failed(key, errors.GrammarCompileTimeoutError(
+                f"compiling the constraint took longer than {self.limits.compile_timeout_s:g} s")) from None
 
     def allocate_bitmask(self, rows: int, pin_memory: bool = False) -> torch.Tensor:
         return allocate_token_bitmask(rows, self.tokenizer.vocab_size, pin_memory)
