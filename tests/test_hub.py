@@ -236,10 +236,18 @@ def test_serve_resolves_a_hub_id_before_loading(busy_port, capsys):
 # ---- downloads, from a stand-in Hub on 127.0.0.1 ----------------------------------------------------------
 
 
+def skip_if_imported_offline() -> None:
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        pytest.skip("HF_HUB_OFFLINE was set when huggingface_hub was imported: it then sends no request at all")
+
+
 @pytest.fixture
 def fake_hub(hub, monkeypatch, tmp_path):
     """A Hub on 127.0.0.1 (HF_ENDPOINT) holding REPO at main (the checkpoint, plus a README and .bin
     weights that are not served) and v2, and a gated copy of main; an empty cache; online."""
+    skip_if_imported_offline()
     fake = FakeHub()
     served = checkpoint_files(hub.main)
     fake.repo(REPO).add_commit("main", {**served, "README.md": b"# tiny", "pytorch_model.bin": b"not served"})
@@ -293,6 +301,7 @@ def test_the_hubs_answers_for_an_unknown_id_or_revision(fake_hub):
 
 
 def test_an_unreachable_hub_falls_back_to_the_cache(hub, monkeypatch):
+    skip_if_imported_offline()
     with socket.socket() as sock:  # a port nothing listens on
         sock.bind(("127.0.0.1", 0))
         closed = sock.getsockname()[1]
