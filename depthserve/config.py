@@ -28,6 +28,18 @@ class EngineArgs:
     # 8192 on CUDA (a step's launches cost the same for 16 tokens or 8192: prefill in few, large steps).
     max_num_batched_tokens: int | None = None
     max_num_seqs: int = 64
+    # Long prompts beside short ones (docs/server.md, "Scheduling"): a prompt chunk takes at most this
+    # many tokens a step, fewer as its context grows, and a prompt with more uncomputed tokens is long.
+    # None: 128 on CPU, 2048 on CUDA; 0: no cap but the step budget (a long prompt then delays every
+    # request that arrives after it until its prefill is done).
+    long_prefill_token_threshold: int | None = None
+    # The context (cached positions) at which a chunk's attention costs as much as its weights: a chunk
+    # at context c is capped at long_prefill_token_threshold / (1 + c / this). None: 256 on CPU
+    # (measured, bench/prefill_chunks.py), 0 on CUDA (no shrinking).
+    long_prefill_context_scale: int | None = None
+    # Long prompts that may be mid-prefill at once; a long prompt beyond them waits while shorter ones
+    # behind it are admitted.
+    max_long_partial_prefills: int = 1
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     num_threads: int | None = None  # torch intra-op threads on CPU; default: torch's choice
@@ -70,6 +82,18 @@ class EngineArgs:
             return self.max_num_batched_tokens
         return 8192 if device_type == "cuda" else 512
 
+    def long_prefill_caps(self, device_type: str) -> tuple[int, int]:
+        """(long_prefill_token_threshold, long_prefill_context_scale), or their defaults on this kind
+        of device: on CPU a step's time tracks its tokens and, at long context, its attention; on
+        CUDA a step of a few thousand tokens costs little more than one of a few."""
+        threshold = self.long_prefill_token_threshold
+        scale = self.long_prefill_context_scale
+        if threshold is None:
+            threshold = 2048 if device_type == "cuda" else 128
+        if scale is None:
+            scale = 0 if device_type == "cuda" else 256
+        return threshold, scale
+
     def scheduler_steps(self, cuda_graphs: bool) -> int:
         """num_scheduler_steps, or its default for a decode step captured as CUDA graphs or not."""
         if self.num_scheduler_steps is not None:
@@ -81,6 +105,11 @@ class EngineArgs:
             raise ConfigurationError(f"block_size must be a power of two, got {self.block_size}")
         if (self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1) or self.max_num_seqs < 1:
             raise ConfigurationError("max_num_batched_tokens and max_num_seqs must be positive")
+        if self.max_long_partial_prefills < 1:
+            raise ConfigurationError(f"max_long_partial_prefills must be positive, got {self.max_long_partial_prefills}")
+        for name in ("long_prefill_token_threshold", "long_prefill_context_scale"):
+            if (getattr(self, name) or 0) < 0:
+                raise ConfigurationError(f"{name} must be 0 (off) or positive, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigurationError(f"max_model_len must be positive, got {self.max_model_len}")
         if self.num_threads is not None and self.num_threads < 1:

@@ -50,11 +50,12 @@ class Sim:
     """A scheduler and block manager driven like the engine drives them, with invariant checks."""
 
     def __init__(self, num_pages, block_size=4, *, budget=16, max_num_seqs=8, chunked=True,
-                 watermark=0.0, prefix_caching=True):
+                 watermark=0.0, prefix_caching=True, long_threshold=0, context_scale=0, max_long=1):
         self.bm = BlockManager(num_pages, block_size, prefix_caching)
         self.config = SchedulerConfig(
             max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
-            enable_chunked_prefill=chunked, watermark=watermark,
+            enable_chunked_prefill=chunked, watermark=watermark, long_prefill_token_threshold=long_threshold,
+            long_prefill_context_scale=context_scale, max_long_partial_prefills=max_long,
         )
         self.sched = Scheduler(self.config, self.bm)
         self.seqs: list[Sequence] = []
@@ -109,14 +110,21 @@ class Sim:
         newly = [s for s in seen if s not in running_before]
         # Running sequences are served before waiting ones are admitted.
         assert seen == [s for s in seen if s in running_before] + newly
-        # New sequences come from the head of the waiting queue, in order.
-        assert newly == waiting_before[: len(newly)]
+        # New sequences come from the head of the waiting queue, in order; one passed over is a long
+        # prompt while the long prefills allowed are running.
+        assert newly == [s for s in waiting_before if s in newly]
+        passed_over = waiting_before[: waiting_before.index(newly[-1])] if newly else []
+        assert all(config.is_long_prefill(s.num_tokens) for s in passed_over if s not in newly)
+        long_items = [item for item in out.scheduled if config.is_long_prefill(item.seq.num_tokens - item.start)]
+        assert len(long_items) <= config.max_long_partial_prefills
         if out.preempted:
             assert not newly, "admitted a sequence in a step that preempted"
         for item in out.scheduled:
             seq = item.seq
             assert item.num_tokens > 0
             assert item.start == seq.num_computed_tokens
+            cap = config.prefill_chunk_cap(item.start)
+            assert cap is None or item.num_tokens <= cap, "a chunk over its cost cap"
             assert item.end <= seq.num_tokens
             assert seq.status is SequenceStatus.RUNNING and seq in sched.running
             assert bm.pages_held(seq) >= bm.pages_for(seq.layout, item.end), "page table too short"
@@ -533,6 +541,122 @@ def test_release_when_chunking_is_disabled_and_the_prompt_does_not_fit_the_budge
     s.run()
     assert p.num_cached_tokens == 16
     s.assert_all_done()
+
+
+# ---- long prompts beside short ones (docs/server.md, "Scheduling") -----------------------------
+
+
+def test_chunk_cap_shrinks_with_the_context_and_never_reaches_zero():
+    config = SchedulerConfig(long_prefill_token_threshold=128, long_prefill_context_scale=256)
+    assert [config.prefill_chunk_cap(c) for c in (0, 256, 768, 7936, 1 << 20)] == [128, 64, 32, 4, 1]
+    assert SchedulerConfig(long_prefill_token_threshold=128).prefill_chunk_cap(8000) == 128  # no scale
+    assert SchedulerConfig().prefill_chunk_cap(0) is None  # off: only the budget
+    assert SchedulerConfig(long_prefill_token_threshold=128, enable_chunked_prefill=False).prefill_chunk_cap(0) is None
+    assert config.is_long_prefill(129) and not config.is_long_prefill(128)
+
+
+@pytest.mark.parametrize("context_scale", [0, 64])
+def test_short_request_runs_in_the_next_step_while_a_long_prompt_is_mid_prefill(sim, context_scale):
+    s = sim(256, budget=64, long_threshold=16, context_scale=context_scale)
+    long = make_seq("long", 400, 2)
+    s.add(long)
+    s.step()
+    s.step()
+    assert 0 < long.num_computed_tokens < long.num_prompt_tokens
+    short = make_seq("short", 4, 3)
+    s.add(short)
+    out = s.step()
+    assert ("short", 0, 4) in s.trace(out)  # admitted at once, its whole prompt: it samples now
+    assert len(short.output_token_ids) == 1
+    assert [item.seq for item in out.scheduled] == [long, short]
+    s.run()
+    s.assert_all_done()
+
+
+def test_without_a_threshold_the_long_prompt_takes_the_whole_budget(sim):
+    """The behaviour the threshold replaces: the short request waits for the long prefill."""
+    s = sim(256, budget=64)
+    long = make_seq("long", 400, 2)
+    s.add(long)
+    s.step()
+    short = make_seq("short", 4, 3)
+    s.add(short)
+    assert s.trace(s.step()) == [("long", 64, 64)]
+    assert short.status is SequenceStatus.WAITING
+    s.run()
+    s.assert_all_done()
+
+
+def test_long_prefill_share_of_a_step_is_bounded_and_it_progresses_every_step(sim):
+    threshold, scale = 16, 32
+    s = sim(512, block_size=4, budget=32, max_num_seqs=32, long_threshold=threshold, context_scale=scale)
+    long = make_seq("long", 300, 1)
+    s.add(long)
+    arrivals = {step: [make_seq(f"short{step}", 3, 4)] for step in range(1, 400)}  # a short request every step
+    chunks = []
+    for step in range(400):
+        for seq in arrivals.pop(step, ()):
+            s.add(seq)
+        before = long.num_computed_tokens
+        out = s.step()
+        if before >= long.num_prompt_tokens:
+            break
+        chunk = long.num_computed_tokens - before
+        chunks.append(chunk)
+        assert 1 <= chunk == min(threshold * scale // (scale + before), long.num_prompt_tokens - before)
+        newcomer = f"short{step}"
+        if step >= 1:  # each step's new short request is admitted in that very step
+            assert any(item.seq.request_id == newcomer for item in out.scheduled)
+    else:
+        raise AssertionError("the long prompt never finished its prefill")
+    assert sum(chunks) == long.num_prompt_tokens
+    assert chunks[0] == threshold and chunks[-1] < threshold // 4  # the cap shrank as the context grew
+    s.run(arrivals=arrivals)
+    s.assert_all_done()
+
+
+def test_one_long_prefill_at_a_time_shorter_prompts_go_ahead_long_ones_keep_their_order(sim):
+    s = sim(512, block_size=4, budget=48, long_threshold=16)
+    first, second, third = make_seq("long1", 100, 1), make_seq("long2", 60, 1), make_seq("long3", 40, 1)
+    short = make_seq("short", 5, 2)
+    s.add(first, second, short, third)
+    out = s.step()
+    assert s.trace(out) == [("long1", 0, 16), ("short", 0, 5)]  # long2 and long3 wait, short goes ahead
+    assert list(s.sched.waiting) == [second, third]
+    while first.num_uncomputed_tokens > 16:
+        out = s.step()
+        assert second.status is SequenceStatus.WAITING and third.status is SequenceStatus.WAITING
+    # long1's last chunk is no longer long: long2, first in the queue, starts in that step, long3 waits
+    out = s.step()
+    assert [item.seq for item in out.scheduled][-1] is second
+    assert third.status is SequenceStatus.WAITING
+    s.run()
+    s.assert_all_done()
+
+
+def test_two_long_prefills_at_once_when_allowed(sim):
+    s = sim(512, block_size=4, budget=48, long_threshold=16, max_long=2)
+    first, second, third = make_seq("long1", 100, 1), make_seq("long2", 60, 1), make_seq("long3", 40, 1)
+    s.add(first, second, third)
+    assert s.trace(s.step()) == [("long1", 0, 16), ("long2", 0, 16)]
+    assert list(s.sched.waiting) == [third]
+    s.run()
+    s.assert_all_done()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_no_deadlock_with_long_prefill_caps_and_tight_pages(sim, seed):
+    rng = random.Random(100 + seed)
+    s = sim(28, 4, budget=rng.choice([8, 16, 24]), max_num_seqs=rng.choice([3, 6, 16]), long_threshold=rng.choice([2, 6]),
+            context_scale=rng.choice([0, 8]), max_long=rng.choice([1, 2]))
+    shared = [[rng.randrange(30000) for _ in range(24)] for _ in range(3)]
+    seqs = random_workload(rng, 24, 4, 28, 40, [ONE, TWO_HEADS, MIXED], shared)
+    arrivals = {}
+    for seq in seqs:
+        arrivals.setdefault(rng.randint(0, 30), []).append(seq)
+    s.run(arrivals=arrivals)
+    s.assert_all_done()
+    assert all(len(seq.output_token_ids) == seq.max_tokens for seq in seqs)
 
 
 # ---- no deadlock -------------------------------------------------------------------------------

@@ -52,7 +52,9 @@ class LLMEngine:
         self.device = _resolve_device(args.device)
         source = resolve_model(args.model, args.revision)
         self.dtype = resolve_dtype(args.dtype, self.device, weight_bytes(source))
-        self.args = args = replace(args, max_num_batched_tokens=args.step_token_budget(self.device.type))
+        threshold, context_scale = args.long_prefill_caps(self.device.type)
+        self.args = args = replace(args, max_num_batched_tokens=args.step_token_budget(self.device.type),
+                                   long_prefill_token_threshold=threshold, long_prefill_context_scale=context_scale)
         kernels = Kernels(args.kernel_backend, native_cpu=self.device.type == "cpu")
         self.model_name, self.tokenizer = source.name, load_tokenizer(source)
         loaded = load_model(source, self.dtype, self.device, args.max_model_len, args.load_progress,
@@ -63,8 +65,10 @@ class LLMEngine:
         self.eos_token_ids = eos_token_ids(self.hf_config, self.tokenizer)
         self.capacity = size_kv_cache(self.model, args, self.device, self.dtype)
         self.block_manager = new_block_manager(self.capacity, args, self.model, self.max_model_len)
-        self.scheduler = Scheduler(SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs,
-                                                   args.enable_chunked_prefill), self.block_manager)
+        self.scheduler = Scheduler(SchedulerConfig(
+            args.max_num_batched_tokens, args.max_num_seqs, args.enable_chunked_prefill,
+            long_prefill_token_threshold=threshold, long_prefill_context_scale=context_scale,
+            max_long_partial_prefills=args.max_long_partial_prefills), self.block_manager)
         if not args.enable_chunked_prefill and args.max_num_batched_tokens < self.max_model_len:
             raise ConfigurationError("without chunked prefill, max_num_batched_tokens must be >= max_model_len")
         self.depth_policy = _depth_policy(args, self.model)

@@ -3,7 +3,16 @@
 Each step has a token budget. Running sequences go first (oldest first): a decoding
 sequence takes one token, a sequence still in its prompt takes the next chunk. Then waiting
 sequences are admitted first-come-first-served while the budget, `max_num_seqs` and free
-pages allow; the head of the queue is never overtaken, so a large request is not starved.
+pages allow; the head of the queue is never overtaken for pages, so a large request is not starved.
+
+Long prompts (docs/server.md, "Scheduling"): a prompt chunk is capped by its cost, not only by the
+budget, so that a long prompt mid-prefill leaves most of every step to decodes and new requests: at
+most `long_prefill_token_threshold` tokens, fewer as its context grows (attention over thousands of
+cached positions costs more than the chunk's own weights), and at least one token, so the long
+prompt progresses in every step. At most `max_long_partial_prefills` long prompts (more uncomputed
+tokens than the threshold) prefill at once; a long prompt beyond them waits while shorter ones
+behind it are admitted, and is admitted first once a long prefill ends. `_prefill_chunk` is the one
+place that sizes a chunk.
 When pages run out, the newest running sequence is preempted: its pages are freed and it
 goes back to the front of the queue, to be recomputed from its tokens (nothing is lost).
 
@@ -30,6 +39,27 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     # Admission keeps this fraction of the pages free for running sequences to grow into.
     watermark: float = 0.01
+    # A prompt chunk's cost cap in tokens (0: none beyond the budget); a prefill with more uncomputed
+    # tokens than this is long. With chunked prefill only.
+    long_prefill_token_threshold: int = 0
+    # Cached positions whose attention costs a chunk as much as its weights: a chunk at context c is
+    # capped at threshold / (1 + c / this) tokens (0: the cap does not shrink with the context).
+    long_prefill_context_scale: int = 0
+    # Long prompts that may be mid-prefill at once.
+    max_long_partial_prefills: int = 1
+
+    def prefill_chunk_cap(self, context: int) -> int | None:
+        """The most tokens a prompt chunk starting at position `context` may take (None: no cap)."""
+        if not self.enable_chunked_prefill or self.long_prefill_token_threshold <= 0:
+            return None
+        cap = self.long_prefill_token_threshold
+        if self.long_prefill_context_scale > 0:
+            cap = cap * self.long_prefill_context_scale // (self.long_prefill_context_scale + context)
+        return max(1, cap)
+
+    def is_long_prefill(self, uncomputed_tokens: int) -> bool:
+        return (self.enable_chunked_prefill and self.long_prefill_token_threshold > 0
+                and uncomputed_tokens > self.long_prefill_token_threshold)
 
 
 @dataclass(frozen=True)
@@ -133,7 +163,7 @@ class Scheduler:
         bm = self.block_manager
         if seq.status is SequenceStatus.WAITING:
             self._attach_cached_prefix(seq)
-        num = min(seq.num_uncomputed_tokens, self.config.max_num_batched_tokens)
+        num = self._prefill_chunk(seq, self.config.max_num_batched_tokens)
         target = seq.num_computed_tokens + num
         while not bm.can_grow(seq, target):
             victims = [other for other in self.running if other is not seq]
@@ -181,7 +211,7 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
-            num = min(seq.num_uncomputed_tokens, budget)
+            num = self._prefill_chunk(seq, budget)
             target = seq.num_computed_tokens + num
             while not self.block_manager.can_grow(seq, target):
                 victim = self.running[-1]
@@ -199,11 +229,17 @@ class Scheduler:
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         bm = self.block_manager
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
+        long_prefills = sum(self.config.is_long_prefill(seq.num_uncomputed_tokens) for seq in self.running)
+        index = 0  # waiting long prompts left for later sit before it
+        while index < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[index]
             self._attach_cached_prefix(seq)
             remaining = seq.num_uncomputed_tokens
-            num = min(remaining, budget)
+            if self.config.is_long_prefill(remaining) and long_prefills >= self.config.max_long_partial_prefills:
+                self._release_waiting(seq)
+                index += 1
+                continue
+            num = self._prefill_chunk(seq, budget)
             if num < remaining and not self.config.enable_chunked_prefill:
                 self._release_waiting(seq)
                 break
@@ -214,11 +250,19 @@ class Scheduler:
                 else:
                     self._release_waiting(seq)
                     break
-            self.waiting.popleft()
+            del self.waiting[index]
             self._start_running(seq)
             bm.grow(seq, seq.num_computed_tokens + num)
             out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, num))
             budget -= num
+            long_prefills += self.config.is_long_prefill(remaining)
+
+    def _prefill_chunk(self, seq: Sequence, budget: int) -> int:
+        """The tokens `seq` computes in this step, out of `budget`: its uncomputed tokens (one when it
+        decodes), within the budget and the cost cap of a chunk at its context."""
+        num = min(seq.num_uncomputed_tokens, budget)
+        cap = self.config.prefill_chunk_cap(seq.num_computed_tokens)
+        return num if cap is None else min(num, cap)
 
     def _attach_cached_prefix(self, seq: Sequence) -> None:
         """A waiting sequence that holds no pages starts from its cached prompt prefix, if any."""
