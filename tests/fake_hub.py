@@ -93,7 +93,8 @@ def serve_fake_hub(hub: FakeHub):
 
     class Handler(BaseHTTPRequestHandler):
         def _reply(self, with_body: bool) -> None:
-            status, headers, body = hub.answer(self.command, urlsplit(self.path).path, self.headers.get("Authorization"))
+            path = urlsplit(self.path).path
+            status, headers, body = hub.answer(self.command, path, self.headers.get("Authorization"))
             self.send_response(status)
             for key, value in headers.items():
                 self.send_header(key, value)

@@ -3,8 +3,9 @@ Hub cache, downloaded through `huggingface_hub` when it is not there yet (docs/c
 "Models from the Hugging Face Hub").
 
 The cache, the token, offline mode and the endpoint are huggingface_hub's own: HF_HUB_CACHE (or
-HF_HOME/hub), HF_TOKEN (or the token `hf auth login` saved), HF_HUB_OFFLINE=1, HF_ENDPOINT (a mirror). Only the files a checkpoint is served
-from are fetched (CHECKPOINT_PATTERNS), with huggingface_hub's progress bars.
+HF_HOME/hub), HF_TOKEN (or the token `hf auth login` saved), HF_HUB_OFFLINE=1, HF_ENDPOINT (a mirror).
+Only the files a checkpoint is served from are fetched (CHECKPOINT_PATTERNS), with huggingface_hub's
+progress bars.
 """
 
 from __future__ import annotations
