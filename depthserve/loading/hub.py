@@ -114,12 +114,16 @@ def _shown(repo_id: str, revision: str | None) -> str:
 
 
 def _not_cached_message(repo_id: str, revision: str | None, offline: bool, exc: Exception) -> str:
+    """One line (the command line prints it as one `error:` line): huggingface_hub's own message for
+    this case runs over several, so only the first line of its cause is quoted."""
     cache = hub_cache_dir() or "huggingface_hub's default cache, ~/.cache/huggingface/hub"
-    why = "HF_HUB_OFFLINE=1 forbids contacting the Hub" if offline else f"the Hub cannot be reached ({exc})"
+    cause = exc.__cause__ or exc
+    reason = f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}".rstrip(": ")
+    why = "HF_HUB_OFFLINE=1 forbids contacting the Hub" if offline else f"the Hub cannot be reached ({reason})"
     flag = "" if revision is None else f" --revision {revision}"
-    return (f"{_shown(repo_id, revision)} is not in the Hugging Face cache ({cache}) and {why}: download it "
-            f"once where the Hub is reachable, with `hf download {repo_id}{flag}` (the same HF_HUB_CACHE or "
-            "HF_HOME), or load it once with the Hub reachable")
+    return (f"{_shown(repo_id, revision)} is not in the Hugging Face cache ({cache}), or only in part, and {why}: "
+            f"download it once where the Hub is reachable, with `hf download {repo_id}{flag}` (the same "
+            "HF_HUB_CACHE or HF_HOME), or load it once with the Hub reachable")
 
 
 def _checked_snapshot(folder: Path, shown: str) -> Path:
