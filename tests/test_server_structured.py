@@ -199,3 +199,49 @@ def test_a_chat_template_that_renders_tools_itself(server):
             "max_tokens": 80, "temperature": 0})
         assert out.status_code == 200, out.text
         assert out.json()["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
+
+
+# ---- constraints that fail safe (issue 51) ----------------------------------------------------------
+ENDLESS = {"$defs": {"n": {"type": "object", "properties": {"next": {"$ref": "#/$defs/n"}}, "required": ["next"]}},
+           "$ref": "#/$defs/n"}
+ONLY_ITSELF = {"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}
+
+
+def _json_schema(schema: dict) -> dict:
+    return {"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}}
+
+
+HOSTILE_REQUESTS = {  # name: (endpoint, the request's constraint fields, the field the 400 names, its words)
+    "schema without a finite instance": ("chat", _json_schema(ENDLESS), "response_format.json_schema.schema",
+                                         "too many items"),
+    "the same as a required tool": ("chat", {"tools": [{"type": "function", "function": {
+        "name": "f", "parameters": ENDLESS}}], "tool_choice": "required"}, "tools", "too many items"),
+    "regex of a million states": ("completions", {"structured_outputs": {"regex": "a{1000}{1001}"}},
+                                  "structured_outputs.regex", ""),
+    "40,000 choices": ("completions", {"structured_outputs": {"choice": [f"choice {i}" for i in range(40_000)]}},
+                       "structured_outputs.choice", "limit is 10000"),
+    "grammar of 20,000 alternatives": ("completions", {"structured_outputs": {
+        "grammar": "start: " + " | ".join(f'"alt{i}"' for i in range(20_000))}}, "structured_outputs.grammar", "items"),
+    "grammar of no sentence": ("completions", {"structured_outputs": {"grammar": r"start: /[^\s\S]/"}},
+                               "structured_outputs.grammar", "no output"),
+    "schema that is only itself": ("chat", _json_schema(ONLY_ITSELF), "response_format.json_schema.schema",
+                                   "no output"),
+    "regex of a lone backslash": ("completions", {"guided_regex": "\\"}, "guided_regex", "lone backslash"),
+}
+
+
+@pytest.mark.parametrize("name", HOSTILE_REQUESTS)
+def test_hostile_constraints_get_the_same_400_naming_their_field_every_time(server, name):
+    """The tester's requests of issue 51: each was a 500 or a 200 with "" (one then the other); now
+    a 400 before admission, the same body on repeat."""
+    endpoint, fields, field, words = HOSTILE_REQUESTS[name]
+    body = {"model": MODEL, "max_tokens": 16, **fields,
+            **({"messages": _ask("Go.")} if endpoint == "chat" else {"prompt": "Go:"})}
+    path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+    answers = [httpx.post(server[0] + path, json=body, timeout=120) for _ in range(2)]
+    for response in answers:
+        assert response.status_code == 400, response.text
+    error = answers[0].json()["error"]
+    assert error["type"] == "invalid_request_error" and error["code"] == 400 and error["param"] == field
+    assert error["message"].startswith(field + ": ") and words in error["message"].lower()
+    assert answers[1].json() == answers[0].json()
