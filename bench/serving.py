@@ -7,6 +7,8 @@
     python bench/serving.py --launch --model DIR --depth '{"depth": "auto"}' --depth-policy slo --tpot-slo-ms 300
     python bench/serving.py --launch --llama-server --server-args "--num-threads 2" --request-rate 1,2,4
     python bench/serving.py --launch --server-args "--replicas 2 --num-threads 1" --shared-prefixes 4
+    python bench/serving.py --launch --server-args "--num-threads 2" --long-prompts 1 --long-prompt-tokens 8000 \
+        --num-prompts 40 --input-len 16 --output-len 4 --request-rate 1 --arrival constant   # head-of-line blocking
 
 Workload: `--num-prompts` prompts of exactly `--input-len` tokens, sent as token ids to
 /v1/completions: the first tokens of the documents of the C4 sample (`--dataset`, tokenized by
@@ -16,6 +18,15 @@ for exactly `--output-len` tokens (greedy, `ignore_eos`), streamed back over SSE
 turn (as chats that share a system prompt); the summary then gives the share of prompt tokens the
 server found in its prefix cache (usage.prompt_tokens_details.cached_tokens) and, behind Ray Serve,
 the requests each replica served (the x-depthserve-replica header).
+
+Long prompts beside short ones (`--long-prompts N`): at each rate the short requests above run
+twice, first alone, then with N prompts of `--long-prompt-tokens` tokens (`--long-output-len` new
+tokens each) sent at the start of the run, before the first short one. The long prompts are
+windows of the data set's documents joined end to end, last document first (so none shares a
+prefix with a short prompt), or random token ids with `--random-prompts`. Each run then reports the
+short and the long requests apart (`summary`: the short ones, `long_summary`: the long ones), and
+the result's `long_prompt_effect` gives, per rate, the short requests' p99 TTFT with the long
+prompts over their p99 TTFT alone (docs/server.md, "Scheduling").
 
 Arrivals: for each rate R of `--request-rate` (requests/s; 'inf' sends everything at once),
 inter-arrival gaps are exponential (`--arrival poisson`, the default) or exactly 1/R
@@ -103,6 +114,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                       help="K > 0: every prompt starts with one of K shared prefixes (prompt i with prefix i mod K), "
                            "as chats that share a system prompt")
     load.add_argument("--shared-prefix-len", type=int, default=64, help="tokens of each shared prefix")
+    load.add_argument("--long-prompts", type=int, default=0,
+                      help="N > 0: each rate runs the short requests alone, then with N long prompts sent first")
+    load.add_argument("--long-prompt-tokens", type=int, default=8000, help="tokens of each long prompt")
+    load.add_argument("--long-output-len", type=int, default=16, help="tokens each long prompt generates")
     load.add_argument("--request-rate", default="inf", help="requests/s, comma-separated to sweep, e.g. 1,2,4,inf")
     load.add_argument("--arrival", default="poisson", choices=["poisson", "constant"])
     load.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
@@ -126,6 +141,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--depth must be a JSON object")
     if any(r <= 0 for r in ns.rates):
         p.error("--request-rate values must be positive (or inf)")
+    if ns.long_prompts < 0 or ns.long_prompt_tokens < 1 or ns.long_output_len < 1:
+        p.error("--long-prompts must be >= 0, --long-prompt-tokens and --long-output-len positive")
+    if ns.long_prompts and ns.llama_server:
+        p.error("--long-prompts runs against depthserve only")
     if ns.llama_server and not ns.launch:
         p.error("--llama-server needs --launch: the benchmark starts both servers itself, afresh for each rate")
     return ns
@@ -334,12 +353,15 @@ def arrival_offsets(count: int, rate: float, kind: str, seed: int) -> list[float
     return offsets
 
 
-async def run_at_rate(client: httpx.AsyncClient, bodies: list[dict], rate: float, ns: argparse.Namespace
-                      ) -> tuple[list[RequestResult], float]:
-    """All requests at one rate; returns their results (in prompt order) and the run's wall seconds."""
+async def run_at_rate(client: httpx.AsyncClient, bodies: list[dict], rate: float, ns: argparse.Namespace,
+                      first: list[dict] | None = None) -> tuple[list[RequestResult], float]:
+    """All requests at one rate; returns their results (in prompt order) and the run's wall seconds.
+    `first`: requests sent at the start, before `bodies` (whose results follow theirs)."""
     from tqdm.auto import tqdm
 
-    offsets = arrival_offsets(len(bodies), rate, ns.arrival, ns.seed)
+    first = first or []
+    offsets = [0.0] * len(first) + arrival_offsets(len(bodies), rate, ns.arrival, ns.seed)
+    bodies = first + bodies
     limit = asyncio.Semaphore(ns.max_concurrency) if ns.max_concurrency else None
     bar = tqdm(total=len(bodies), desc=f"rate {rate:g} req/s", disable=ns.no_progress, leave=False)
     run_start = time.perf_counter()
@@ -463,13 +485,41 @@ async def warm_up(client: httpx.AsyncClient, model_id: str, prompts: list[list[i
 
 
 async def measure_rate(client: httpx.AsyncClient, bodies: list[dict], rate: float, ns: argparse.Namespace,
-                       server: str) -> dict[str, Any]:
-    """One run of every request at `rate`, its prefix cache emptied first where the server can."""
+                       server: str, long_bodies: list[dict] | None = None) -> dict[str, Any]:
+    """One run of every request at `rate`, its prefix cache emptied first where the server can;
+    `long_bodies` (long prompts) are sent first and summarized apart."""
     cold = await reset_prefix_cache(client) if server == DEPTHSERVE else None
-    results, duration = await run_at_rate(client, bodies, rate, ns)
+    long_bodies = long_bodies or []
+    results, duration = await run_at_rate(client, bodies, rate, ns, first=long_bodies)
+    long_results, results = results[:len(long_bodies)], results[len(long_bodies):]
     summary = summarize_run(results, duration, ns)
-    print(f"{server:>12} " + format_summary(rate, summary), flush=True)
-    return run_record(server, rate, cold, summary, [r.as_dict() for r in results])
+    label = f"{server} + {len(long_bodies)} long" if long_bodies else server
+    print(f"{label:>12} " + format_summary(rate, summary), flush=True)
+    record = run_record(server, rate, cold, summary, [r.as_dict() for r in results])
+    if long_bodies:
+        record["long_summary"] = summarize_run(long_results, duration, ns)
+        record["long_requests"] = [r.as_dict() for r in long_results]
+        long_ttft = record["long_summary"]["ttft_ms"].get("median")
+        print(f"{'':>12} long prompts: {record['long_summary']['completed']} of {len(long_bodies)} completed, "
+              f"TTFT median {'-' if long_ttft is None else f'{long_ttft:.0f}'} ms", flush=True)
+    record["long_prompts"] = len(long_bodies)
+    return record
+
+
+def long_prompt_effect(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per rate: the short requests' p99 TTFT with the long prompts over their p99 TTFT alone."""
+    effects = []
+    for alone in (run for run in runs if not run["long_prompts"]):
+        for mixed in (run for run in runs if run["long_prompts"] and run["request_rate"] == alone["request_rate"]):
+            before, after = alone["summary"]["ttft_ms"].get("p99"), mixed["summary"]["ttft_ms"].get("p99")
+            effects.append({
+                "request_rate": alone["request_rate"], "long_prompts": mixed["long_prompts"],
+                "short_p99_ttft_ms_alone": before, "short_p99_ttft_ms_with_long": after,
+                "short_p99_ttft_ratio": after / before if before and after is not None else None,
+                "long_completed": mixed["long_summary"]["completed"],
+                "long_e2el_s": [r["e2el_s"] for r in mixed["long_requests"]],
+            })
+    return effects
 
 
 def run_record(server: str, rate: float, prefix_cache_reset: bool | None, summary: dict[str, Any],
@@ -486,9 +536,34 @@ async def benchmark(base_url: str, ns: argparse.Namespace) -> dict[str, Any]:
         model_id, model = await served_model(client, ns.served_model)
         prompts = await workload_prompts(client, ns)
         bodies = [completion_body(model_id, p, ns.output_len, ns.depth_knobs) for p in prompts]
+        long_bodies = [completion_body(model_id, p, ns.long_output_len, ns.depth_knobs)
+                       for p in await long_prompts(client, ns)]
         await warm_up(client, model_id, prompts, ns)
-        runs = [await measure_rate(client, bodies, rate, ns, DEPTHSERVE) for rate in ns.rates]
+        runs = []
+        for rate in ns.rates:
+            if long_bodies:  # the short requests alone first: the baseline of their TTFT
+                runs.append(await measure_rate(client, bodies, rate, ns, DEPTHSERVE))
+            runs.append(await measure_rate(client, bodies, rate, ns, DEPTHSERVE, long_bodies))
     return {"model_id": model_id, "server_model": model, "runs": runs}
+
+
+async def long_prompts(client: httpx.AsyncClient, ns: argparse.Namespace) -> list[list[int]]:
+    """`--long-prompts` prompts of `--long-prompt-tokens` tokens (none without the option)."""
+    count, length = ns.long_prompts, ns.long_prompt_tokens
+    if count == 0:
+        return []
+    if ns.random_prompts:
+        return common.random_prompts(count, length, await probe_vocab_size(client), ns.seed + 1)
+    joined: list[int] = []
+    for text in reversed(common.read_jsonl_texts(ns.dataset)):
+        reply = await client.post("/tokenize", json={"prompt": text, "add_special_tokens": False})
+        joined += reply.raise_for_status().json()["tokens"]
+        if len(joined) >= count * length:
+            break
+    if not joined:
+        raise SystemExit(f"{ns.dataset} holds no text for the long prompts")
+    joined = (joined * -(-count * length // len(joined)))[:count * length]  # repeated if the documents run out
+    return [joined[i * length:(i + 1) * length] for i in range(count)]
 
 
 def turns(rates: list[float], servers: tuple[str, ...]) -> list[tuple[float, str]]:
@@ -628,6 +703,8 @@ def main(argv: list[str] | None = None) -> int:
                         "describes": "the server's machine" if ns.launch else "the client's machine"},
         "runs": outcome["runs"],
     }
+    if ns.long_prompts:
+        payload["long_prompt_effect"] = long_prompt_effect(outcome["runs"])
     if ns.llama_server:
         payload["llama_server"] = llama_server_record(ns, gguf, llama_threads, version, outcome["llama_server_model"])
     label = ns.label or f"{common.slug(Path(outcome['model_id']).name)}-{common.device_slug(device)}"
