@@ -131,6 +131,23 @@ def test_bad_requests_get_the_same_errors_through_the_ingress(cluster, path, bod
     assert error["type"] == err_type and error["code"] == status and words.lower() in error["message"].lower()
 
 
+def test_hostile_constraints_get_the_same_400_from_every_replica(cluster):
+    """Issue 51's constraints that were a 500 or an empty 200 (tests/test_server_structured.py has
+    them all): sent four times through the ingress, wherever routed, the same 400 naming the field."""
+    endless = {"$defs": {"n": {"type": "object", "properties": {"next": {"$ref": "#/$defs/n"}},
+                               "required": ["next"]}}, "$ref": "#/$defs/n"}
+    cases = [({"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": endless}}},
+              "response_format.json_schema.schema"),
+             ({"structured_outputs": {"grammar": r"start: /[^\s\S]/"}}, "structured_outputs.grammar"),
+             ({"structured_outputs": {"regex": "\\"}}, "structured_outputs.regex")]
+    for fields, field in cases:
+        answers = [_complete(cluster, {"prompt": "Go:", "max_tokens": 8, **fields}) for _ in range(4)]
+        assert all(answer.status_code == 400 for answer in answers), [answer.text for answer in answers]
+        error = answers[0].json()["error"]
+        assert error["type"] == "invalid_request_error" and error["param"] == field
+        assert all(answer.json() == answers[0].json() for answer in answers)
+
+
 def test_a_repeated_chat_prefix_stays_on_one_replica_and_hits_its_cache(cluster):
     """Chats sharing a long system prompt, one after another: all on the replica that took the first,
     every later one reusing its cached prompt blocks; after /reset_prefix_cache (every replica) the
