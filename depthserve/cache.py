@@ -59,6 +59,9 @@ class CacheLayout:
     # pages of the pool for it while the sequence holds pages; such sequences never use or feed
     # the prefix cache (the state is not part of any block).
     state_bytes: int = 0
+    # False: the blocks' contents depend on how the tokens were split into forwards (Dory's
+    # last_loop cache), so they neither use nor feed the prefix cache.
+    prefix_cache: bool = True
 
     def __post_init__(self) -> None:
         if any(slot.kind is SlotKind.ROUTED for slot in self.slots):
@@ -104,7 +107,7 @@ class CacheLayout:
         slots (what a step selects depends on the whole prefix) nor with state outside the KV
         blocks that changes for cached keys (SAOBP per-key bias, PUT conv state): such a sequence
         neither uses nor feeds the prefix cache, and its forks compute their own copy."""
-        if self.routed_slots or self.state_bytes:
+        if self.routed_slots or self.state_bytes or not self.prefix_cache:
             return False
         return not any(slot.kind in (SlotKind.PER_KEY_BIAS, SlotKind.SEQ_STATE) for slot in self.slots)
 

@@ -240,6 +240,19 @@ class DepthPlan:
     level_work: tuple[float, ...] = ()
     flops_per_token: float = 0.0  # weight-matrix FLOPs of one token at these settings (estimate)
     plain_flops_per_token: float = 0.0  # the same for the model at its default depth
+    # A model whose results depend on how a sequence's tokens are split into forwards (Dory's
+    # last_loop cache): its prompt runs in chunks of this many tokens counted from its first token,
+    # every later token in a forward of its own (`forward_tokens`). None: any split gives the same.
+    prefill_chunk: int | None = None
+
+    def forward_tokens(self, computed: int, prompt_len: int) -> int | None:
+        """With `prefill_chunk`: the tokens the next forward of a sequence with `computed` tokens
+        computed must take (the rest of the prompt chunk, else one); None: any number."""
+        if self.prefill_chunk is None:
+            return None
+        if computed >= prompt_len:
+            return 1
+        return min(prompt_len, (computed // self.prefill_chunk + 1) * self.prefill_chunk) - computed
 
     def step_level(self, level: int | None) -> int:
         """The level a step's tokens of this request run at: the depth policy's `level` (within

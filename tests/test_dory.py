@@ -27,6 +27,16 @@ WINDOW = 8  # the tiny checkpoints' sliding window: every prompt below is longer
 VOCAB = 257  # the byte tokenizer's
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """On matrices this small a second intra-op thread only adds synchronisation: on the shared
+    2-core machine the engine runs below 10x slower with one."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp("dory")
@@ -228,3 +238,56 @@ def test_invalid_loops_raise_and_leave_no_pages(ckpts, depth, match):
     assert not llm.engine.has_unfinished_requests() and llm.engine.block_manager.num_used_pages == 0
     knob = llm.engine.model.depth_knobs()["loops"]
     assert (knob.minimum, knob.maximum, knob.default) == (1, 8, 2)
+
+
+# ---- the engine, last_loop ---------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def last_loop(tmp_path_factory):
+    return make_tiny(tmp_path_factory.mktemp("dory-last") / "last-loop", seed=7, loops=2, cache_mode="last_loop",
+                     sliding_window=WINDOW)
+
+
+def test_last_loop_prompts_run_in_fixed_chunks_then_one_token_per_forward(last_loop):
+    plan = tiny_llm(last_loop).engine.model.plan(DepthParams(loops=3))
+    chunk = dory_format.LAST_LOOP_PREFILL_CHUNK
+    assert plan.prefill_chunk == chunk and not plan.layout.uses_prefix_cache
+    assert [plan.forward_tokens(c, 70) for c in (0, 5, chunk, 2 * chunk, 70, 75)] == [
+        chunk, chunk - 5, chunk, 70 - 2 * chunk, 1, 1]
+
+
+def test_last_loop_slots_do_not_grow_with_loops(last_loop):
+    model = tiny_llm(last_loop).engine.model
+    layouts = [cache_layout(model, DepthParams(loops=n)) for n in (1, 2, 4, 8)]
+    assert all(layout == layouts[0] for layout in layouts) and len(layouts[0].slots) == 6
+
+
+def test_last_loop_equals_transformers_fed_the_same_chunks(last_loop):
+    """Mixed loops, prompts of several chunks, a step budget below the chunk (a fixed chunk is never
+    cut) and preemption: transformers is fed each prompt in the same chunks, then one token at a time."""
+    path = last_loop
+    # three short prompts admitted in one step whose decodes outgrow the pool, then a prompt of three chunks
+    lengths, loops = [8, 12, 4, 70], [1, 4, None, 3]
+    prompts = [_ids(n, seed=40 + i) for i, n in enumerate(lengths)]
+    depths = [DepthParams() if n is None else DepthParams(loops=n) for n in loops]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
+    probe = tiny_llm(path)
+    bm, model = probe.engine.block_manager, probe.engine.model
+    need = [bm.pages_for(cache_layout(model, d), len(p) + params.max_tokens) for p, d in zip(prompts, depths)]
+    pages = max(need) + 4
+    engine = tiny_llm(path, pages=pages, max_model_len=96, max_num_batched_tokens=24).engine
+    final = _run(engine, [(f"r{i}", p, params, d) for i, (p, d) in enumerate(zip(prompts, depths))])
+    assert engine.scheduler.num_preemptions > 0, "the KV budget was meant to force preemption"
+    stats = {"tokens": 0, "max_err": 0.0}
+    chunk = dory_format.LAST_LOOP_PREFILL_CHUNK
+    for i, (prompt, depth) in enumerate(zip(prompts, depths)):
+        _check(path, prompt, depth, final[f"r{i}"].outputs[0], stats, prefill_chunk=chunk)
+    print("dory last_loop mixed batch:", engine.scheduler.num_preemptions, "preemptions", stats)
+    assert engine.block_manager.num_used_pages == 0
+
+
+def test_last_loop_results_depend_on_the_split(last_loop):
+    """The reason for the fixed chunks: the same tokens fed in other forwards give other logits."""
+    ids = _ids(40, seed=8)
+    whole = dory_reference.forward(last_loop, ids, {"loops": 3}, prompt_len=40, prefill_chunk=40)
+    chunked = dory_reference.forward(last_loop, ids, {"loops": 3}, prompt_len=40, prefill_chunk=16)
+    assert torch.equal(whole[:16], chunked[:16]) and float((whole[16:] - chunked[16:]).abs().max()) > 1e-3

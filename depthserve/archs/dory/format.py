@@ -25,6 +25,9 @@ CACHE_MODES = ("per_loop", "last_loop")
 DEFAULT_ROPE_THETAS = {SLIDING: 10_000.0, FULL: 10_000_000.0}
 # The ceiling of `loops` when the config names none: this many times the trained loop count.
 MAX_LOOPS_FACTOR = 4
+# last_loop mode: the prompt's forwards, in tokens counted from its first token (the engine's
+# split, which the reference reproduces; never chosen by the load).
+LAST_LOOP_PREFILL_CHUNK = 32
 
 
 @dataclass(frozen=True)
@@ -247,10 +250,14 @@ def plan(cfg: DoryConfig, depth: DepthParams) -> DoryPlan:
     later = () if cfg.recurrent_kv_cache_mode == "last_loop" else tuple(
         SlotSpec(recurrent_slot_name(cfg, i, t), SlotKind.DENSE, cfg.num_kv_heads)
         for t in range(2, loops + 1) for i in cfg.recurrent_layers)
-    layout = CacheLayout(base + later, base_slots=len(base))
+    last_loop = cfg.recurrent_kv_cache_mode == "last_loop"
+    # last_loop: the cached keys depend on how the tokens were split into forwards, so the prompt
+    # runs in fixed chunks and its blocks are not shared through the prefix cache
+    layout = CacheLayout(base + later, base_slots=len(base), prefix_cache=not last_loop)
     return DoryPlan(depth=depth, layout=layout, flops_per_token=token_flops(cfg, loops),
                     plain_flops_per_token=token_flops(cfg, cfg.n_recurrent_loops), loops=loops,
-                    columns=dict(layout.slot_columns()), level=loops)
+                    columns=dict(layout.slot_columns()), level=loops,
+                    prefill_chunk=LAST_LOOP_PREFILL_CHUNK if last_loop else None)
 
 
 def report(cfg: DoryConfig, plan: DoryPlan, tokens: int, generated: int) -> DepthReport:
