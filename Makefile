@@ -28,6 +28,7 @@ $(STAMP): pyproject.toml Makefile
 	# cannot build (no g++, no AVX-512 VNNI) this says why and the quantized layers use torch's kernels.
 	$(BIN)/python -c "from depthserve.kernels import cpu_native as n; print('native CPU kernels:', n.unavailable_reason() or 'built')"
 	touch $(STAMP)
+	@echo "installed in $(VENV): the depthserve command is $(BIN)/depthserve, or plain depthserve after: . $(BIN)/activate"
 
 install: $(STAMP)
 
@@ -50,12 +51,13 @@ test: $(STAMP) browser
 	$(BIN)/python -m pytest -q --durations=15 $(PYTEST_ARGS)
 
 # The tests not marked slow (parity with transformers, the mixed-batch engine = reference runs, the
-# soak and the other long ones are): a few minutes on 2 CPU cores.
+# soak and the other long ones are): about 10 minutes on 2 CPU cores.
 test-fast: $(STAMP) browser
 	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
-# Quick versions of every benchmark, then the charts (bench/results/plots/): about 3 minutes on 2 CPU cores
-# (the first run also builds two SmolLM2-shaped SGT/ITT checkpoints, ~0.5 GB each, in ~/.cache/depthserve).
+# Quick versions of every benchmark, then their charts: about 6 minutes on 2 CPU cores (the first run
+# also builds two SmolLM2-shaped SGT/ITT checkpoints, ~0.5 GB each, in ~/.cache/depthserve). Results and
+# charts go to bench/results/quick/ (git-ignored), never over the committed ones.
 bench: $(STAMP)
 	$(BIN)/python bench/throughput.py --quick --model $(MODEL)
 	$(BIN)/python bench/serving.py --quick --launch --model $(MODEL) --no-progress \
@@ -64,7 +66,8 @@ bench: $(STAMP)
 	$(BIN)/python bench/step_breakdown.py --quick
 	$(BIN)/python bench/depth_elastic.py --quick
 	$(BIN)/python bench/depth_confidence.py --quick
-	$(BIN)/python bench/plot.py
+	$(BIN)/python bench/plot.py --quick
+	@echo "results and charts of these quick runs: bench/results/quick/ (git-ignored)"
 
 $(EVAL_STAMP):
 	$(PYTHON) -m venv $(EVAL_VENV)

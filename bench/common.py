@@ -18,6 +18,10 @@ from pathlib import Path
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 PLOTS_DIR = RESULTS_DIR / "plots"
+# The smoke runs (`--quick`, `make bench`) and their charts: git-ignored, so that they never mix with
+# or overwrite the committed results.
+QUICK_SUFFIX = "-quick"
+QUICK_RESULTS_DIR = RESULTS_DIR / "quick"
 C4_SAMPLE = Path(__file__).resolve().parents[2] / "shared" / "data" / "c4_sample.jsonl"  # ../shared beside the checkout
 
 
@@ -155,9 +159,15 @@ def layer_matmuls_ms(model, layers, num_rows: int, passes: int, sync, lm_head: b
     return 1000 * timed(run, sync)
 
 
+def result_path(name: str) -> Path:
+    """Where the result `name` is written: a smoke run's (name ending in QUICK_SUFFIX) under
+    QUICK_RESULTS_DIR, any other under RESULTS_DIR."""
+    return (QUICK_RESULTS_DIR if name.endswith(QUICK_SUFFIX) else RESULTS_DIR) / f"{name}.json"
+
+
 def write_result(name: str, payload: dict) -> Path:
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    path = RESULTS_DIR / f"{name}.json"
+    path = result_path(name)
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=2) + "\n")
     return path
 

@@ -2,7 +2,7 @@
 
     python bench/depth_elastic.py --model DIR --tpot-slo-ms 60            # a Dreamer checkpoint
     python bench/depth_elastic.py --model demo-dreamer --demo-task --policies fixed,slo,slo+confidence,need
-    python bench/depth_elastic.py --quick
+    python bench/depth_elastic.py --quick          # demo-dreamer on demo-task prompts: needs no data set
 
 One server of the same checkpoint is launched per policy of `--policies` (`fixed`: `depthserve serve
 --depth-policy fixed`; `slo`: `--depth-policy slo --tpot-slo-ms T`; `slo+confidence`: that with
@@ -38,6 +38,7 @@ import common  # noqa: E402
 import serving  # noqa: E402
 
 POLICIES = ("fixed", "slo", "slo+confidence", "need", "confidence")
+QUICK_MODEL = "demo-dreamer"  # built in: a smoke run needs neither a checkpoint nor ../shared/data
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -62,10 +63,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="prompts are held-out problems of the demo task (depthserve/demo/task.py, for a demo "
                         "model such as demo-dreamer): each answer is checked, giving the accuracy of what each "
                         "policy served")
-    p.add_argument("--quick", action="store_true", help="a tiny Dreamer, 8 prompts, rates 4 and 8")
+    p.add_argument("--quick", action="store_true",
+                   help="8 prompts, rates 4 and 8; without --model, demo-dreamer on held-out demo problems (the "
+                        "package's own prompts: no data set needed)")
     ns = p.parse_args(argv)
     if ns.quick:
         ns.num_prompts, ns.input_len, ns.output_len, ns.request_rate = 8, 32, 8, "4,8"
+        if ns.model is None:
+            ns.model, ns.demo_task = QUICK_MODEL, True
     if ns.model is None and not ns.quick:
         p.error("--model is required (or --quick)")
     ns.policy_list = ns.policies.split(",")
@@ -216,10 +221,6 @@ def main(argv: list[str] | None = None) -> int:
     if not ns.demo_task and not ns.dataset.exists():
         print(f"skipping the depth-elastic benchmark: the prompt data set {ns.dataset} is absent")
         return 0
-    if ns.quick and ns.model is None:
-        from depthserve.tiny import make_tiny
-
-        ns.model = str(make_tiny("dreamer", Path(common.RESULTS_DIR.parent / ".quick-dreamer"), seed=0))
     server_args = {policy: policy_server_args(policy, ns) for policy in ns.policy_list}
     with contextlib.ExitStack() as stack:
         urls = {policy: stack.enter_context(serving.launched_server(ns.model, args, 600.0))
@@ -237,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         "runs": outcome["runs"],
         "environment": common.environment("cpu", ns.threads),
     }
-    label = f"{ns.label}-quick" if ns.quick else ns.label
+    label = f"{ns.label}{common.QUICK_SUFFIX}" if ns.quick else ns.label
     print(f"wrote {common.write_result(f'depth-elastic-{label}', payload)}")
     return 0
 

@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted: the result holds the rows measured so far", flush=True)
     finally:
         save()
-        print(f"wrote {common.RESULTS_DIR / (name + '.json')}")
+        print(f"wrote {common.result_path(name)}")
     failed = [row["name"] for report in payload["shapes"] for row in report.get("rows", []) if row["status"] != "ok"]
     if failed:
         print(f"not timed (failed or outside the error bound): {len(failed)} rows; see the result's 'status' fields")

@@ -1,6 +1,7 @@
 """Charts of the benchmark results: every bench/results/*.json to a PNG in bench/results/plots/.
 
     python bench/plot.py                      # all result kinds found
+    python bench/plot.py --quick              # the smoke runs of `make bench`: bench/results/quick/plots/
     python bench/plot.py --results-dir DIR --out-dir DIR
 
     throughput-*.json   decode and prefill tokens/s against concurrency, engine vs transformers,
@@ -38,9 +39,14 @@ import common  # noqa: E402
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--results-dir", type=Path, default=common.RESULTS_DIR)
+    p.add_argument("--results-dir", type=Path, default=None,
+                   help=f"default: {common.RESULTS_DIR} (with --quick: {common.QUICK_RESULTS_DIR})")
     p.add_argument("--out-dir", type=Path, default=None, help="default: <results-dir>/plots")
-    return p.parse_args(argv)
+    p.add_argument("--quick", action="store_true", help="chart the smoke runs (make bench) instead of the committed results")
+    ns = p.parse_args(argv)
+    if ns.results_dir is None:
+        ns.results_dir = common.QUICK_RESULTS_DIR if ns.quick else common.RESULTS_DIR
+    return ns
 
 
 def machine_line(payload: dict[str, Any]) -> str:

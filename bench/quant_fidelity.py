@@ -132,7 +132,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ns.batch1_prompts = min(ns.batch1_prompts, ns.prompts)
     ns.format_names = [REFERENCE] + [f for f in dict.fromkeys(names) if f != REFERENCE]
     if ns.output is None:
-        ns.output = common.RESULTS_DIR / f"quant-fidelity-{ns.machine}{'-quick' if quick else ''}.json"
+        ns.output = common.result_path(f"quant-fidelity-{ns.machine}{common.QUICK_SUFFIX if quick else ''}")
     return ns
 
 

@@ -47,6 +47,12 @@ import common  # noqa: E402
 PROBE_SAMPLES = 3  # matmul-floor readings per repeat
 
 
+# --quick: decode is t(output + 1) - t(1), so it must outweigh the prompt's prefill in t(1) by a margin
+# the machine's noise cannot close (with 128-token prompts and 16 tokens, 8 sequences' decode was
+# often lost in the 1-token runs' spread).
+QUICK_INPUT_LEN, QUICK_OUTPUT_LEN, QUICK_REPEATS = 32, 32, 3
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct")
@@ -84,12 +90,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "with the engine's thread count")
     p.add_argument("--llamacpp-gguf", default=None,
                    help="the GGUF file llama.cpp loads (default: the file behind --model, which must be a GGUF)")
-    p.add_argument("--quick", action="store_true", help="concurrency 1 and 8, output 16, 2 repeats")
+    p.add_argument("--quick", action="store_true", help=f"concurrency 1 and 8, input {QUICK_INPUT_LEN}, "
+                   f"output {QUICK_OUTPUT_LEN}, {QUICK_REPEATS} repeats")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="result name under bench/results (default: throughput-<device>)")
     ns = p.parse_args(argv)
     if ns.quick:
-        ns.batch_sizes, ns.output_len, ns.repeats = "1,8", 16, 2
+        ns.batch_sizes, ns.input_len, ns.output_len, ns.repeats = "1,8", QUICK_INPUT_LEN, QUICK_OUTPUT_LEN, QUICK_REPEATS
     return ns
 
 

@@ -373,3 +373,54 @@ def test_the_ab_ratio_cancels_which_side_steps_first():
     assert ab.order_balanced_ratio(a_first, b_first) == pytest.approx(true_ratio, rel=1e-9)
     low, high = ab.bootstrap_interval(a_first, b_first, seed=0, rounds=400)
     assert low <= true_ratio <= high and high / low < 1.05
+
+
+def _git_ignores(path: Path) -> bool:
+    repo = Path(__file__).resolve().parents[1]
+    if not (repo / ".git").exists():
+        pytest.skip("not a git checkout: nothing to ignore")
+    import subprocess
+
+    return subprocess.run(["git", "check-ignore", "-q", str(path)], cwd=repo).returncode == 0
+
+
+def test_quick_results_and_their_charts_go_to_a_git_ignored_folder():
+    """`make bench` (every --quick run, then plot.py --quick) never writes over a committed result or chart."""
+    import plot
+
+    quick = common.result_path("throughput-cpu-quick")
+    assert quick.parent == common.QUICK_RESULTS_DIR and _git_ignores(quick)
+    assert _git_ignores(common.QUICK_RESULTS_DIR / "plots" / "throughput-cpu-quick.png")
+    committed = common.result_path("throughput-cpu-xeon-2core")
+    assert committed.parent == common.RESULTS_DIR and not _git_ignores(committed)
+    assert plot.parse_args(["--quick"]).results_dir == common.QUICK_RESULTS_DIR
+    assert plot.parse_args([]).results_dir == common.RESULTS_DIR
+
+
+def test_write_result_puts_a_quick_run_beside_no_committed_result(tmp_path, monkeypatch):
+    monkeypatch.setattr(common, "RESULTS_DIR", tmp_path)
+    monkeypatch.setattr(common, "QUICK_RESULTS_DIR", tmp_path / "quick")
+    assert common.write_result("depth-elastic-cpu-2core-quick", {"a": 1}) == tmp_path / "quick" / "depth-elastic-cpu-2core-quick.json"
+    assert json.loads((tmp_path / "quick" / "depth-elastic-cpu-2core-quick.json").read_text()) == {"a": 1}
+    assert [path.name for path in tmp_path.iterdir()] == ["quick"]
+
+
+def test_quick_depth_elastic_needs_no_data_set():
+    """Without --model, --quick serves the built-in demo-dreamer on held-out demo problems, not ../shared/data."""
+    import depth_elastic
+
+    ns = depth_elastic.parse_args(["--quick", "--dataset", "/nonexistent/prompts.jsonl"])
+    assert ns.model == "demo-dreamer" and ns.demo_task
+    from depthserve.loading.registry import BUILTIN_MODELS
+
+    assert ns.model in BUILTIN_MODELS
+
+
+def test_quick_throughput_decodes_more_tokens_than_each_prompt_prefills():
+    """Decode is t(output + 1) - t(1): a quick run whose decode is small beside its prefill loses it in
+    the 1-token runs' spread (8 sequences: t(17 tokens) <= t(1 token))."""
+    import throughput
+
+    ns = throughput.parse_args(["--quick"])
+    assert ns.output_len >= ns.input_len and ns.repeats >= 3
+    assert [int(b) for b in ns.batch_sizes.split(",")] == [1, 8]
