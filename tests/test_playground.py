@@ -260,7 +260,8 @@ def test_streamed_tokens_and_their_depth_colours_equal_the_api(browser, demo):
     assert [s.value_of_css_property("background-color") for s in spans] == [legend[max(_depths(s))] for s in spans]
 
     summary = browser.find_element(*_by("#summary")).text
-    assert summary.startswith("24 tokens") and "tokens/s" in summary
+    assert summary.startswith("24 tokens") and "first token after" in summary
+    assert ("tokens/s" in summary) != ("last after" in summary)  # a rate, or (too short to rate) the last token's time
     assert f"relative compute {api['usage']['depth']['relative_compute']:.2f}" in summary
 
     # Hovering a token shows its depth, its logprob and the alternatives.
@@ -392,6 +393,31 @@ def test_a_token_without_text_is_explained_in_its_tooltip(browser, demo):
     assert _generate(browser) == "done"
     empty = [span for span in _tokens(browser) if not span.get_attribute("textContent")]
     assert empty, "the demo answers, then ends its sequence"
+    # Shown as its own token (demo-dreamer's </s>, from the streamed logprobs) in a tag drawn by CSS, not
+    # as a glyph, and not in the reply's text.
+    api = httpx.post(f"{base}/v1/completions", json=_unstreamed(_sent_body(browser)), timeout=30).json()
+    tokens = api["choices"][0]["logprobs"]["tokens"]
+    end = tokens[[span.get_attribute("textContent") for span in _tokens(browser)].index("")]
+    assert end == "</s>"
+    shown = browser.execute_script("return getComputedStyle(arguments[0], '::after').content", empty[-1])
+    assert shown == json.dumps(end) and empty[-1].get_attribute("data-label") == end
     ActionChains(browser).move_to_element(empty[-1]).perform()
     tip = _wait(browser, lambda p: p.find_element(*_by("#tip")) if p.find_element(*_by("#tip")).is_displayed() else None)
-    assert "a token with no text (such as the end of sequence)" in tip.text and tip.text.startswith("∎")
+    assert tip.text.startswith(f"{end}: a token with no text (such as the end of sequence)")
+
+
+def test_the_rate_is_shown_only_over_an_interval_long_enough_to_measure(browser, demo):
+    """12 tokens arriving within half a millisecond are no 22,000 tokens/s: the summary gives the last
+    token's time instead; over a second, the tokens after the first chunk over the time they took."""
+    base, _ = demo
+    _open(browser, base)
+
+    def summary(**run) -> str:
+        run = {"tokens": 12, "afterFirst": 11, "depths": [], "start": 0, "first": 100, "usage": None, "ended": True, **run}
+        browser.execute_script("updateSummary(arguments[0])", run)
+        return browser.find_element(*_by("#summary")).text
+
+    burst = summary(last=100.5)
+    assert "tokens/s" not in burst and burst == "12 tokens · first token after 100 ms · last after 101 ms"
+    assert summary(last=1200) == "12 tokens · 10.0 tokens/s · first token after 100 ms"
+    assert summary(last=100.5, ended=False) == "12 tokens · first token after 100 ms"  # still streaming

@@ -5,6 +5,9 @@
 
 const $ = (id) => document.getElementById(id);
 const METRICS_EVERY_MS = 1000;
+// A tokens/s figure needs the stream to have lasted this long after its first tokens: over a shorter
+// interval (a short reply, several tokens to a chunk) it measures the stream's buffering, not decoding.
+const MIN_RATE_INTERVAL_MS = 250;
 const EXAMPLES = {demo: "c=4 x=8 f=c q=x h=f h?", chat: "Write a haiku about the sea."};
 
 const state = {
@@ -308,8 +311,19 @@ function addTokens(target, text, depths, logprobs) {
   return count;
 }
 
+/** What a token without text (the end of sequence, a stop string's) shows: its own token, such as
+ * `</s>`, where the stream carried it (logprobs), else "end". */
+function textlessLabel(logprobs) {
+  const tokens = (logprobs || []).map((lp) => lp.token).filter(Boolean);
+  return tokens.length ? tokens.join(" ") : "end";
+}
+
 function tokenSpan(text, depths, logprobs) {
   const span = el("span", {className: "tok", textContent: text});
+  if (!text) {  // labelled by CSS (::after), so the reply's text stays what the server sent
+    span.classList.add("textless");
+    span.dataset.label = textlessLabel(logprobs);
+  }
   if (depths && depths.length) {
     span.dataset.depth = depths.join(",");
     coverLevels(depths);
@@ -328,12 +342,16 @@ function startOutput(chat, prompt) {
   return reply;
 }
 
+/** The summary line. The rate counts the tokens that arrived after the first chunk over the time they
+ * took, and only once that time is long enough to measure (MIN_RATE_INTERVAL_MS); a reply streamed
+ * faster gives the time of its last token instead. */
 function updateSummary(run) {
   const parts = [`${run.tokens} token${run.tokens === 1 ? "" : "s"}`];
-  if (run.first !== null && run.tokens > 1 && run.last > run.first) {
-    parts.push(`${fmt((run.tokens - 1) / ((run.last - run.first) / 1000), 1)} tokens/s`);
-  }
+  const streamed = run.first === null ? 0 : run.last - run.first;
+  const rated = run.afterFirst > 0 && streamed >= MIN_RATE_INTERVAL_MS;
+  if (rated) parts.push(`${fmt(run.afterFirst / (streamed / 1000), 1)} tokens/s`);
   if (run.first !== null) parts.push(`first token after ${Math.round(run.first - run.start)} ms`);
+  if (run.first !== null && run.ended && !rated) parts.push(`last after ${Math.round(run.last - run.start)} ms`);
   if (run.depths.length) {
     const mean = run.depths.reduce((a, b) => a + b, 0) / run.depths.length;
     parts.push(`mean depth ${fmt(mean)}`);
@@ -428,7 +446,8 @@ async function generate() {
   $("request-json").textContent = JSON.stringify(body, null, 2);
   hideError();
   const reply = startOutput(chat, prompt);
-  const run = {tokens: 0, depths: [], text: "", start: performance.now(), first: null, last: null, usage: null};
+  const run = {tokens: 0, afterFirst: 0, depths: [], text: "", start: performance.now(), first: null, last: null,
+               usage: null, ended: false};
   state.controller = new AbortController();
   setRunning(true);
   setStatus("waiting for the server…", "running");
@@ -461,6 +480,7 @@ async function generate() {
         if (added) {
           const now = performance.now();
           if (run.first === null) run.first = now;
+          else run.afterFirst += added;
           run.last = now;
         }
         run.tokens += added;
@@ -484,6 +504,8 @@ async function generate() {
       if (!run.tokens) reply.remove();
     }
   } finally {
+    run.ended = true;
+    updateSummary(run);
     state.controller = null;
     setRunning(false);
   }
@@ -507,8 +529,7 @@ function clearOutput() {
 function showTip(span) {
   const {text, depths, logprobs} = state.info.get(span);
   const tip = $("tip");
-  const heading = text || !logprobs ? visible(text)
-    : `∎ ${logprobs.map((lp) => visible(lp.token)).join(" ")}: a token with no text (such as the end of sequence)`;
+  const heading = text ? visible(text) : `${span.dataset.label}: a token with no text (such as the end of sequence)`;
   const lines = [el("div", {className: "tip-token", textContent: heading})];
   if (depths && depths.length) {
     const of = state.legend ? ` of ${state.legend.lo}–${state.legend.hi}` : "";
