@@ -5,6 +5,7 @@ bad constraints fail before admission and a constraint that cannot finish ends w
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import sys
@@ -16,12 +17,14 @@ import pytest
 from depthserve import LLM, DepthParams, SamplingParams
 from depthserve.demo.task import problems
 from depthserve.structured import (
+    GrammarTooComplexError,
     InvalidGrammarError,
     InvalidJsonSchemaError,
     InvalidRegexError,
     JsonSchemaConstraint,
     StructuredOutputError,
     StructuredOutputsParams,
+    UnsatisfiableConstraintError,
 )
 from tests.batch_workload import PARAMS, compare, prompts
 
@@ -109,11 +112,32 @@ def test_constraint_that_cannot_finish_ends_with_length(llm):
     (StructuredOutputsParams(grammar="start: undefined_rule"), InvalidGrammarError),
     (StructuredOutputsParams(regex="a", choice=["a"]), StructuredOutputError),
     (StructuredOutputsParams(), StructuredOutputError),
+    (StructuredOutputsParams(json={"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}),
+     UnsatisfiableConstraintError),
+    (StructuredOutputsParams(grammar=r"start: /[^\s\S]/"), UnsatisfiableConstraintError),
+    (StructuredOutputsParams(regex="\\"), InvalidRegexError),
+    (StructuredOutputsParams(json={"$defs": {"n": {"type": "object", "properties": {"next": {"$ref": "#/$defs/n"}},
+                                                   "required": ["next"]}}, "$ref": "#/$defs/n"}), GrammarTooComplexError),
 ])
 def test_bad_constraints_fail_before_admission(llm, structured, error):
     with pytest.raises(error):
         llm.generate([_chat(llm, "Hi")], SamplingParams(max_tokens=4, structured_outputs=structured))
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_a_constraint_that_fails_mid_output_fails_its_request_and_is_refused_after(llm, monkeypatch):
+    """A lexer bound exceeded after the first tokens (its state count, shared by every copy of the
+    grammar): the output ends with "error", never "stop" as if complete, and frees its pages; the
+    same constraint is then refused before admission."""
+    backend = llm.engine.structured.backend
+    monkeypatch.setattr(backend, "limits", dataclasses.replace(backend.limits, max_lexer_states=100))
+    params = SamplingParams(temperature=0, max_tokens=80, structured_outputs=StructuredOutputsParams(regex="[a-z]{300}"))
+    prompt = _chat(llm, "Write lowercase letters.")
+    out = llm.generate([prompt], params)[0]
+    assert out.finish_reason == "error" and 0 < len(out.token_ids) < 80
+    assert llm.engine.block_manager.num_used_pages == 0
+    with pytest.raises(GrammarTooComplexError, match="too many states"):
+        llm.generate([prompt], params)
 
 
 def test_unconstrained_requests_unchanged_beside_constrained_ones(alone_outputs, smollm_tokenizer):
