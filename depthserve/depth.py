@@ -239,7 +239,9 @@ class DepthPlan:
     # with the level from zero, as Dreamer's recurrences do).
     level_work: tuple[float, ...] = ()
     flops_per_token: float = 0.0  # weight-matrix FLOPs of one token at these settings (estimate)
-    plain_flops_per_token: float = 0.0  # the same for the model at its default depth
+    # The same at the model's default depth settings (the knobs' defaults GET /v1/models lists): the
+    # reference of relative_compute for every architecture (docs/server.md, "Depth").
+    plain_flops_per_token: float = 0.0
     # A model whose results depend on how a sequence's tokens are split into forwards (Dory's
     # last_loop cache): its prompt runs in chunks of this many tokens counted from its first token,
     # every later token in a forward of its own (`forward_tokens`). None: any split gives the same.
@@ -302,7 +304,7 @@ class DepthReport:
     architecture: str
     tokens: int
     flops: float
-    plain_flops: float
+    plain_flops: float  # the same tokens at the model's default depth settings (relative_compute's reference)
     settings: dict[str, Any] = field(default_factory=dict)
     counters: dict[str, Any] = field(default_factory=dict)
     fractions: dict[str, Any] = field(default_factory=dict)

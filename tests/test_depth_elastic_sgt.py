@@ -69,7 +69,11 @@ def _check_report(depth: DepthParams, out) -> None:
     assert report["mean_depth"] == pytest.approx(levels.mean(), abs=1e-4)
     assert set(report["loop_iterations"].values()) == {int(levels.sum())}
     assert report["extrapolated"] == ([2, 3] if levels.max() == 2 else [1, 2, 3] if levels.max() == 3 else [])
-    assert (report["relative_compute"] > 1.0) == bool(levels.max() > 0)
+    # relative to the trained counts (at most 2 per layer), the defaults (docs/server.md, "Depth")
+    if levels.max() == 0:
+        assert report["relative_compute"] < 1.0
+    if levels.min() >= 2:
+        assert report["relative_compute"] > 1.0
 
 
 @pytest.mark.slow

@@ -220,18 +220,44 @@ def plan(cfg: LlamaConfig, spec: ITTSpec, depth: DepthParams, quantiles: list[np
     routed = tuple(SlotSpec(routed_slot_name(layer, t), SlotKind.ROUTED, cfg.num_kv_heads)
                    for layer in spec.layers for t in range(1, spec.steps + 1) if ratios[t - 1] > 0)
     base = cfg.num_layers * layer_weight_flops(cfg)
-    # Each enabled step: the router on every token plus f_t on the selected share (about rho_t).
-    step_flops = [len(spec.layers) * (2 * cfg.hidden_size + r * layer_weight_flops(cfg)) if r > 0 else 0.0
-                  for r in ratios]
+    per_step = expected_step_flops(cfg, spec, ratios)
     steps = depth.get("thinking_steps")
     # A range of thinking steps (section 6): each step's tokens run the first `level` steps of the
     # ratios; the routed slots are priced at the maximum, as every routed slot is.
     elastic = steps if isinstance(steps, DepthRange) and steps.minimum < steps.maximum else None
     level = steps.maximum if isinstance(steps, DepthRange) else spec.steps if steps is None else steps
-    work = tuple((base + sum(step_flops[:level])) / base for level in range(spec.steps + 1)) if elastic else ()
-    return ITTPlan(depth=depth, layout=CacheLayout(dense_slots(cfg), routed), flops_per_token=base + sum(step_flops),
-                   plain_flops_per_token=base, ratios=ratios, thresholds=thresholds, elastic=elastic, level=level,
+    work = tuple((base + sum(per_step[:level])) / base for level in range(spec.steps + 1)) if elastic else ()
+    default = base + sum(expected_step_flops(cfg, spec, tuple(spec.trained_ratios)))
+    return ITTPlan(depth=depth, layout=CacheLayout(dense_slots(cfg), routed), flops_per_token=base + sum(per_step),
+                   plain_flops_per_token=default, ratios=ratios, thresholds=thresholds, elastic=elastic, level=level,
                    level_work=work)
+
+
+def expected_step_flops(cfg: LlamaConfig, spec: ITTSpec, ratios: tuple[float, ...]) -> list[float]:
+    """Per token, each step's weight FLOPs: the router on every token plus f_t on the selected share
+    (about rho_t: the thresholds are the calibrated scores' quantiles); 0 for a step that is off."""
+    return [len(spec.layers) * (2 * cfg.hidden_size + r * layer_weight_flops(cfg)) if r > 0 else 0.0 for r in ratios]
+
+
+def step_flops(cfg: LlamaConfig, selected: float, tokens: int) -> float:
+    """One ITT layer's step t over `tokens` positions: f_t on the `selected` ones (the j-th selected
+    attends to j keys) plus the router on every position."""
+    return (selected * layer_weight_flops(cfg) + attention_flops(cfg.num_heads, cfg.head_dim, selected * (selected + 1) / 2)
+            + tokens * 2 * cfg.hidden_size)
+
+
+def default_flops(cfg: LlamaConfig, spec: ITTSpec, tokens: int, generated: int) -> float:
+    """The same tokens at the default settings (every trained step at its trained ratio). Which tokens
+    the routers select depends on the tokens, so each step is counted at its expected share: rho_t of them."""
+    steps = sum(step_flops(cfg, ratio * tokens, tokens) for ratio in spec.trained_ratios if ratio > 0)
+    return plain_flops(cfg, tokens, generated) + len(spec.layers) * steps
+
+
+def ran_the_defaults(spec: ITTSpec, plan: ITTPlan, levels: list[int] | None) -> bool:
+    """Whether every position ran every trained step at its trained ratio."""
+    if tuple(plan.ratios) != tuple(spec.trained_ratios):
+        return False
+    return plan.elastic is None or (levels is not None and all(level == spec.steps for level in levels))
 
 
 # ---- the decisions of one sequence, and the report -----------------------------------------------------
@@ -275,10 +301,12 @@ def report(cfg: LlamaConfig, spec: ITTSpec, plan: ITTPlan, record: ITTRecord, to
             samples.append(DepthCounter("selected_tokens", n, (("layer", str(layer)), ("step", str(t)))))
             prompt_frac[key] = float(chosen[:prompt].mean()) if prompt else None
             decode_frac[key] = float(chosen[prompt:].mean()) if tokens > prompt else None
-            # f_t on n tokens (the j-th selected attends to j keys) plus the router on every token.
-            extra += n * layer_weight_flops(cfg) + attention_flops(cfg.num_heads, cfg.head_dim, n * (n + 1) / 2)
-            extra += tokens * 2 * cfg.hidden_size
+            extra += step_flops(cfg, n, tokens)
     base = plain_flops(cfg, tokens, generated)
+    computed = list(levels[:tokens]) if levels is not None else None
+    # A request that ran the defaults is its own reference (exactly 1); any other is compared with the
+    # defaults' expected selections.
+    default = base + extra if ran_the_defaults(spec, plan, computed) else default_flops(cfg, spec, tokens, generated)
     settings: dict = {"selection_ratios": list(plan.ratios)}
     per_token = None
     if plan.elastic is not None and levels is not None:
@@ -289,7 +317,7 @@ def report(cfg: LlamaConfig, spec: ITTSpec, plan: ITTPlan, record: ITTRecord, to
         architecture="itt",
         tokens=tokens,
         flops=base + extra,
-        plain_flops=base,
+        plain_flops=default,
         settings=settings,
         per_token=per_token,  # with a range of thinking steps: the steps each position had on
         counters={"selected_tokens": selected},  # "layer:step" -> tokens selected (enabled steps only)

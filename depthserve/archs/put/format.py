@@ -171,7 +171,7 @@ def plan(cfg: LlamaConfig, spec: PUTSpec, depth: DepthParams, itemsize: int) -> 
                          state_bytes=state_bytes(cfg, spec, loops, itemsize))
     plain = cfg.num_layers * layer_weight_flops(cfg)
     return PUTPlan(depth=depth, layout=layout, flops_per_token=plain + extra_weight_flops(cfg, spec, loops),
-                   plain_flops_per_token=plain, loops=loops, columns=dict(layout.slot_columns()), elastic=elastic,
+                   plain_flops_per_token=plain + extra_weight_flops(cfg, spec, spec.steps), loops=loops, columns=dict(layout.slot_columns()), elastic=elastic,
                    level=loops, level_work=level_work(spec))
 
 
@@ -238,7 +238,8 @@ def report(cfg: LlamaConfig, spec: PUTSpec, plan: PUTPlan, tokens: int, generate
         architecture="put",
         tokens=tokens,
         flops=schedule_flops(cfg, spec, per_token, generated + readouts),  # this request's FLOPs
-        plain_flops=plain_flops(cfg, tokens, generated),  # every layer once, as a plain model, on the same tokens
+        # the same tokens at the default, T passes
+        plain_flops=schedule_flops(cfg, spec, np.full(tokens, spec.steps, dtype=np.int64), generated),
         settings=settings,
         counters=counters,
         counter_samples=tuple(DepthCounter(name, count) for name, count in counters.items()),

@@ -177,7 +177,8 @@ def plan(cfg: LlamaConfig, spec: SGTSpec, depth: DepthParams) -> SGTPlan:
     level = max(loops.values(), default=0)
     work = tuple((base + sum(min(loops[layer], i) * flops for layer, flops in per_loop.items())) / base
                  for i in range(level + 1))
-    return SGTPlan(depth=depth, layout=layout, flops_per_token=base + extra, plain_flops_per_token=base,
+    default = base + sum(spec.trained_loops[layer] * flops for layer, flops in per_loop.items())
+    return SGTPlan(depth=depth, layout=layout, flops_per_token=base + extra, plain_flops_per_token=default,
                    loops=loops, columns=columns, elastic=elastic, level=level, level_work=work)
 
 
@@ -200,11 +201,19 @@ def schedule_loop_flops(cfg: LlamaConfig, layer: SGTLayer, loops: np.ndarray) ->
     return flops
 
 
+def fixed_loop_flops(cfg: LlamaConfig, spec: SGTSpec, loops: dict[int, int], tokens: int) -> float:
+    """The looped layers' iterations over positions 0..tokens-1, layer l running loops[l] for every token."""
+    ctx_sum = tokens * (tokens + 1) / 2
+    return sum(loops[s.layer] * (tokens * loop_weight_flops(cfg, s) + attention_flops(len(s.heads), cfg.head_dim, ctx_sum))
+               for s in spec.layers)
+
+
 def report(cfg: LlamaConfig, spec: SGTSpec, plan: SGTPlan, tokens: int, generated: int,
            levels: list[int] | None = None) -> DepthReport:
     """`levels`: with a range knob, the loops each computed position ran (Sequence.levels)."""
     trained = spec.trained_loops
     base = plain_flops(cfg, tokens, generated)
+    default = base + fixed_loop_flops(cfg, spec, trained, tokens)  # the same tokens at the trained counts
     if plan.elastic is not None:
         ran = np.asarray(list(levels or ())[:tokens], dtype=np.int64)
         if len(ran) < tokens:  # not expected: every computed position of a range request has a level
@@ -215,7 +224,7 @@ def report(cfg: LlamaConfig, spec: SGTSpec, plan: SGTPlan, tokens: int, generate
             architecture="sgt",
             tokens=tokens,
             flops=base + extra,  # this request's FLOPs on the schedule it ran
-            plain_flops=base,
+            plain_flops=default,
             settings={"loops": plan.elastic.as_json(), "trained_loops": trained,
                       "mean_depth": round(float(ran.mean()), 4) if tokens else 0.0},
             counters={"loop_iterations": {layer: int(ran.sum()) for layer in plan.loops}},
@@ -223,15 +232,11 @@ def report(cfg: LlamaConfig, spec: SGTSpec, plan: SGTPlan, tokens: int, generate
             extrapolated=tuple(sorted(layer for layer in plan.loops if deepest > trained[layer])),
             per_token=ran.tolist(),  # the loops each position ran (every looped layer alike)
         )
-    ctx_sum = tokens * (tokens + 1) / 2
-    extra = sum(plan.loops[s.layer] * (tokens * loop_weight_flops(cfg, s)
-                                       + attention_flops(len(s.heads), cfg.head_dim, ctx_sum))
-                for s in spec.layers)
     return DepthReport(
         architecture="sgt",
         tokens=tokens,
-        flops=base + extra,  # this request's FLOPs
-        plain_flops=base,  # the plain model's FLOPs on the same tokens
+        flops=base + fixed_loop_flops(cfg, spec, plan.loops, tokens),  # this request's FLOPs
+        plain_flops=default,
         settings={"loops": dict(plan.loops), "trained_loops": trained},
         # per looped layer: (token, iteration) pairs run over the tokens this request processed
         counters={"loop_iterations": {layer: tokens * n for layer, n in plan.loops.items()}},
