@@ -188,7 +188,8 @@ def test_a_slow_body_that_arrives_within_the_deadline_is_answered(base):
     """The deadline is for the whole body, and a complete body stops it: an answer that takes longer
     than the deadline still comes, and the connection serves the next request."""
     sock = _connect(base)
-    sock.sendall(b"POST /echo?delay_s=%g HTTP/1.1\r\nHost: x\r\nContent-Length: 6\r\n\r\nab" % (LIMITS.body_timeout_s + 0.5))
+    answer_after = LIMITS.body_timeout_s + 0.5
+    sock.sendall(b"POST /echo?delay_s=%g HTTP/1.1\r\nHost: x\r\nContent-Length: 6\r\n\r\nab" % answer_after)
     for part in (b"cd", b"ef"):
         time.sleep(LIMITS.body_timeout_s / 4)
         sock.sendall(part)

@@ -13,10 +13,18 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import importlib
+import itertools
 import json
+import os
 import re
+import select
+import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -28,8 +36,9 @@ serve = pytest.importorskip("ray.serve")
 from depthserve import LLM, SamplingParams  # noqa: E402
 from depthserve.config import EngineArgs  # noqa: E402
 from depthserve.deploy.ray_serve import (APP_NAME, ENGINE_DEPLOYMENT, REPLICA_HEADER, ReplicaSettings, Scaling,  # noqa: E402
-                                         application, build)
+                                         application, build, descendants, still_running)
 from depthserve.errors import ConfigurationError  # noqa: E402
+from depthserve.server.connections import ConnectionLimits  # noqa: E402
 from depthserve.tiny import make_tiny  # noqa: E402
 from tests.live_server import free_port  # noqa: E402
 from tests.test_server import API_KEY, BAD_REQUESTS, MODEL  # noqa: E402
@@ -87,6 +96,129 @@ def test_the_deployment_files_are_serve_configs_that_build(name):
 def test_the_builder_refuses_unknown_args():
     with pytest.raises(ConfigurationError, match="frobnicate"):
         build({"model": MODEL, "frobnicate": 1})
+
+
+@contextlib.contextmanager
+def _serve_replicas(tmp_path: Path) -> Iterator[tuple[subprocess.Popen, str, Path]]:
+    """`depthserve serve --replicas 1` of a tiny model on a local cluster of one CPU, in a session of
+    its own (a terminal's Ctrl-C reaches its whole process group), until it answers /health; yields
+    the process, its URL and its log. Killed with its processes at the end if still running."""
+    tiny = make_tiny("llama", tmp_path / "tiny", seed=1)
+    port, log = free_port(), tmp_path / "serve.log"
+    with log.open("w") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "depthserve", "serve", "--model", str(tiny), "--dtype", "float32",
+             "--replicas", "1", "--ray-cpus", "1", "--port", str(port), "--api-key", API_KEY],
+            stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 240
+        while not _answers(f"{base}/health"):
+            assert process.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(1.0)
+        yield process, base, log
+    finally:
+        if process.poll() is None:
+            leftovers = descendants(process.pid)
+            process.kill()
+            process.wait()
+            for pid in leftovers:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _closed_after(sock: socket.socket, trickle: bytes, within: float) -> tuple[float, bytes]:
+    """Send `trickle` a byte a second until the server closes the connection (within `within`
+    seconds, else fail); when it closed and what it sent."""
+    started, answer = time.monotonic(), b""
+    sock.setblocking(False)
+    for byte in itertools.cycle(trickle or b"\0"):
+        assert time.monotonic() - started < within, answer
+        if trickle:
+            with contextlib.suppress(OSError):
+                sock.send(bytes([byte]))
+        ready, _, _ = select.select([sock], [], [], 1.0)
+        if ready:
+            try:
+                chunk = sock.recv(65536)
+            except ConnectionResetError:
+                chunk = b""
+            if not chunk:
+                return time.monotonic() - started, answer
+            answer += chunk
+    raise AssertionError("unreachable")
+
+
+def _socket(base: str, head: bytes) -> socket.socket:
+    host, port = base.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=10)
+    sock.sendall(head)
+    return sock
+
+
+def _stopped_cleanly(process: subprocess.Popen, log: Path, cluster: dict[int, str], seconds: float) -> None:
+    started = time.monotonic()
+    process.wait(timeout=60)
+    took = time.monotonic() - started
+    output = log.read_text()
+    assert process.returncode == 0 and "Traceback" not in output and "Error" not in output, output[-3000:]
+    assert took < seconds, took
+    left = still_running(cluster)
+    assert not left, [Path(f"/proc/{pid}/cmdline").read_bytes()[:80] for pid in left]
+
+
+def test_serve_replicas_holds_the_connection_deadlines_and_stops_on_sigterm(tmp_path):
+    """Through `serve --replicas` (its HTTP served with the one-process server's deadlines, not Serve's
+    proxy): header bytes trickled, an idle kept-alive connection and a body trickled after a
+    Content-Length of 100000 are closed on their deadlines (the body with a JSON 408); a non-ASCII
+    bearer token is a JSON 401 and two Authorization headers a JSON 400; SIGTERM then ends the
+    server within 15 s (exit 0, no traceback) and every process of its Ray cluster with it."""
+    limits = ConnectionLimits()
+    with _serve_replicas(tmp_path) as (process, base, log):
+        cluster = descendants(process.pid)
+        assert any(Path(f"/proc/{pid}/comm").read_text().strip() == "raylet" for pid in cluster)
+        checks = {
+            "headers": (_socket(base, b"GET /health HTTP/1.1\r\nHost: x\r\n"), b"X-Slow: aaaaaaaaaaaaaaaaaaaaaaaaaa",
+                        limits.header_timeout_s),
+            "idle": (_socket(base, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"), b"", limits.keep_alive_s),
+            "body": (_socket(base, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                             b"Authorization: Bearer " + API_KEY.encode() + b"\r\nContent-Length: 100000\r\n\r\n"),
+                     b'{"prompt": "' + b"a" * 64, limits.body_timeout_s),
+        }
+        with concurrent.futures.ThreadPoolExecutor(len(checks)) as pool:
+            closed = dict(zip(checks, pool.map(lambda check: _closed_after(check[0], check[1], check[2] + 5),
+                                               checks.values())))
+        for name, (sock, _, timeout) in checks.items():
+            sock.close()
+            assert timeout - 1 <= closed[name][0] <= timeout + 3, (name, closed[name])
+        assert closed["idle"][1].startswith(b"HTTP/1.1 200 OK")
+        head, _, body = closed["body"][1].partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408") and json.loads(body)["error"]["code"] == 408
+
+        for headers, status in (([("Authorization", b"Bearer \xe9")], 401),
+                                ([("Authorization", f"Bearer {API_KEY}"), ("Authorization", "Bearer x")], 400)):
+            response = httpx.post(f"{base}/v1/completions", json={"prompt": "Hi", "max_tokens": 1}, headers=headers,
+                                  timeout=30)
+            assert response.status_code == status and response.json()["error"]["code"] == status, response.text
+        assert _complete(base, {"model": str(tmp_path / "tiny"), "prompt": "Hi", "max_tokens": 2}).status_code == 200
+        process.send_signal(signal.SIGTERM)
+        _stopped_cleanly(process, log, cluster, seconds=15)
+
+
+def test_serve_replicas_stops_on_ctrl_c(tmp_path):
+    """Ctrl-C in a terminal (SIGINT to the whole process group): the server ends within 15 s, exit 0,
+    no traceback, no process of its Ray cluster left."""
+    with _serve_replicas(tmp_path) as (process, _, log):
+        cluster = descendants(process.pid)
+        os.killpg(process.pid, signal.SIGINT)
+        _stopped_cleanly(process, log, cluster, seconds=15)
 
 
 def _complete(base: str, body: dict) -> httpx.Response:

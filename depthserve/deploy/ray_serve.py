@@ -1,15 +1,18 @@
 """depthserve on Ray Serve: engine replicas behind one OpenAI endpoint (docs/server.md, "Scaling out").
 
-Two deployments in one application:
+The engine deployment, and an ingress in front of it:
 - the engine (`depthserve-engine`): each replica is one Ray actor that owns one `AsyncLLM` (engine
   thread, model, KV cache, its own depth policy) and answers `EngineCall`s, one prompt each, as a
   stream of outputs. Serve scales it (a fixed count, or autoscaling on ongoing calls) and replaces a
   replica whose `check_health` fails: one whose engine has died (the engine's own `/health` 503).
-- the ingress (`depthserve`): the same FastAPI app as `depthserve serve` (`server.app.build_app`:
-  routes, validation, error bodies, streaming, `/metrics`), handed to Serve through
-  `@serve.ingress`, on a `RemoteEngine` (remote_engine.py) that sends each prompt to an engine
-  replica through a Serve handle routed by `PrefixAffinityRouter` (prefix_router.py). Every
-  generation response names the engine replica(s) that produced it in `x-depthserve-replica`.
+- the ingress: the same FastAPI app as `depthserve serve` (`server.app.build_app`: routes,
+  validation, error bodies, streaming, `/metrics`) on a `RemoteEngine` (remote_engine.py) that sends
+  each prompt to an engine replica through a Serve handle routed by `PrefixAffinityRouter`
+  (prefix_router.py). Every generation response names the engine replica(s) that produced it in
+  `x-depthserve-replica`. `serve --replicas` (`run`) serves it from its own process under the
+  one-process server's uvicorn and connection deadlines (server/connections.py), Serve's HTTP proxy
+  off; a Serve config (`build`, `application`) makes it the deployment `depthserve`, behind Serve's
+  proxy, through `@serve.ingress`.
 
 Ray is an optional dependency (`pip install depthserve[ray]`); nothing else in the package imports
 this module.
@@ -17,12 +20,15 @@ this module.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import os
 import signal
-import sys
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 from depthserve.config import EngineArgs
@@ -30,6 +36,7 @@ from depthserve.deploy.remote_engine import SERVED_BY, Admitted, EngineCall, Rem
 from depthserve.engine.llm_engine import ModelInfo
 from depthserve.errors import ConfigurationError
 from depthserve.outputs import RequestOutput
+from depthserve.server.connections import ConnectionLimits, uvicorn_config
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +93,9 @@ class Scaling:
         """The engine deployment's options (the ingress takes no CPU reservation of its own)."""
         options: dict[str, Any] = {"ray_actor_options": {"num_cpus": self.cpus_per_replica},
                                    "health_check_period_s": self.health_check_period_s,
-                                   "max_ongoing_requests": 256}
+                                   "max_ongoing_requests": 256,
+                                   # no log line per call (the ingress polls reports every 2 s)
+                                   "logging_config": {"enable_access_log": False}}
         if self.max_replicas is None or self.max_replicas == self.replicas:
             options["num_replicas"] = self.replicas
         else:
@@ -174,8 +183,18 @@ def engine_class():
     return DepthserveEngine
 
 
+def ingress_app(engine: RemoteEngine, settings: ReplicaSettings):
+    """The OpenAI app on a RemoteEngine, naming the engine replicas in its responses."""
+    from depthserve.server.app import build_app
+
+    app = build_app(engine, settings.served_model_name, settings.api_key, settings.depth_presets,
+                    settings.max_body_bytes, settings.chat_template)
+    app.add_middleware(ReplicaHeader)
+    return app
+
+
 def ingress_class():
-    """The ingress deployment's class: the OpenAI app on a RemoteEngine."""
+    """The ingress deployment's class: the OpenAI app on a RemoteEngine, behind Serve's HTTP proxy."""
     from ray import serve
 
     @serve.ingress()
@@ -185,19 +204,13 @@ def ingress_class():
             self.engine = await RemoteEngine.connect(engine)
 
         def __serve_build_asgi_app__(self):
-            from depthserve.server.app import build_app
-
-            s = self.settings
-            app = build_app(self.engine, s.served_model_name, s.api_key, s.depth_presets, s.max_body_bytes,
-                            s.chat_template)
-            app.add_middleware(ReplicaHeader)
-            return app
+            return ingress_app(self.engine, self.settings)
 
     return DepthserveIngress
 
 
-def application(settings: ReplicaSettings, scaling: Scaling):
-    """The Serve application: `serve.run(application(...), route_prefix="/")`."""
+def engine_application(settings: ReplicaSettings, scaling: Scaling):
+    """The engine deployment alone, as a Serve application (its callers hold a handle to it)."""
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
@@ -206,11 +219,18 @@ def application(settings: ReplicaSettings, scaling: Scaling):
     scaling.check()
     router = RequestRouterConfig(request_router_class=PrefixAffinityRouter, request_router_kwargs={
         "block_tokens": settings.engine.block_size, "prefix_affinity": scaling.routing == "prefix"})
-    engine = serve.deployment(engine_class(), name=ENGINE_DEPLOYMENT).options(
+    return serve.deployment(engine_class(), name=ENGINE_DEPLOYMENT).options(
         request_router_config=router, **scaling.engine_options()).bind(settings)
+
+
+def application(settings: ReplicaSettings, scaling: Scaling):
+    """The Serve application with its ingress deployment, for Serve's HTTP proxy:
+    `serve.run(application(...), route_prefix="/")`."""
+    from ray import serve
+
     ingress = serve.deployment(ingress_class(), name=INGRESS_DEPLOYMENT).options(
         ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096)
-    return ingress.bind(engine, settings)
+    return ingress.bind(engine_application(settings, scaling), settings)
 
 
 def build(args: dict[str, Any]):
@@ -232,21 +252,110 @@ def build(args: dict[str, Any]):
     return application(settings, scaling)
 
 
-def run(settings: ReplicaSettings, scaling: Scaling, host: str, port: int, num_cpus: int | None = None) -> None:
-    """Start a local Ray cluster, the replicas and one HTTP endpoint, and serve until interrupted."""
+async def serve_http(settings: ReplicaSettings, host: str, port: int, log_level: str = "info",
+                     limits: ConnectionLimits = ConnectionLimits()) -> None:
+    """The ingress in this process: the OpenAI app on a RemoteEngine over a handle to the engine
+    deployment of the running application APP_NAME, under the one-process server's uvicorn and
+    connection deadlines (server/connections.py), until SIGINT or SIGTERM."""
+    import uvicorn
+    from ray import serve
+
+    engine = await RemoteEngine.connect(serve.get_deployment_handle(ENGINE_DEPLOYMENT, APP_NAME))
+    app = ingress_app(engine, settings)
+    log.info("serving %s at http://%s:%d through Ray Serve engine replicas", engine.model_name, host, port)
+    await uvicorn.Server(uvicorn_config(app, host, port, log_level, limits)).serve()
+
+
+def run(settings: ReplicaSettings, scaling: Scaling, host: str, port: int, num_cpus: int | None = None,
+        log_level: str = "info", limits: ConnectionLimits = ConnectionLimits()) -> None:
+    """Start a local Ray cluster and the engine replicas, serve HTTP from this process (serve_http)
+    until SIGINT or SIGTERM, then stop the cluster and every process it started."""
     import ray
     from ray import serve
 
-    # SIGTERM (a process manager, `kill`) stops the replicas and the local cluster as Ctrl-C does
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     # Ray starts its workers at nice 15, below every other process of the machine: an engine replica
     # would then lose its cores to anything else running (on 2 cores, to the benchmark's own client).
     # The local cluster is the engine's.
     os.environ.setdefault("RAY_worker_niceness", "0")
-    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
     try:
-        serve.start(http_options={"host": host, "port": port})
-        serve.run(application(settings, scaling), name=APP_NAME, route_prefix="/", blocking=True)
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
+        signal.signal(signal.SIGTERM, _interrupt)  # (after ray.init's own) a process manager's stop is a Ctrl-C
+        # Serve's HTTP proxy has no connection deadlines of ours: this process serves HTTP instead
+        serve.start(proxy_location="Disabled")
+        serve.run(engine_application(settings, scaling), name=APP_NAME, route_prefix=None)
+        asyncio.run(serve_http(settings, host, port, log_level, limits))
+    except KeyboardInterrupt:
+        pass  # uvicorn has stopped serving; a signal before it started lands here
     finally:
-        serve.shutdown()
+        stop_local_cluster()
+
+
+def _interrupt(*_) -> None:
+    raise KeyboardInterrupt
+
+
+def stop_local_cluster(grace_s: float = 3.0) -> None:
+    """Stop the Ray cluster this process started and wait for its processes to go: `ray.shutdown()`
+    stops the ones ray.init started (GCS, raylet), and those the raylet started (workers, the dashboard
+    and runtime-env agents), which otherwise outlive it for a minute or more, get SIGTERM after
+    `grace_s`, then SIGKILL. A second Ctrl-C meanwhile is ignored: it would leave them running."""
+    import ray
+
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        started = descendants(os.getpid())
         ray.shutdown()
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            if not _wait_gone(started, grace_s):
+                for pid in still_running(started):
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.kill(pid, sig)
+        if still_running(started):
+            log.warning("Ray processes still running after shutdown: %s", sorted(still_running(started)))
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def descendants(pid: int) -> dict[int, str]:
+    """The processes below `pid` (children, theirs, ...), each with its start time (a pid is only
+    the same process while its start time is), read from /proc; none where there is no /proc."""
+    parents: dict[int, int] = {}
+    starts: dict[int, str] = {}
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            fields_after_name = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        parents[int(entry.name)] = int(fields_after_name[1])  # field 4: ppid
+        starts[int(entry.name)] = fields_after_name[19]  # field 22: start time
+    found, frontier = {}, [pid]
+    while frontier:
+        parent = frontier.pop()
+        for child, its_parent in parents.items():
+            if its_parent == parent and child not in found:
+                found[child] = starts[child]
+                frontier.append(child)
+    return found
+
+
+def still_running(processes: dict[int, str]) -> list[int]:
+    """Those of `processes` still running as the same process (a zombie has exited)."""
+    alive = []
+    for pid, start in processes.items():
+        try:
+            fields_after_name = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields_after_name[19] == start and fields_after_name[0] != "Z":
+            alive.append(pid)
+    return alive
+
+
+def _wait_gone(processes: dict[int, str], seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while still_running(processes):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True

@@ -252,7 +252,7 @@ def _serve_replicas(ns: argparse.Namespace, engine_args: EngineArgs, presets: di
                                 routing=ns.routing)
     try:
         scaling.check()
-        ray_serve.run(settings, scaling, ns.host, ns.port, num_cpus=ns.ray_cpus)
+        ray_serve.run(settings, scaling, ns.host, ns.port, num_cpus=ns.ray_cpus, log_level=ns.log_level)
     except DepthServeError as exc:
         return fail(str(exc))
     return 0
