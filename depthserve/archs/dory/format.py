@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from depthserve.cache import CacheLayout, SlotKind, SlotSpec
-from depthserve.depth import DepthParams, DepthPlan, DepthReport, KnobInfo, KnobSpec
+from depthserve.depth import DepthCounter, DepthParams, DepthPlan, DepthReport, KnobInfo, KnobSpec
 from depthserve.loading.checkpoint import CheckpointFormatError
 
 SLIDING = "sliding_attention"
@@ -269,4 +269,5 @@ def report(cfg: DoryConfig, plan: DoryPlan, tokens: int, generated: int) -> Dept
                        plain_flops=tokens * plan.plain_flops_per_token + head,
                        settings={"loops": plan.loops, "trained_loops": cfg.n_recurrent_loops,
                                  "recurrent_kv_cache_mode": cfg.recurrent_kv_cache_mode},
-                       counters=counters)
+                       counters=counters,
+                       counter_samples=tuple(DepthCounter(name, count) for name, count in counters.items()))
