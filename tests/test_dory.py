@@ -149,6 +149,47 @@ def test_weight_names_in_every_spelling():
     assert name("lm_head.logit_scale") == "lm_head.logit_scale"
 
 
+def _dense_window_attention(q, keys, values, positions, window, scale):
+    """Each query (at `positions`) over the keys at positions in (p - window, p], GQA by repetition."""
+    group = q.shape[1] // keys.shape[1]
+    keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+    key_pos = torch.arange(keys.shape[0])
+    out = []
+    for query, p in zip(q, positions):
+        visible = (key_pos <= p) & (key_pos > p - window)
+        weights = torch.softmax(torch.einsum("hd,khd->hk", query, keys[visible]) * scale, dim=-1)
+        out.append(torch.einsum("hk,khd->hd", weights, values[visible]))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("window", [1, 5, 64])
+def test_windowed_paged_attention_sees_the_last_window_keys(window):
+    """The torch paged ops with a window, prefill chunks (at position 0 and later) and decode rows,
+    against dense attention over the keys at positions p - window + 1 .. p."""
+    from depthserve.kernels import paged
+
+    gen = torch.Generator().manual_seed(window)
+    block, kv_heads, heads, dim, length = 4, 2, 4, 8, 23
+    blocks = -(-length // block)
+    k_pages = torch.randn(kv_heads * blocks + 3, block, dim, generator=gen)
+    v_pages = torch.randn(k_pages.shape, generator=gen)
+    table = torch.randperm(k_pages.shape[0], generator=gen)[: kv_heads * blocks].view(kv_heads, blocks)
+    keys = k_pages[table].permute(1, 2, 0, 3).reshape(blocks * block, kv_heads, dim)[:length]
+    values = v_pages[table].permute(1, 2, 0, 3).reshape(blocks * block, kv_heads, dim)[:length]
+    scale = dim**-0.5
+    for start, end in ((0, 9), (9, 23)):
+        q = torch.randn(end - start, heads, dim, generator=gen)
+        got = paged.paged_prefill_attention_varlen(q, k_pages, v_pages, table[None], torch.tensor([0, end - start]),
+                                                   torch.tensor([end]), scale, window)
+        torch.testing.assert_close(got, _dense_window_attention(q, keys, values, range(start, end), window, scale))
+    q = torch.randn(3, heads, dim, generator=gen)
+    lens = torch.tensor([23, 7, 1])
+    got = paged.paged_decode_attention(q, k_pages, v_pages, table[None].expand(3, -1, -1), lens, scale, window)
+    expected = torch.cat([_dense_window_attention(q[i : i + 1], keys, values, [int(lens[i]) - 1], window, scale)
+                          for i in range(3)])
+    torch.testing.assert_close(got, expected)
+
+
 def test_reference_is_peaked_and_loops_change_it(ckpts):
     path, ids = ckpts["per_loop"], _ids(40, seed=1)
     logits = {L: dory_reference.forward(path, ids, {"loops": L}) for L in (1, 2, 4)}
