@@ -21,8 +21,11 @@ from __future__ import annotations
 import asyncio
 import json
 from dataclasses import dataclass
+from typing import Literal
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+Awaited = Literal["headers", "body"]  # what a connection waits for from its client
 
 
 @dataclass(frozen=True)
@@ -54,7 +57,7 @@ class DeadlineProtocol(H11Protocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self._deadline: asyncio.TimerHandle | None = None
-        self._awaiting: str | None = None  # "headers" or "body": what the deadline is for
+        self._awaiting: Awaited | None = None  # what the deadline is for
         super().connection_made(transport)
         self._update_deadline()
 
@@ -81,7 +84,7 @@ class DeadlineProtocol(H11Protocol):
         self.transport.write(f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\nconnection: close"
                              f"\r\ncontent-length: {len(body)}\r\n\r\n".encode() + body)
 
-    def _waiting_for(self) -> str | None:
+    def _waiting_for(self) -> Awaited | None:
         """What the connection waits for from the client: a request's "headers" (none is being
         answered; a body still arriving after its response counts as the next request's head), the
         "body" of the request being answered, or nothing."""

@@ -165,7 +165,7 @@ def test_a_body_sent_a_byte_now_and_then_gets_a_408_on_the_deadline(base):
             break
     else:
         raise AssertionError("the slow body's connection is still open")
-    assert LIMITS.body_timeout_s - 0.2 <= time.monotonic() - started < LIMITS.body_timeout_s + 1
+    assert LIMITS.body_timeout_s - 0.2 <= time.monotonic() - started < LIMITS.body_timeout_s + 2
     slow.close()
 
 
@@ -180,7 +180,7 @@ def test_a_body_that_never_arrives_gets_a_json_408_and_a_closed_connection(base,
     answer, closed_after = _until_closed(sock, within=LIMITS.body_timeout_s + 3)
     sock.close()
     _assert_408(answer)
-    assert LIMITS.body_timeout_s - 0.2 <= closed_after < LIMITS.body_timeout_s + 1
+    assert LIMITS.body_timeout_s - 0.2 <= closed_after < LIMITS.body_timeout_s + 2
     assert httpx.get(f"{base}/health", timeout=5).status_code == 200
 
 
