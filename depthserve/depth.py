@@ -243,17 +243,21 @@ class DepthPlan:
     # reference of relative_compute for every architecture (docs/server.md, "Depth").
     plain_flops_per_token: float = 0.0
     # A model whose results depend on how a sequence's tokens are split into forwards (Dory's
-    # last_loop cache): its prompt runs in chunks of this many tokens counted from its first token,
-    # every later token in a forward of its own (`forward_tokens`). None: any split gives the same.
+    # last_loop cache): its prompt runs in chunks of this many tokens counted from its first token
+    # (in one forward where the engine does not chunk prompts), every later token in a forward of
+    # its own (`forward_tokens`). None: any split gives the same.
     prefill_chunk: int | None = None
 
-    def forward_tokens(self, computed: int, prompt_len: int) -> int | None:
+    def forward_tokens(self, computed: int, prompt_len: int, chunked: bool = True) -> int | None:
         """With `prefill_chunk`: the tokens the next forward of a sequence with `computed` tokens
-        computed must take (the rest of the prompt chunk, else one); None: any number."""
+        computed must take (the rest of the prompt chunk, or of the prompt when not `chunked`; after
+        the prompt, one); None: any number."""
         if self.prefill_chunk is None:
             return None
         if computed >= prompt_len:
             return 1
+        if not chunked:
+            return prompt_len - computed
         return min(prompt_len, (computed // self.prefill_chunk + 1) * self.prefill_chunk) - computed
 
     def step_level(self, level: int | None) -> int:

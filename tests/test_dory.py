@@ -326,6 +326,17 @@ def test_last_loop_equals_transformers_fed_the_same_chunks(last_loop):
     assert engine.block_manager.num_used_pages == 0
 
 
+def test_last_loop_without_chunked_prefill_runs_each_prompt_in_one_forward(last_loop):
+    prompts = [_ids(n, seed=50 + n) for n in (45, 20)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
+    llm = tiny_llm(last_loop, enable_chunked_prefill=False, max_model_len=64, max_num_batched_tokens=64)
+    assert llm.engine.model.plan(DepthParams()).forward_tokens(0, 45, chunked=False) == 45
+    stats = {"tokens": 0, "max_err": 0.0}
+    for prompt, out in zip(prompts, llm.generate(prompts, params, DepthParams(loops=3))):
+        _check(last_loop, prompt, {"loops": 3}, out.outputs[0], stats, prefill_chunk=len(prompt))
+    assert llm.engine.block_manager.num_used_pages == 0
+
+
 def test_last_loop_results_depend_on_the_split(last_loop):
     """The reason for the fixed chunks: the same tokens fed in other forwards give other logits."""
     ids = _ids(40, seed=8)

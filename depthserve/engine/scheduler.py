@@ -260,7 +260,8 @@ class Scheduler:
     def _prefill_chunk(self, seq: Sequence, budget: int) -> int:
         """The tokens `seq` computes in this step, out of `budget`: its uncomputed tokens (one when it
         decodes), within the budget and the cost cap of a chunk at its context."""
-        fixed = seq.plan.forward_tokens(seq.num_computed_tokens, seq.num_prompt_tokens)
+        fixed = seq.plan.forward_tokens(seq.num_computed_tokens, seq.num_prompt_tokens,
+                                        self.config.enable_chunked_prefill)
         if fixed is not None:  # the model's results depend on the split: its chunk is never cut (may overrun the budget)
             return fixed
         num = min(seq.num_uncomputed_tokens, budget)
