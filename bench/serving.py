@@ -8,7 +8,7 @@
     python bench/serving.py --launch --llama-server --server-args "--num-threads 2" --request-rate 1,2,4
     python bench/serving.py --launch --server-args "--replicas 2 --num-threads 1" --shared-prefixes 4
     python bench/serving.py --launch --server-args "--num-threads 2" --long-prompts 1 --long-prompt-tokens 8000 \
-        --num-prompts 40 --input-len 16 --output-len 4 --request-rate 1 --arrival constant   # head-of-line blocking
+        --num-prompts 300 --input-len 16 --output-len 4 --request-rate 0.5 --arrival constant   # head-of-line blocking
 
 Workload: `--num-prompts` prompts of exactly `--input-len` tokens, sent as token ids to
 /v1/completions: the first tokens of the documents of the C4 sample (`--dataset`, tokenized by
@@ -19,9 +19,11 @@ turn (as chats that share a system prompt); the summary then gives the share of 
 server found in its prefix cache (usage.prompt_tokens_details.cached_tokens) and, behind Ray Serve,
 the requests each replica served (the x-depthserve-replica header).
 
-Long prompts beside short ones (`--long-prompts N`): at each rate the short requests above run
-twice, first alone, then with N prompts of `--long-prompt-tokens` tokens (`--long-output-len` new
-tokens each) sent at the start of the run, before the first short one. The long prompts are
+Long prompts beside short ones (`--long-prompts N`): at each rate, N prompts of
+`--long-prompt-tokens` tokens (`--long-output-len` new tokens each) are sent at the start of the
+run, and the short requests above arrive at the rate until the long ones have all finished (or the
+`--num-prompts` short ones have been sent): so they cover the whole long prefill. Then the short
+requests that run sent are sent again at the same rate, alone: the baseline of their TTFT. The long prompts are
 windows of the data set's documents joined end to end, last document first (so none shares a
 prefix with a short prompt), or random token ids with `--random-prompts`. Each run then reports the
 short and the long requests apart (`summary`: the short ones, `long_summary`: the long ones), and
@@ -356,27 +358,30 @@ def arrival_offsets(count: int, rate: float, kind: str, seed: int) -> list[float
 async def run_at_rate(client: httpx.AsyncClient, bodies: list[dict], rate: float, ns: argparse.Namespace,
                       first: list[dict] | None = None) -> tuple[list[RequestResult], float]:
     """All requests at one rate; returns their results (in prompt order) and the run's wall seconds.
-    `first`: requests sent at the start, before `bodies` (whose results follow theirs)."""
+    `first`: requests sent at the start, whose results come first; a request of `bodies` whose send
+    time comes after every one of them has finished is not sent (its result is left out)."""
     from tqdm.auto import tqdm
 
     first = first or []
-    offsets = [0.0] * len(first) + arrival_offsets(len(bodies), rate, ns.arrival, ns.seed)
-    bodies = first + bodies
+    offsets = arrival_offsets(len(bodies), rate, ns.arrival, ns.seed)
     limit = asyncio.Semaphore(ns.max_concurrency) if ns.max_concurrency else None
-    bar = tqdm(total=len(bodies), desc=f"rate {rate:g} req/s", disable=ns.no_progress, leave=False)
+    bar = tqdm(total=len(first) + len(bodies), desc=f"rate {rate:g} req/s", disable=ns.no_progress, leave=False)
     run_start = time.perf_counter()
 
-    async def one(body: dict, offset: float) -> RequestResult:
+    async def one(body: dict, offset: float, after: list[asyncio.Task]) -> RequestResult | None:
         await asyncio.sleep(max(0.0, run_start + offset - time.perf_counter()))
+        if after and all(task.done() for task in after):
+            return None
         async with limit or contextlib.nullcontext():
             result = await send_streaming_request(client, body, run_start)
         bar.update(1)
         return result
 
-    results = await asyncio.gather(*(one(b, o) for b, o in zip(bodies, offsets)))
+    leading = [asyncio.ensure_future(one(body, 0.0, [])) for body in first]
+    results = await asyncio.gather(*leading, *(one(b, o, leading) for b, o in zip(bodies, offsets)))
     duration = time.perf_counter() - run_start
     bar.close()
-    return list(results), duration
+    return [result for result in results if result is not None], duration
 
 
 def summarize_run(results: list[RequestResult], duration: float, ns: argparse.Namespace) -> dict[str, Any]:
@@ -541,9 +546,13 @@ async def benchmark(base_url: str, ns: argparse.Namespace) -> dict[str, Any]:
         await warm_up(client, model_id, prompts, ns)
         runs = []
         for rate in ns.rates:
-            if long_bodies:  # the short requests alone first: the baseline of their TTFT
+            if not long_bodies:
                 runs.append(await measure_rate(client, bodies, rate, ns, DEPTHSERVE))
-            runs.append(await measure_rate(client, bodies, rate, ns, DEPTHSERVE, long_bodies))
+                continue
+            mixed = await measure_rate(client, bodies, rate, ns, DEPTHSERVE, long_bodies)
+            # the baseline of their TTFT: the short requests the mixed run sent, alone, at the same rate
+            runs.append(await measure_rate(client, bodies[:len(mixed["requests"])], rate, ns, DEPTHSERVE))
+            runs.append(mixed)
     return {"model_id": model_id, "server_model": model, "runs": runs}
 
 

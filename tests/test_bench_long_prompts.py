@@ -45,6 +45,7 @@ def test_long_prompts_are_sent_first_and_their_results_come_first(monkeypatch):
 
     async def fake_send(client, body, run_start):
         sent.append(body["name"])
+        await asyncio.sleep(0)
         return serving.RequestResult(ok=True, prompt_tokens=len(body["prompt"]), ttft_s=0.0, e2el_s=0.0)
 
     monkeypatch.setattr(serving, "send_streaming_request", fake_send)
@@ -52,5 +53,25 @@ def test_long_prompts_are_sent_first_and_their_results_come_first(monkeypatch):
     shorts = [{"name": f"short{i}", "prompt": [1] * 4} for i in range(3)]
     longs = [{"name": "long", "prompt": [1] * 100}]
     results, _ = asyncio.run(serving.run_at_rate(None, shorts, 50.0, ns, first=longs))
-    assert sent[0] == "long" and sorted(sent[1:]) == ["short0", "short1", "short2"]
-    assert [r.prompt_tokens for r in results] == [100, 4, 4, 4]
+    assert sent == ["long", "short0"]  # short0 is due with it; the long one is done before short1 is due
+    assert [r.prompt_tokens for r in results] == [100, 4]
+
+
+def test_short_requests_arrive_until_the_long_ones_finish(monkeypatch):
+    sent: list[str] = []
+
+    async def fake_send(client, body, run_start):
+        sent.append(body["name"])
+        await asyncio.sleep(body["takes_s"])
+        return serving.RequestResult(ok=True, prompt_tokens=len(body["prompt"]), ttft_s=0.0, e2el_s=0.0)
+
+    monkeypatch.setattr(serving, "send_streaming_request", fake_send)
+    ns = serving.parse_args(["--no-progress", "--arrival", "constant"])
+    shorts = [{"name": f"short{i}", "prompt": [1] * 4, "takes_s": 0.0} for i in range(40)]
+    longs = [{"name": "long", "prompt": [1] * 100, "takes_s": 0.25}]
+    results, _ = asyncio.run(serving.run_at_rate(None, shorts, 20.0, ns, first=longs))  # one short every 50 ms
+    assert sent[0] == "long" and 3 <= len(sent) - 1 <= 7  # those due within the long one's 250 ms
+    assert sent[1:] == [f"short{i}" for i in range(len(sent) - 1)]
+    assert [r.prompt_tokens for r in results] == [100] + [4] * (len(sent) - 1)
+    without_long, _ = asyncio.run(serving.run_at_rate(None, shorts[:5], 1000.0, ns))
+    assert len(without_long) == 5
