@@ -105,14 +105,16 @@ def watch_until_closed(opened: dict[socket.socket, float], limit_s: float, trick
 
 
 def slow_bodies(port: int, args: argparse.Namespace) -> dict:
-    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100000\r\n\r\n{"
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 100000\r\n\r\n{")
     held, statuses = watch_until_closed(open_connections(port, args.slow, head), args.phase_limit_s, args.trickle_s)
     return {"connections": args.slow, "trickle_s": args.trickle_s, "held_s": common.summarize(held, (50, 100)),
             "statuses": statuses}
 
 
 def flood(base: str, port: int, args: argparse.Namespace) -> dict:
-    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 4000000\r\n\r\n"
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 4000000\r\n\r\n")
     started = time.monotonic()
     opened = open_connections(port, args.flood, head)
     probes = [_health(base) for _ in range(20)]
