@@ -59,9 +59,11 @@ class CacheLayout:
     # pages of the pool for it while the sequence holds pages; such sequences never use or feed
     # the prefix cache (the state is not part of any block).
     state_bytes: int = 0
-    # False: the blocks' contents depend on how the tokens were split into forwards (Dory's
-    # last_loop cache), so they neither use nor feed the prefix cache.
-    prefix_cache: bool = True
+    # The blocks' contents depend on how the tokens were split into forwards (Dory's last_loop
+    # cache): the prompt runs in forwards of this many tokens counted from its first token, and only
+    # blocks of those whole chunks are shared, a whole number of chunks at a time (BlockManager).
+    # None: any split gives the same blocks.
+    prefix_chunk: int | None = None
 
     def __post_init__(self) -> None:
         if any(slot.kind is SlotKind.ROUTED for slot in self.slots):
@@ -72,6 +74,8 @@ class CacheLayout:
             raise ValueError("base_slots must lie in 0..len(slots)")
         if self.state_bytes < 0:
             raise ValueError("state_bytes must be >= 0")
+        if self.prefix_chunk is not None and self.prefix_chunk < 1:
+            raise ValueError("prefix_chunk must be positive (or None)")
         # Each slot's first column (the row width last) and the columns by slot name, computed once:
         # the models ask for them every step, for every layer and request (plain attributes, which a
         # compiled forward reads as constants; not fields, so equality and hashing ignore them).
@@ -107,7 +111,7 @@ class CacheLayout:
         slots (what a step selects depends on the whole prefix) nor with state outside the KV
         blocks that changes for cached keys (SAOBP per-key bias, PUT conv state): such a sequence
         neither uses nor feeds the prefix cache, and its forks compute their own copy."""
-        if self.routed_slots or self.state_bytes or not self.prefix_cache:
+        if self.routed_slots or self.state_bytes:
             return False
         return not any(slot.kind in (SlotKind.PER_KEY_BIAS, SlotKind.SEQ_STATE) for slot in self.slots)
 

@@ -615,3 +615,75 @@ def test_runs_without_torch_in_a_fresh_interpreter():
     )
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
+
+
+# ---- split-dependent blocks (CacheLayout.prefix_chunk, Dory's last_loop cache) --------------------
+CHUNKED = CacheLayout((SlotSpec("kv", SlotKind.DENSE, 1),), prefix_chunk=8)
+
+
+def run_forwards(bm: BlockManager, seq: Sequence, sizes: list[int]) -> None:
+    """The engine's steps over `seq`, one forward of each size in turn."""
+    for size in sizes:
+        compute(bm, seq, seq.num_computed_tokens + size)
+
+
+def test_split_dependent_layout_registers_whole_prompt_chunks_only(make_bm):
+    """Prompt of 21 tokens in chunks of 8 (8, 8, 5) then decodes: only the two whole chunks' blocks
+    enter the cache, not the partial chunk's nor the decoded ones, even once they fill a chunk."""
+    bm = make_bm(64, block_size=4)
+    a = make_seq(range(21), layout=CHUNKED, rid="a")
+    a.output_token_ids = list(range(100, 112))
+    run_forwards(bm, a, [8, 8, 5] + [1] * 11)
+    assert len(bm._seqs[a.seq_id].block_hashes) == 4  # tokens 0..15
+    b = make_seq([*range(21), *range(100, 112), 7], layout=CHUNKED, rid="b")
+    assert bm.allocate_cached_prefix(b, ()) == 16
+    bm.free(a)
+    bm.free(b)
+
+
+def test_split_dependent_hits_are_whole_chunks(make_bm):
+    """A hit that would end inside a chunk is cut back to the chunk boundary (its rows stay cached)."""
+    bm = make_bm(64, block_size=4)
+    a = make_seq(range(24), layout=CHUNKED, rid="a")
+    run_forwards(bm, a, [8, 8, 8])
+    b = make_seq([*range(20), 99, 98], layout=CHUNKED, rid="b")  # shares 5 blocks: 20 tokens
+    assert bm.allocate_cached_prefix(b, ()) == 16
+    assert bm.pages_held(b) == 4
+    c = make_seq([*range(12), 99], layout=CHUNKED, rid="c")  # shares 3 blocks: one chunk
+    assert bm.allocate_cached_prefix(c, ()) == 8
+    bm.free(a)
+    bm.free(b)
+    bm.free(c)
+    check_consistent(bm)
+    assert len(bm._evictable) == 6  # a's six chunk blocks, cached and unreferenced
+
+
+def test_split_dependent_hit_then_chunks_feeds_the_cache(make_bm):
+    """After a hit of one chunk, the next whole chunk computed by the hit sequence is registered."""
+    bm = make_bm(64, block_size=4)
+    a = make_seq(range(10), layout=CHUNKED, rid="a")
+    run_forwards(bm, a, [8, 2])
+    b = make_seq([*range(8), *range(50, 60)], layout=CHUNKED, rid="b")
+    b.num_computed_tokens = bm.allocate_cached_prefix(b, ())
+    assert b.num_computed_tokens == 8
+    run_forwards(bm, b, [8, 2])
+    c = make_seq([*range(8), *range(50, 58), 1], layout=CHUNKED, rid="c")
+    assert bm.allocate_cached_prefix(c, ()) == 16
+    for seq in (a, b, c):
+        bm.free(seq)
+
+
+def test_split_dependent_layout_takes_no_hit_without_chunked_prefill(make_bm):
+    bm = make_bm(64, block_size=4)
+    a = make_seq(range(8), layout=CHUNKED, rid="a")
+    run_forwards(bm, a, [8])
+    b = make_seq(range(20), layout=CHUNKED, rid="b")
+    assert bm.allocate_cached_prefix(b, (), chunked_prefill=False) == 0
+    assert bm.allocate_cached_prefix(b, (), chunked_prefill=True) == 8
+    bm.free(a)
+    bm.free(b)
+
+
+def test_prefix_chunk_must_be_positive():
+    with pytest.raises(ValueError, match="prefix_chunk"):
+        CacheLayout((SlotSpec("kv", SlotKind.DENSE, 1),), prefix_chunk=0)

@@ -291,7 +291,7 @@ def last_loop(tmp_path_factory):
 def test_last_loop_prompts_run_in_fixed_chunks_then_one_token_per_forward(last_loop):
     plan = tiny_llm(last_loop).engine.model.plan(DepthParams(loops=3))
     chunk = dory_format.LAST_LOOP_PREFILL_CHUNK
-    assert plan.prefill_chunk == chunk and not plan.layout.uses_prefix_cache
+    assert plan.prefill_chunk == chunk == plan.layout.prefix_chunk and plan.layout.uses_prefix_cache
     assert [plan.forward_tokens(c, 70) for c in (0, 5, chunk, 2 * chunk, 70, 75)] == [
         chunk, chunk - 5, chunk, 70 - 2 * chunk, 1, 1]
 
@@ -343,6 +343,36 @@ def test_last_loop_results_depend_on_the_split(last_loop):
     whole = dory_reference.forward(last_loop, ids, {"loops": 3}, prompt_len=40, prefill_chunk=40)
     chunked = dory_reference.forward(last_loop, ids, {"loops": 3}, prompt_len=40, prefill_chunk=16)
     assert torch.equal(whole[:16], chunked[:16]) and float((whole[16:] - chunked[16:]).abs().max()) > 1e-3
+
+
+def test_last_loop_prefix_hits_are_whole_prompt_chunks_and_exact(last_loop):
+    """A hit reuses whole prompt chunks only: a follow-up turn (the first request's prompt, its output,
+    more) finds the first prompt's two whole chunks, not its partial third chunk nor the tokens decoded
+    one per forward (which fill four chunks' worth of blocks); the logprobs equal transformers fed
+    the follow-up in chunks counted from its first token. Other loops, or chunked prefill off, hit nothing."""
+    chunk = dory_format.LAST_LOOP_PREFILL_CHUNK
+    llm = tiny_llm(last_loop)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=1)
+    first_prompt = _ids(2 * chunk + 10, seed=60)
+    first = llm.generate([first_prompt], params, DepthParams(loops=3))[0]
+    follow_up = first_prompt + first.outputs[0].token_ids + _ids(7, seed=61)
+    short = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=1)
+    hit = llm.generate([follow_up], short, DepthParams(loops=3))[0]
+    other_loops = llm.generate([follow_up], short, DepthParams(loops=2))[0]
+    assert first.num_cached_tokens == 0 and other_loops.num_cached_tokens == 0
+    assert hit.num_cached_tokens == 2 * chunk
+    stats = {"tokens": 0, "max_err": 0.0}
+    _check(last_loop, first_prompt, {"loops": 3}, first.outputs[0], stats, prefill_chunk=chunk)
+    _check(last_loop, follow_up, {"loops": 3}, hit.outputs[0], stats, prefill_chunk=chunk)
+    _check(last_loop, follow_up, {"loops": 2}, other_loops.outputs[0], stats, prefill_chunk=chunk)
+    assert llm.engine.block_manager.num_used_pages == 0
+
+    one_forward = tiny_llm(last_loop, enable_chunked_prefill=False, max_model_len=128, max_num_batched_tokens=128)
+    exact_chunk = one_forward.generate([first_prompt[:chunk]], short, DepthParams(loops=3))[0]
+    longer = one_forward.generate([first_prompt], short, DepthParams(loops=3))[0]
+    assert exact_chunk.num_cached_tokens == 0 and longer.num_cached_tokens == 0
+    _check(last_loop, first_prompt, {"loops": 3}, longer.outputs[0], stats, prefill_chunk=len(first_prompt))
+    print("dory last_loop prefix hits:", stats)
 
 
 # ---- over HTTP -------------------------------------------------------------------------------------

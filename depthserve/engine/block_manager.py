@@ -22,6 +22,15 @@ accounted in bytes and held as ceil(state_bytes / page_bytes) pages of the same 
 the sequence's first pages and freed with them (finish, abort, preemption: `free`). The model
 stores the state in those pages, so it lives exactly as long as the sequence holds pages. A
 sequence with state neither uses nor feeds the prefix cache.
+
+Split-dependent blocks (`CacheLayout.prefix_chunk`, Dory's last_loop cache, docs/depth-semantics.md
+"Public looped models: Dory"): a block's keys depend on how its tokens were split into forwards. The
+prompt runs in forwards of `prefix_chunk` tokens counted from its first token, then one token per
+forward; a later request computes the same chunk only if its prompt holds the whole chunk. So only
+blocks inside whole prompt chunks are registered (the manager follows each sequence's forwards
+through `commit_computed`), never those of a partial last chunk or of one-token decode forwards, and
+a hit is cut to a whole number of chunks. With chunked prefill off the prompt is one forward, which
+no cached chunk reproduces: such a sequence takes no hit.
 """
 
 from __future__ import annotations
@@ -83,6 +92,10 @@ class _SeqPages:
     block_hashes: list[int] = field(default_factory=list)  # of the leading full, computed rows
     routed: dict[str, _RoutedPages] = field(default_factory=dict)
     state: np.ndarray | None = None  # pages holding the per-sequence state (None: not taken yet)
+    # Split-dependent layouts (prefix_chunk): tokens computed when commit_computed last saw the
+    # sequence, and the leading tokens computed in whole prompt chunks (the registrable ones).
+    seen_computed: int = 0
+    chunked_tokens: int = 0
 
     @property
     def num_rows(self) -> int:
@@ -233,31 +246,41 @@ class BlockManager:
             self._refs[pages] -= 1
             self._free.extend(int(p) for p in pages[::-1])
 
-    def allocate_cached_prefix(self, seq: Sequence, depth_key: tuple) -> int:
+    def allocate_cached_prefix(self, seq: Sequence, depth_key: tuple, chunked_prefill: bool = True) -> int:
         """Attach cached rows for the sequence's leading full blocks; returns tokens covered.
 
         At least one token is always left to compute, so the step that follows produces the
-        logits of the last prompt token.
+        logits of the last prompt token. A split-dependent layout takes whole chunks only, and
+        nothing when its prompt runs in one forward (`chunked_prefill` off).
         """
         entry = self._entry(seq)
         if not self.enable_prefix_caching or entry.num_rows or not entry.layout.uses_prefix_cache:
             return 0
+        chunk = entry.layout.prefix_chunk
+        if chunk is not None and not chunked_prefill:
+            return 0
         tokens = seq.all_token_ids
-        max_blocks = (len(tokens) - 1) // self.block_size
+        hits: list[tuple[int, np.ndarray]] = []
         parent = hash((entry.layout, depth_key))
-        for i in range(max_blocks):
+        for i in range((len(tokens) - 1) // self.block_size):
             block = tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
             block_hash = hash((parent, block))
             self.prefix_queries += 1
             row = self._cached.get(block_hash)
             if row is None:
                 break
+            hits.append((block_hash, row))
+            parent = block_hash
+        if chunk is not None:
+            while hits and len(hits) * self.block_size % chunk:
+                hits.pop()
+        for block_hash, row in hits:
             self.prefix_hits += 1
             self._evictable.pop(block_hash, None)
             self._refs[row] += 1
             entry.append(row)
             entry.block_hashes.append(block_hash)
-            parent = block_hash
+        entry.seen_computed = entry.chunked_tokens = entry.num_rows * self.block_size
         return entry.num_rows * self.block_size
 
     def commit_computed(self, seq: Sequence, depth_key: tuple) -> None:
@@ -267,7 +290,7 @@ class BlockManager:
         entry = self._seqs.get(seq.seq_id)
         if entry is None or not entry.layout.uses_prefix_cache:
             return
-        full = min(seq.num_computed_tokens // self.block_size, entry.num_rows)
+        full = min(self._registrable_tokens(entry, seq) // self.block_size, entry.num_rows)
         if len(entry.block_hashes) >= full:
             return
         tokens = seq.all_token_ids
@@ -309,6 +332,20 @@ class BlockManager:
             self._evict(block_hash)
 
     # ---- internals --------------------------------------------------------------------
+    @staticmethod
+    def _registrable_tokens(entry: _SeqPages, seq: Sequence) -> int:
+        """Leading tokens whose blocks may enter the prefix cache: every computed one, or for a
+        split-dependent layout those of whole prompt chunks (the forwards since the last call
+        decide: one that took exactly the chunk after the whole chunks so far extends them)."""
+        chunk = entry.layout.prefix_chunk
+        if chunk is None:
+            return seq.num_computed_tokens
+        start, end = entry.seen_computed, seq.num_computed_tokens
+        entry.seen_computed = end
+        if start == entry.chunked_tokens and end - start == chunk and end <= seq.num_prompt_tokens:
+            entry.chunked_tokens = end
+        return entry.chunked_tokens
+
     def _entry(self, seq: Sequence) -> _SeqPages:
         entry = self._seqs.get(seq.seq_id)
         if entry is None:

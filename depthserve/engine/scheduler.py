@@ -273,7 +273,7 @@ class Scheduler:
         bm = self.block_manager
         if not bm.has(seq) and seq.sampling.prompt_logprobs is None:
             # Prompt logprobs need every prompt position computed: no prefix-cache hits.
-            cached = bm.allocate_cached_prefix(seq, seq.plan.cache_key)
+            cached = bm.allocate_cached_prefix(seq, seq.plan.cache_key, self.config.enable_chunked_prefill)
             seq.num_computed_tokens = cached
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = cached

@@ -252,12 +252,13 @@ def plan(cfg: DoryConfig, depth: DepthParams) -> DoryPlan:
         for t in range(2, loops + 1) for i in cfg.recurrent_layers)
     last_loop = cfg.recurrent_kv_cache_mode == "last_loop"
     # last_loop: the cached keys depend on how the tokens were split into forwards, so the prompt
-    # runs in fixed chunks and its blocks are not shared through the prefix cache
-    layout = CacheLayout(base + later, base_slots=len(base), prefix_cache=not last_loop)
+    # runs in fixed chunks and only blocks of whole chunks are shared through the prefix cache
+    chunk = LAST_LOOP_PREFILL_CHUNK if last_loop else None
+    layout = CacheLayout(base + later, base_slots=len(base), prefix_chunk=chunk)
     return DoryPlan(depth=depth, layout=layout, flops_per_token=token_flops(cfg, loops),
                     plain_flops_per_token=token_flops(cfg, cfg.n_recurrent_loops), loops=loops,
                     columns=dict(layout.slot_columns()), level=loops,
-                    prefill_chunk=LAST_LOOP_PREFILL_CHUNK if last_loop else None)
+                    prefill_chunk=chunk)
 
 
 def report(cfg: DoryConfig, plan: DoryPlan, tokens: int, generated: int) -> DepthReport:
