@@ -108,7 +108,8 @@ def test_a_request_compiles_its_constraint_once(server, client, monkeypatch):
     ({"guided_choice": ["yes", "no"]}, lambda t: t in ("yes", "no")),
     ({"structured_outputs": {"regex": "[A-Z][a-z]{2,8}"}}, lambda t: re.fullmatch("[A-Z][a-z]{2,8}", t)),
     ({"guided_regex": "[0-9]{3}"}, lambda t: re.fullmatch("[0-9]{3}", t)),
-    ({"guided_json": {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}},
+    ({"guided_json": {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+                      "additionalProperties": False}},
      lambda t: isinstance(json.loads(t)["ok"], bool)),
     ({"structured_outputs": {"grammar": 'start: "A" | "B"'}}, lambda t: t in ("A", "B")),
 ])
