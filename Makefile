@@ -55,7 +55,7 @@ test: $(STAMP) browser
 test-fast: $(STAMP) browser
 	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
-# Quick versions of every benchmark, then their charts: about 6 minutes on 2 CPU cores (the first run
+# Quick versions of every benchmark, then their charts: about 8 minutes on 2 CPU cores (the first run
 # also builds two SmolLM2-shaped SGT/ITT checkpoints, ~0.5 GB each, in ~/.cache/depthserve). Results and
 # charts go to bench/results/quick/ (git-ignored), never over the committed ones.
 bench: $(STAMP)
