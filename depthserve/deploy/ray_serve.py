@@ -277,21 +277,32 @@ def run(settings: ReplicaSettings, scaling: Scaling, host: str, port: int, num_c
     # would then lose its cores to anything else running (on 2 cores, to the benchmark's own client).
     # The local cluster is the engine's.
     os.environ.setdefault("RAY_worker_niceness", "0")
+    stop = StopRequest()
     try:
+        signal.signal(signal.SIGINT, stop.interrupt)
         ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
-        signal.signal(signal.SIGTERM, _interrupt)  # (after ray.init's own) a process manager's stop is a Ctrl-C
+        signal.signal(signal.SIGTERM, stop.interrupt)  # after ray.init's own handler: SIGTERM is a Ctrl-C
         # Serve's HTTP proxy has no connection deadlines of ours: this process serves HTTP instead
         serve.start(proxy_location="Disabled")
         serve.run(engine_application(settings, scaling), name=APP_NAME, route_prefix=None)
-        asyncio.run(serve_http(settings, host, port, log_level, limits))
+        if not stop.requested:  # (Ray's start-up code may swallow the KeyboardInterrupt)
+            asyncio.run(serve_http(settings, host, port, log_level, limits))
     except KeyboardInterrupt:
         pass  # uvicorn has stopped serving; a signal before it started lands here
     finally:
         stop_local_cluster()
 
 
-def _interrupt(*_) -> None:
-    raise KeyboardInterrupt
+class StopRequest:
+    """SIGINT or SIGTERM received: noted, and raised as KeyboardInterrupt (uvicorn, while it serves,
+    takes both signals itself and calls this handler again once it has stopped)."""
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    def interrupt(self, *_) -> None:
+        self.requested = True
+        raise KeyboardInterrupt
 
 
 def stop_local_cluster(grace_s: float = 3.0) -> None:
