@@ -28,10 +28,15 @@ class SlotSpec:
     name: str
     kind: SlotKind
     num_heads: int  # KV heads stored: pages per token block
+    # Keys a query of the slot's layer sees, its own included (a sliding-window layer): its pages of
+    # blocks wholly behind every later query's window may be given back (BlockManager). None: all.
+    window: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads < 1:
             raise ValueError(f"slot {self.name!r} must store at least one head")
+        if self.window is not None and self.window < 1:
+            raise ValueError(f"slot {self.name!r} must see at least one key (window >= 1)")
 
 
 @dataclass(frozen=True)
@@ -83,6 +88,10 @@ class CacheLayout:
         object.__setattr__(self, "_offsets", offsets)
         object.__setattr__(self, "_columns_by_name",
                            {slot.name: slice(offsets[i], offsets[i + 1]) for i, slot in enumerate(self.slots)})
+        windowed = [i for i, slot in enumerate(self.slots) if slot.window is not None]
+        object.__setattr__(self, "_windowed_columns",
+                           tuple(c for i in windowed for c in range(offsets[i], offsets[i + 1])))
+        object.__setattr__(self, "_max_window", max((self.slots[i].window for i in windowed), default=None))
 
     @property
     def row_width(self) -> int:
@@ -122,8 +131,20 @@ class CacheLayout:
         """Name -> columns of every token-covering slot (shared: read it, copy it to change it)."""
         return self._columns_by_name
 
-    def pages_by_kind(self) -> dict[SlotKind, int]:
+    @property
+    def windowed_columns(self) -> tuple[int, ...]:
+        """Columns of the slots with a window (their pages of blocks behind the window may go back)."""
+        return self._windowed_columns
+
+    @property
+    def max_window(self) -> int | None:
+        """The widest window of a windowed slot (None: no slot has one)."""
+        return self._max_window
+
+    def pages_by_kind(self, windowed: bool = True) -> dict[SlotKind, int]:
+        """Pages of one token block by slot kind (`windowed` False: the windowed slots left out)."""
         counts: dict[SlotKind, int] = {}
         for slot in self.slots:
-            counts[slot.kind] = counts.get(slot.kind, 0) + slot.num_heads
+            if windowed or slot.window is None:
+                counts[slot.kind] = counts.get(slot.kind, 0) + slot.num_heads
         return counts

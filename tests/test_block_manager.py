@@ -49,8 +49,9 @@ def check_consistent(bm: BlockManager) -> None:
     evictable = [int(p) for h in bm._evictable for p in bm._cached[h]]
     held = set()
     for entry in bm._seqs.values():
-        for row in entry.table():
-            held.update(int(p) for p in row)
+        for i, row in enumerate(entry.table()):
+            released = entry.released_from <= i < entry.released_to  # its windowed pages given back
+            held.update(int(p) for p in (np.delete(row, entry.layout.windowed_columns) if released else row))
     assert len(free) == len(set(free)), "a page is on the free list twice"
     assert len(evictable) == len(set(evictable)), "an evictable page is cached twice"
     assert not set(free) & set(evictable)
@@ -687,3 +688,63 @@ def test_split_dependent_layout_takes_no_hit_without_chunked_prefill(make_bm):
 def test_prefix_chunk_must_be_positive():
     with pytest.raises(ValueError, match="prefix_chunk"):
         CacheLayout((SlotSpec("kv", SlotKind.DENSE, 1),), prefix_chunk=0)
+
+
+# ---- sliding windows (SlotSpec.window) --------------------------------------------------------------
+# A full slot of 2 heads and a windowed slot of 1 head (window 5): rows of 3 pages.
+WINDOWED = CacheLayout((SlotSpec("full", SlotKind.DENSE, 2), SlotSpec("sliding", SlotKind.DENSE, 1, window=5)))
+
+
+def windowed_pages_held(bm: BlockManager, seq: Sequence) -> int:
+    entry = bm._seqs[seq.seq_id]
+    return (entry.num_rows - entry.released_rows) * len(entry.layout.windowed_columns)
+
+
+def test_layout_knows_its_windowed_columns():
+    assert WINDOWED.windowed_columns == (2,) and WINDOWED.max_window == 5
+    assert ONE.windowed_columns == () and ONE.max_window is None
+    assert WINDOWED.pages_by_kind(windowed=False) == {SlotKind.DENSE: 2}
+    with pytest.raises(ValueError, match="window"):
+        SlotSpec("w", SlotKind.DENSE, 1, window=0)
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_windowed_pages_behind_the_window_go_back_during_decode(make_bm, prefix_caching):
+    """Decoding 60 tokens one per step: the windowed slot holds at most ceil((window + block) / block) + 1
+    blocks, the full slot every block; the pages given back are free for other sequences and the
+    accounting stays exact. With prefix caching on, the computed rows enter the cache and keep their pages."""
+    bm = make_bm(128, block_size=4, enable_prefix_caching=prefix_caching)
+    a = make_seq(range(6), layout=WINDOWED, max_tokens=64, rid="a")
+    a.output_token_ids = list(range(100, 160))
+    compute(bm, a, 6)
+    bound = -(-(5 + 4) // 4) + 1
+    most = 0
+    for n in range(7, 67):
+        compute(bm, a, n)
+        most = max(most, windowed_pages_held(bm, a))
+        assert bm.pages_held(a) == bm.num_used_pages
+        check_consistent(bm)
+    rows = bm._seqs[a.seq_id].num_rows
+    if prefix_caching:
+        assert most == rows  # every row is in the cache chain: nothing given back
+    else:
+        assert most <= bound and bm.pages_held(a) == 2 * rows + windowed_pages_held(bm, a)
+        assert bm.num_free_pages == 128 - bm.pages_held(a)
+        assert bm.used_pages_by_kind() == {SlotKind.DENSE: bm.pages_held(a)}
+    bm.free(a)
+
+
+def test_released_rows_stay_out_of_the_prefix_cache(make_bm):
+    """A row whose windowed pages went back is never registered, so no hit reads a page another
+    sequence may hold now."""
+    bm = make_bm(128, block_size=4)
+    chunked = CacheLayout(WINDOWED.slots, prefix_chunk=8)
+    a = make_seq(range(10), layout=chunked, rid="a")  # one whole chunk (two blocks), a partial one
+    a.output_token_ids = list(range(100, 130))
+    run_forwards(bm, a, [8, 2] + [1] * 30)
+    entry = bm._seqs[a.seq_id]
+    assert len(entry.block_hashes) == 2 and entry.released_from == 2 and entry.released_to > 2
+    b = make_seq([*range(10), *range(100, 130), 1], layout=chunked, rid="b")
+    assert bm.allocate_cached_prefix(b, ()) == 8
+    bm.free(a)
+    bm.free(b)

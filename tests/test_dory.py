@@ -306,15 +306,16 @@ def test_last_loop_equals_transformers_fed_the_same_chunks(last_loop):
     """Mixed loops, prompts of several chunks, a step budget below the chunk (a fixed chunk is never
     cut) and preemption: transformers is fed each prompt in the same chunks, then one token at a time."""
     path = last_loop
-    # three short prompts admitted in one step whose decodes outgrow the pool, then a prompt of three chunks
-    lengths, loops = [8, 12, 4, 70], [1, 4, None, 3]
+    # short prompts admitted in the first steps whose decodes outgrow the pool (their sliding slots
+    # give pages back, their full slots grow), then a prompt of three chunks
+    lengths, loops = [8, 12, 4, 10, 6, 70], [1, 4, None, 2, 1, 3]
     prompts = [_ids(n, seed=40 + i) for i, n in enumerate(lengths)]
     depths = [DepthParams() if n is None else DepthParams(loops=n) for n in loops]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
     probe = tiny_llm(path)
     bm, model = probe.engine.block_manager, probe.engine.model
     need = [bm.pages_for(cache_layout(model, d), len(p) + params.max_tokens) for p, d in zip(prompts, depths)]
-    pages = max(need) + 4
+    pages = max(need)
     engine = tiny_llm(path, pages=pages, max_model_len=96, max_num_batched_tokens=24).engine
     final = _run(engine, [(f"r{i}", p, params, d) for i, (p, d) in enumerate(zip(prompts, depths))])
     assert engine.scheduler.num_preemptions > 0, "the KV budget was meant to force preemption"
@@ -373,6 +374,57 @@ def test_last_loop_prefix_hits_are_whole_prompt_chunks_and_exact(last_loop):
     assert exact_chunk.num_cached_tokens == 0 and longer.num_cached_tokens == 0
     _check(last_loop, first_prompt, {"loops": 3}, longer.outputs[0], stats, prefill_chunk=len(first_prompt))
     print("dory last_loop prefix hits:", stats)
+
+
+def _windowed_pages(engine, seq) -> int:
+    """Pages the sequence holds in its sliding layers' slots."""
+    entry = engine.block_manager._seqs[seq.seq_id]
+    return (entry.num_rows - entry.released_rows) * len(entry.layout.windowed_columns)
+
+
+def _given_back_and_taken(engine) -> bool:
+    """Whether a page one running sequence gave back (its table still names it) is another's now."""
+    entries = [engine.block_manager._seqs[seq.seq_id] for seq in engine.scheduler.running]
+    for entry in entries:
+        given_back = entry.table()[entry.released_from:entry.released_to][:, list(entry.layout.windowed_columns)]
+        for other in entries:
+            if other is not entry and set(given_back.ravel().tolist()) & set(other.table()[other.released_to:].ravel().tolist()):
+                return True
+    return False
+
+
+@pytest.mark.parametrize("mode", ["per_loop", "last_loop"])
+def test_sliding_window_pages_go_back_during_long_generations(ckpts, last_loop, mode):
+    """Two sequences decode 60 tokens side by side (window 8, block 8): each sliding slot holds at most
+    ceil((window + block) / block) + 1 blocks while the full slots grow, the pages given back are
+    taken by the other sequence at once, and the tokens and logprobs still equal transformers. per_loop
+    runs with prefix caching off (its cached rows keep their pages); last_loop registers none of these
+    rows (prompts shorter than a chunk, decoded tokens)."""
+    path = ckpts["per_loop"] if mode == "per_loop" else last_loop
+    engine = tiny_llm(path, enable_prefix_caching=mode == "last_loop").engine
+    block = engine.block_manager.block_size
+    prompts = [_ids(n, seed=70 + n) for n in (12, 20)]
+    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True, logprobs=1)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"w{i}", prompt, params, DepthParams(loops=3))
+    sliding_slots = 3 if mode == "last_loop" else 3 + 2  # per_loop: the sliding recurrent layer per pass
+    heads = engine.model.config.num_kv_heads
+    bound = (-(-(WINDOW + block) // block) + 1) * sliding_slots * heads
+    most, taken, final = 0, False, {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+        for seq in engine.scheduler.running:
+            most = max(most, _windowed_pages(engine, seq))
+        taken = taken or _given_back_and_taken(engine)
+    assert 0 < most <= bound and taken
+    stats = {"tokens": 0, "max_err": 0.0}
+    chunk = dory_format.LAST_LOOP_PREFILL_CHUNK if mode == "last_loop" else None
+    for i, prompt in enumerate(prompts):
+        _check(path, prompt, {"loops": 3}, final[f"w{i}"].outputs[0], stats, prefill_chunk=chunk)
+    print(f"dory {mode} sliding pages: at most {most} of {bound}", stats)
+    assert engine.block_manager.num_used_pages == 0
 
 
 # ---- over HTTP -------------------------------------------------------------------------------------

@@ -31,6 +31,14 @@ blocks inside whole prompt chunks are registered (the manager follows each seque
 through `commit_computed`), never those of a partial last chunk or of one-token decode forwards, and
 a hit is cut to a whole number of chunks. With chunked prefill off the prompt is one forward, which
 no cached chunk reproduces: such a sequence takes no hit.
+
+Sliding windows (`SlotSpec.window`): a windowed slot's keys of a block wholly behind the window of
+the sequence's next query are never read again, so before each step `grow` gives back those pages
+of the rows that are not in the prefix-cache chain (the row keeps the page ids: the attention ops
+mask every key outside the window, so they never use what such a page holds now). Rows in the
+chain keep every page, since a hit needs the window's keys before its end: with prefix caching on,
+a layout whose computed blocks all enter the cache (every one but Dory's last_loop) frees nothing.
+The released rows are a contiguous run after the chain; `free` gives back the rest of their pages.
 """
 
 from __future__ import annotations
@@ -96,6 +104,13 @@ class _SeqPages:
     # sequence, and the leading tokens computed in whole prompt chunks (the registrable ones).
     seen_computed: int = 0
     chunked_tokens: int = 0
+    # Rows released_from..released_to-1 have given back their windowed slots' pages (never cached rows).
+    released_from: int = 0
+    released_to: int = 0
+
+    @property
+    def released_rows(self) -> int:
+        return self.released_to - self.released_from
 
     @property
     def num_rows(self) -> int:
@@ -170,8 +185,10 @@ class BlockManager:
 
     def pages_held(self, seq: Sequence) -> int:
         entry = self._seqs.get(seq.seq_id)
-        return 0 if entry is None else entry.num_rows * entry.layout.row_width + entry.routed_pages() \
-            + entry.state_pages()
+        if entry is None:
+            return 0
+        return entry.num_rows * entry.layout.row_width + entry.routed_pages() + entry.state_pages() \
+            - entry.released_rows * len(entry.layout.windowed_columns)
 
     def routed_table(self, seq: Sequence, name: str) -> tuple[np.ndarray, int]:
         """([reserved_blocks, num_heads] page ids, committed length) of one routed slot."""
@@ -188,7 +205,11 @@ class BlockManager:
         seen: set[int] = set()
         counts: dict[SlotKind, int] = {}
         for entry in self._seqs.values():
-            for row in entry.table():
+            for kind, n in entry.layout.pages_by_kind(windowed=False).items():  # released rows: never shared
+                counts[kind] = counts.get(kind, 0) + n * entry.released_rows
+            for i, row in enumerate(entry.table()):
+                if entry.released_from <= i < entry.released_to:
+                    continue
                 key = int(row[0])
                 if key in seen:
                     continue
@@ -228,6 +249,7 @@ class BlockManager:
             entry.state = self._take_pages(self.state_pages_for(entry.layout))
         while entry.num_rows < self.blocks_for(num_tokens):
             entry.append(self._take_pages(entry.layout.row_width))
+        self._release_behind_window(entry, seq.num_computed_tokens)
         extra = max(num_tokens - seq.num_computed_tokens, 0)
         for slot in entry.layout.routed_slots:
             routed = entry.routed.setdefault(slot.name, _RoutedPages(slot.num_heads))
@@ -291,6 +313,8 @@ class BlockManager:
         if entry is None or not entry.layout.uses_prefix_cache:
             return
         full = min(self._registrable_tokens(entry, seq) // self.block_size, entry.num_rows)
+        if entry.released_rows:
+            full = min(full, entry.released_from)
         if len(entry.block_hashes) >= full:
             return
         tokens = seq.all_token_ids
@@ -317,7 +341,13 @@ class BlockManager:
             for pages in routed.rows.view()[::-1]:
                 self._refs[pages] -= 1
                 self._free.extend(int(p) for p in pages[::-1])
-        for row in entry.table()[::-1]:
+        table = entry.table()
+        for i in range(len(table) - 1, -1, -1):
+            row = table[i]
+            if entry.released_from <= i < entry.released_to:
+                kept = np.delete(row, entry.layout.windowed_columns)
+                self._release(kept)
+                continue
             self._refs[row] -= 1
             if self._refs[row[0]] > 0:
                 continue
@@ -345,6 +375,25 @@ class BlockManager:
         if start == entry.chunked_tokens and end - start == chunk and end <= seq.num_prompt_tokens:
             entry.chunked_tokens = end
         return entry.chunked_tokens
+
+    def _release_behind_window(self, entry: _SeqPages, next_position: int) -> None:
+        """Give back the windowed slots' pages of the rows no query from `next_position` on reads
+        (every key of the row before next_position - window + 1), past the prefix-cache chain."""
+        window = entry.layout.max_window
+        if window is None:
+            return
+        dead_rows = min(max(next_position - window + 1, 0) // self.block_size, entry.num_rows)
+        if not entry.released_rows:
+            entry.released_from = entry.released_to = max(len(entry.block_hashes), entry.released_to)
+        columns = entry.layout.windowed_columns
+        for i in range(entry.released_to, dead_rows):
+            self._release(entry.rows[i][list(columns)])
+        entry.released_to = max(entry.released_to, dead_rows)
+
+    def _release(self, pages: np.ndarray) -> None:
+        """One reference fewer on pages of rows outside the prefix cache; those unreferenced go free."""
+        self._refs[pages] -= 1
+        self._free.extend(int(p) for p in pages[::-1] if self._refs[p] == 0)
 
     def _entry(self, seq: Sequence) -> _SeqPages:
         entry = self._seqs.get(seq.seq_id)

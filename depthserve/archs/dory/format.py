@@ -224,7 +224,7 @@ def base_slots(cfg: DoryConfig) -> tuple[SlotSpec, ...]:
     """The slots every request has (every layer once: pass 1 of the recurrent section)."""
     names = [layer_slot_name(i) if i not in cfg.recurrent_layers else recurrent_slot_name(cfg, i, 1)
              for i in range(cfg.num_layers)]
-    return tuple(SlotSpec(name, SlotKind.DENSE, cfg.num_kv_heads) for name in names)
+    return tuple(SlotSpec(name, SlotKind.DENSE, cfg.num_kv_heads, cfg.window(i)) for i, name in enumerate(names))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -248,7 +248,7 @@ def plan(cfg: DoryConfig, depth: DepthParams) -> DoryPlan:
     loops = int(depth.get("loops", cfg.n_recurrent_loops))
     base = base_slots(cfg)
     later = () if cfg.recurrent_kv_cache_mode == "last_loop" else tuple(
-        SlotSpec(recurrent_slot_name(cfg, i, t), SlotKind.DENSE, cfg.num_kv_heads)
+        SlotSpec(recurrent_slot_name(cfg, i, t), SlotKind.DENSE, cfg.num_kv_heads, cfg.window(i))
         for t in range(2, loops + 1) for i in cfg.recurrent_layers)
     last_loop = cfg.recurrent_kv_cache_mode == "last_loop"
     # last_loop: the cached keys depend on how the tokens were split into forwards, so the prompt
