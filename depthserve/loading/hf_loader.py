@@ -59,7 +59,7 @@ class MappedWeights(MutableMapping[str, torch.Tensor]):
         self._where: dict[str, Any] = {}  # name -> the open file holding it
         self._replaced: dict[str, torch.Tensor] = {}  # tensors set by the caller
         for file in files:
-            handle = self._files.enter_context(safe_open(str(file), framework="pt", device="cpu"))
+            handle = self._files.enter_context(safe_open(str(file), framework="pt", device="cpu", backend="pread"))
             self._where.update(dict.fromkeys(handle.keys(), handle))
 
     def __getitem__(self, name: str) -> torch.Tensor:
