@@ -6,7 +6,7 @@ The oracle of a quantized engine is transformers on a "fake-quantized" copy of t
 every tensor the engine serves from codes replaced by its round-to-nearest dequantization
 (tests/test_quantized_engine.py does the same for the other architectures, with the same bounds:
 the fp32 engine's 1e-4 with fp32 activations, its BF16 bound with bf16 ones). And the load: a bf16
-checkpoint is read tensor by tensor from the memory-mapped files into a model built in bf16."""
+checkpoint is read tensor by tensor from its files into a model built in bf16."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from depthserve.archs.dory import reference as dory_reference
 from depthserve.archs.dory.model import _target as engine_parameter
 from depthserve.archs.dory.tiny import make_tiny
 from depthserve.layers.quantized import QuantLinear, quantize_rtn
-from depthserve.loading.hf_loader import MappedWeights, read_weights
+from depthserve.loading.hf_loader import LazyWeights, read_weights
 from tests.depth_helpers import BLOCK_SIZE, check_logprobs
 from tests.test_quantized_engine import BF16, FP32
 
@@ -122,10 +122,10 @@ def bf16_checkpoint(checkpoint, tmp_path_factory) -> Path:
 
 def test_dory_weights_are_read_one_tensor_at_a_time(bf16_checkpoint, monkeypatch):
     weights = read_weights(bf16_checkpoint, progress=False)
-    assert isinstance(weights, MappedWeights)
+    assert isinstance(weights, LazyWeights)
     reads = []
-    get_tensor = MappedWeights.__getitem__
-    monkeypatch.setattr(MappedWeights, "__getitem__", lambda self, name: reads.append(name) or get_tensor(self, name))
+    get_tensor = LazyWeights.__getitem__
+    monkeypatch.setattr(LazyWeights, "__getitem__", lambda self, name: reads.append(name) or get_tensor(self, name))
     names = list(weights)
     assert len(names) == len(weights) > 0 and not reads  # listing the names reads no tensor
     stored = load_file(bf16_checkpoint / "model.safetensors")

@@ -13,10 +13,11 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
-# transformers model types whose tensors are read one at a time from the memory-mapped files as the
-# loader asks for them, so that a checkpoint of several GB is never held twice (the file's tensors
-# and the model's parameters): docs/checkpoint-format.md, "Dory".
-MEMORY_MAPPED_MODEL_TYPES = ("dory",)
+# transformers model types whose tensors are read one at a time as the loader asks for them, so that
+# a checkpoint of several GB is never held twice (the file's tensors and the model's parameters):
+# docs/checkpoint-format.md, "Dory". Read with pread, not through a mapping: the mapped pages of the
+# whole file would count in the process's resident memory until the files are closed.
+TENSOR_AT_A_TIME_MODEL_TYPES = ("dory",)
 
 
 def load_hf_dir(path: Path, progress: bool = True) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
@@ -32,10 +33,10 @@ def read_config(path: Path) -> dict[str, Any]:
 
 def read_weights(path: Path, progress: bool = True) -> MutableMapping[str, torch.Tensor]:
     """Every tensor of every *.safetensors file of the checkpoint directory: read into memory, or
-    for the model types of MEMORY_MAPPED_MODEL_TYPES a `MappedWeights` reading each on access."""
+    for the model types of TENSOR_AT_A_TIME_MODEL_TYPES a `LazyWeights` reading each on access."""
     files = _weight_files(path)
-    if read_config(path).get("model_type") in MEMORY_MAPPED_MODEL_TYPES:
-        return MappedWeights(files)
+    if read_config(path).get("model_type") in TENSOR_AT_A_TIME_MODEL_TYPES:
+        return LazyWeights(files)
     weights: dict[str, torch.Tensor] = {}
     for file in tqdm(files, desc=f"Loading {path.name}", disable=not progress, unit="file"):
         weights.update(load_file(str(file)))
@@ -49,10 +50,10 @@ def _weight_files(path: Path) -> list[Path]:
     return files
 
 
-class MappedWeights(MutableMapping[str, torch.Tensor]):
-    """The tensors of safetensors files by name, each copied out of the memory-mapped file when it
-    is read (`weights[name]`, `pop`): a loader that copies each into its parameter and drops it
-    holds one tensor at a time besides the model. The files stay mapped until `clear` or `close`."""
+class LazyWeights(MutableMapping[str, torch.Tensor]):
+    """The tensors of safetensors files by name, each read from its file when it is asked for
+    (`weights[name]`, `pop`): a loader that copies each into its parameter and drops it holds one
+    tensor at a time besides the model. The files stay open until `clear` or `close`."""
 
     def __init__(self, files: list[Path]):
         self._files = ExitStack()

@@ -200,7 +200,7 @@ class DoryForCausalLM(nn.Module, DepthModel):
     @torch.no_grad()
     def take_weights(self, weights: dict[str, torch.Tensor], source: str) -> set[str]:
         """Every tensor, by its name in any of the checkpoint spellings (format.parameter_name), read
-        and copied one at a time (the weights may be memory-mapped: loading/hf_loader.py). A tensor
+        and copied one at a time (the weights may be read lazily: loading/hf_loader.py). A tensor
         stored wider than the dtype the model was built in (`build`) keeps its own dtype."""
         params = dict(self.named_parameters())
         filled = set()
