@@ -63,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     chunks = [int(c) for c in common.parse_number_list(ns.chunks)]
     contexts = [int(c) for c in common.parse_number_list(ns.contexts)]
     engine = LLMEngine(EngineArgs(model=ns.model, device=ns.device, num_threads=ns.threads, load_progress=False,
-                                  max_num_batched_tokens=max(chunks) + 16, max_num_seqs=4))
+                                  max_num_batched_tokens=max(chunks) + 16, max_num_seqs=4,
+                                  long_prefill_token_threshold=0))  # every chunk in one step, uncapped
     rng = random.Random(ns.seed)
     vocab = [t for t in range(1000, engine.vocab_size) if t not in engine.eos_token_ids]
     base = [rng.choice(vocab) for _ in range(max(contexts) + max(chunks))]
