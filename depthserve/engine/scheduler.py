@@ -9,8 +9,11 @@ Long prompts (docs/server.md, "Scheduling"): a prompt chunk is capped by its cos
 budget, so that a long prompt mid-prefill leaves most of every step to decodes and new requests: at
 most `long_prefill_token_threshold` tokens, fewer as its context grows (attention over thousands of
 cached positions costs more than the chunk's own weights), and at least one token, so the long
-prompt progresses in every step. At most `max_long_partial_prefills` long prompts (more uncomputed
-tokens than the threshold) prefill at once; a long prompt beyond them waits while shorter ones
+prompt progresses in every step. In a step where a short prompt waits to be admitted, a long
+prefill takes one token only (its full chunk would lengthen the very step that gives the short
+prompt its first token), but never in two steps running, so it keeps at least every other chunk.
+At most `max_long_partial_prefills` long prompts (more uncomputed tokens than the threshold)
+prefill at once; a long prompt beyond them waits while shorter ones
 behind it are admitted, and is admitted first once a long prefill ends. `_prefill_chunk` is the one
 place that sizes a chunk.
 When pages run out, the newest running sequence is preempted: its pages are freed and it
@@ -111,6 +114,11 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self._watermark_pages = int(config.watermark * block_manager.num_pages)
+        # A long prefill gives way (a one-token chunk) in a step that admits a short prompt, but never in
+        # two steps running: the request ids that gave way in the previous step, and in this one.
+        self._gave_way: set[str] = set()
+        self._giving_way: set[str] = set()
+        self._short_prompt_waiting = False
 
     # ---- queue management ------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -180,6 +188,9 @@ class Scheduler:
     # ---- the step -----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self._gave_way, self._giving_way = self._giving_way, set()
+        self._short_prompt_waiting = (self.config.long_prefill_token_threshold > 0 and any(
+            not self.config.is_long_prefill(seq.num_uncomputed_tokens) for seq in self.waiting))
         isolated = self._next_isolated()
         if isolated is not None:
             self._schedule_alone(isolated, out)
@@ -266,7 +277,14 @@ class Scheduler:
             return fixed
         num = min(seq.num_uncomputed_tokens, budget)
         cap = self.config.prefill_chunk_cap(seq.num_computed_tokens)
-        return num if cap is None else min(num, cap)
+        if cap is None:
+            return num
+        if (self._short_prompt_waiting and self.config.is_long_prefill(seq.num_uncomputed_tokens)
+                and seq.request_id not in self._gave_way):
+            # A short prompt admitted beside a full chunk would wait out that chunk's attention too.
+            self._giving_way.add(seq.request_id)
+            return min(num, 1)
+        return min(num, cap)
 
     def _attach_cached_prefix(self, seq: Sequence) -> None:
         """A waiting sequence that holds no pages starts from its cached prompt prefix, if any."""
