@@ -210,7 +210,7 @@ class ChatMessage(StrictModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    tools: list[dict[str, Any]] | None = None  # checked by server/tool_calls.py (400s name the entry)
+    tools: list[dict[str, Any]] | None = None  # checked by server/tool_calls/ (400s name the entry)
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     max_tokens: int | None = Field(default=None, ge=1)

@@ -1,6 +1,6 @@
 """POST /v1/chat/completions: messages rendered with the model's chat template, one reply (n
 choices), whole or streamed as SSE in OpenAI's chunk format. With tools offered, each choice's text
-is parsed into content and `tool_calls` (server/tool_calls.py), whole or as streamed deltas."""
+is parsed into content and `tool_calls` (server/tool_calls/), whole or as streamed deltas."""
 
 from __future__ import annotations
 

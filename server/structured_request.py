@@ -5,7 +5,7 @@ enforces (docs/server.md, "Structured outputs and tools"):
   `{"type": "json_schema", "json_schema": {"name", "schema", "strict", "description"}}`;
 - vLLM's `structured_outputs: {"json" | "regex" | "choice" | "grammar" | "json_object"}`, and its
   older names `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`;
-- a chat request's tool constraint (server/tool_calls.py).
+- a chat request's tool constraint (server/tool_calls/).
 
 At most one of them may constrain a request. Each error is a 400 naming the field it came from.
 """

@@ -55,7 +55,7 @@ class TokenizerWorker:
     def encode_chat(self, conversation: list[dict[str, Any]], tools: ToolSetup = NO_TOOLS) -> list[int]:
         """The messages (OpenAI's shape, tool calls and results included) and the tools offered,
         rendered by the chat template (with the default tool template where the chat template
-        knows no tools: server/tool_calls.py), as token ids."""
+        knows no tools: server/tool_calls/), as token ids."""
         if self.tokenizer.chat_template is None:
             raise InvalidRequestError("this model has no chat template; use /v1/completions")
         total = sum(len(json.dumps(message, ensure_ascii=False)) for message in conversation)

@@ -1,4 +1,4 @@
-"""OpenAI tool calling (server/tool_calls.py): request checks, the constraint mapping, the default tool
+"""OpenAI tool calling (server/tool_calls/): request checks, the constraint mapping, the default tool
 template on SmolLM2's chat template, and parsing completions whole and streamed."""
 
 from __future__ import annotations
