@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from depthserve.errors import ConfigurationError
 from depthserve.loading.registry import DEFAULT_MODEL
@@ -28,14 +28,16 @@ class EngineArgs:
     # 8192 on CUDA (a step's launches cost the same for 16 tokens or 8192: prefill in few, large steps).
     max_num_batched_tokens: int | None = None
     max_num_seqs: int = 64
-    # Long prompts beside short ones (docs/server.md, "Scheduling"): a prompt chunk takes at most this
-    # many tokens a step, fewer as its context grows, and a prompt with more uncomputed tokens is long.
-    # None: 128 on CPU, 2048 on CUDA; 0: no cap but the step budget (a long prompt then delays every
-    # request that arrives after it until its prefill is done).
+    # Long prompts beside short ones (docs/server.md, "Scheduling"): a sequence prefilling more tokens
+    # than this is long. None: 128 on CPU, 2048 on CUDA; 0: none is, and a chunk has no cap but the
+    # step budget (a long prompt then delays every request that arrives after it until its prefill is done).
     long_prefill_token_threshold: int | None = None
-    # The context (cached positions) at which a chunk's attention costs as much as its weights: a chunk
-    # at context c is capped at long_prefill_token_threshold / (1 + c / this). None: 256 on CPU
-    # (measured, bench/prefill_chunks.py), 0 on CUDA (no shrinking).
+    # A long prefill's chunk at context 0, in tokens: a step that runs it costs little more than a short
+    # request's own step. None: 32 on CPU, the threshold on CUDA.
+    long_prefill_chunk_tokens: int | None = None
+    # The context (cached positions) at which a chunk's attention costs as much as its weights: a long
+    # prefill's chunk at context c is capped at long_prefill_chunk_tokens / (1 + c / this). None: 1024
+    # on CPU (measured, bench/prefill_chunks.py), 0 on CUDA (no shrinking).
     long_prefill_context_scale: int | None = None
     # Long prompts that may be mid-prefill at once; a long prompt beyond them waits while shorter ones
     # behind it are admitted.
@@ -91,8 +93,22 @@ class EngineArgs:
         if threshold is None:
             threshold = 2048 if device_type == "cuda" else 128
         if scale is None:
-            scale = 0 if device_type == "cuda" else 256
+            scale = 0 if device_type == "cuda" else 1024
         return threshold, scale
+
+    def long_prefill_chunk(self, device_type: str) -> int:
+        """long_prefill_chunk_tokens, or its default on this kind of device (0: the threshold)."""
+        if self.long_prefill_chunk_tokens is not None:
+            return self.long_prefill_chunk_tokens
+        return 0 if device_type == "cuda" else 32
+
+    def on_device(self, device_type: str) -> EngineArgs:
+        """These arguments with the step token budget and the long-prefill caps resolved for this
+        kind of device (their None defaults replaced)."""
+        threshold, scale = self.long_prefill_caps(device_type)
+        return replace(self, max_num_batched_tokens=self.step_token_budget(device_type),
+                       long_prefill_token_threshold=threshold, long_prefill_context_scale=scale,
+                       long_prefill_chunk_tokens=self.long_prefill_chunk(device_type))
 
     def scheduler_steps(self, cuda_graphs: bool) -> int:
         """num_scheduler_steps, or its default for a decode step captured as CUDA graphs or not."""
@@ -107,7 +123,7 @@ class EngineArgs:
             raise ConfigurationError("max_num_batched_tokens and max_num_seqs must be positive")
         if self.max_long_partial_prefills < 1:
             raise ConfigurationError(f"max_long_partial_prefills must be positive, got {self.max_long_partial_prefills}")
-        for name in ("long_prefill_token_threshold", "long_prefill_context_scale"):
+        for name in ("long_prefill_token_threshold", "long_prefill_chunk_tokens", "long_prefill_context_scale"):
             if (getattr(self, name) or 0) < 0:
                 raise ConfigurationError(f"{name} must be 0 (off) or positive, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 1:

@@ -12,7 +12,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -52,9 +52,7 @@ class LLMEngine:
         self.device = _resolve_device(args.device)
         source = resolve_model(args.model, args.revision)
         self.dtype = resolve_dtype(args.dtype, self.device, weight_bytes(source))
-        threshold, context_scale = args.long_prefill_caps(self.device.type)
-        self.args = args = replace(args, max_num_batched_tokens=args.step_token_budget(self.device.type),
-                                   long_prefill_token_threshold=threshold, long_prefill_context_scale=context_scale)
+        self.args = args = args.on_device(self.device.type)
         kernels = Kernels(args.kernel_backend, native_cpu=self.device.type == "cpu")
         self.model_name, self.tokenizer = source.name, load_tokenizer(source)
         loaded = load_model(source, self.dtype, self.device, args.max_model_len, args.load_progress,
@@ -65,12 +63,7 @@ class LLMEngine:
         self.eos_token_ids = eos_token_ids(self.hf_config, self.tokenizer)
         self.capacity = size_kv_cache(self.model, args, self.device, self.dtype)
         self.block_manager = new_block_manager(self.capacity, args, self.model, self.max_model_len)
-        self.scheduler = Scheduler(SchedulerConfig(
-            args.max_num_batched_tokens, args.max_num_seqs, args.enable_chunked_prefill,
-            long_prefill_token_threshold=threshold, long_prefill_context_scale=context_scale,
-            max_long_partial_prefills=args.max_long_partial_prefills), self.block_manager)
-        if not args.enable_chunked_prefill and args.max_num_batched_tokens < self.max_model_len:
-            raise ConfigurationError("without chunked prefill, max_num_batched_tokens must be >= max_model_len")
+        self.scheduler = Scheduler(SchedulerConfig.from_engine_args(args, self.max_model_len), self.block_manager)
         self.depth_policy = _depth_policy(args, self.model)
         self.depth_accounting = DepthAccounting(self.model, self.capacity.step_cache_reserved_bytes)
         self.structured = StructuredOutputs(self.tokenizer, self.eos_token_ids, _core_to_spare(self.device),
@@ -148,16 +141,10 @@ class LLMEngine:
 
     def stats(self) -> dict:
         """Counters and gauges for metrics and health pages."""
-        running = self.scheduler.running
         return {
-            "num_running": len(running), "num_waiting": len(self.scheduler.waiting),
-            "num_running_requests": len({seq.request_id for seq in running}),  # the rest are waiting
-            "num_preemptions": self.scheduler.num_preemptions,
-            **kv_usage(self.block_manager, self.capacity.page_bytes),
+            **self.scheduler.queue_stats(), **kv_usage(self.block_manager, self.capacity.page_bytes),
             "prompt_tokens_computed": self.prompt_tokens_computed, "tokens_generated": self.tokens_generated,
-            # the running sequences' compute per token relative to the model at its default depth
-            "mean_relative_compute": (sum(seq.plan.relative_compute_estimate for seq in running) / len(running)
-                                      if running else 1.0),
+            "mean_relative_compute": self.scheduler.mean_relative_compute(),
             "depth_policy": self.depth_policy.name, "depth_policy_target": self.depth_policy.target,
             **self.depth_accounting.stats(),
         }
@@ -176,7 +163,7 @@ class LLMEngine:
             self.decode_wait.idle()
             return []
         scheduled = replay_recorded_levels(self.depth_policy.assign(scheduler_output.scheduled))
-        steps = self._steps_ahead(scheduled)
+        steps = self.scheduler.look_ahead(scheduled, self.runner.max_steps_ahead(scheduled))
         rewind_generators = _generator_rewinder(scheduled)
         try:
             per_step = self.runner.execute_ahead(scheduled, steps) if steps > 1 else [self.runner.execute(scheduled)]
@@ -199,12 +186,6 @@ class LLMEngine:
         wait = self.decode_wait.lap(start, work_left=self.has_unfinished_requests())
         self.depth_policy.observe(ran, wait / len(per_step))
         return failed + [self._output(request) for request in touched.values()]
-
-    def _steps_ahead(self, scheduled: list[ScheduledSeq]) -> int:
-        """Decode steps this batch runs in one go (engine/static_decode.py, "Steps ahead")."""
-        if not self.runner.can_run_ahead(scheduled):
-            return 1
-        return self.scheduler.look_ahead(scheduled, self.runner.static.steps_ahead)
 
     def _on_step_fault(self, scheduled: list[ScheduledSeq], exc: Exception) -> list[RequestOutput]:
         if len(scheduled) > 1:

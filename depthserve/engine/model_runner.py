@@ -155,6 +155,10 @@ class ModelRunner:
                 and all(_samples(item) and item.exit_threshold is None and item.seq.matcher is None
                         and self.sampler.picks_plainly(self._sampling_row(item)) for item in batch))
 
+    def max_steps_ahead(self, batch: list[ScheduledSeq]) -> int:
+        """The most decode steps the batch may run in one go: the static step's, where it may (else 1)."""
+        return self.static.steps_ahead if self.can_run_ahead(batch) else 1
+
     @torch.inference_mode()
     def execute_ahead(self, batch: list[ScheduledSeq], steps: int) -> list[list[SeqStepOutput]]:
         """`steps` decode steps of the batch (each sequence's pages grown for them), one list of

@@ -30,9 +30,14 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from depthserve.engine.block_manager import BlockManager
 from depthserve.engine.sequence import Sequence, SequenceStatus
+from depthserve.errors import ConfigurationError
+
+if TYPE_CHECKING:
+    from depthserve.config import EngineArgs
 
 
 @dataclass(frozen=True)
@@ -50,6 +55,16 @@ class SchedulerConfig:
     long_prefill_context_scale: int = 0
     # Long prompts that may be mid-prefill at once.
     max_long_partial_prefills: int = 1
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs, max_model_len: int) -> SchedulerConfig:
+        """The scheduler's settings from engine arguments resolved for a device (`EngineArgs.on_device`)."""
+        if not args.enable_chunked_prefill and args.max_num_batched_tokens < max_model_len:
+            raise ConfigurationError("without chunked prefill, max_num_batched_tokens must be >= max_model_len")
+        return cls(args.max_num_batched_tokens, args.max_num_seqs, args.enable_chunked_prefill,
+                   long_prefill_token_threshold=args.long_prefill_token_threshold,
+                   long_prefill_context_scale=args.long_prefill_context_scale,
+                   max_long_partial_prefills=args.max_long_partial_prefills)
 
     def prefill_chunk_cap(self, context: int) -> int | None:
         """The most tokens a prompt chunk starting at position `context` may take (None: no cap)."""
@@ -127,6 +142,20 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def queue_stats(self) -> dict[str, int]:
+        """Sequences running and waiting, requests running, and preemptions since start."""
+        return {
+            "num_running": len(self.running), "num_waiting": len(self.waiting),
+            "num_running_requests": len({seq.request_id for seq in self.running}),  # the rest are waiting
+            "num_preemptions": self.num_preemptions,
+        }
+
+    def mean_relative_compute(self) -> float:
+        """The running sequences' compute per token relative to the model at its default depth."""
+        if not self.running:
+            return 1.0
+        return sum(seq.plan.relative_compute_estimate for seq in self.running) / len(self.running)
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
         """End a sequence (done, stopped or aborted) and free its pages at once."""
