@@ -10,7 +10,7 @@ warning when it starts; the build is cached under `TORCH_EXTENSIONS_DIR` in a fo
 checkout, so two checkouts never rebuild each other's; `make test` and `make serve` build it once at
 install) and loaded as
 the torch ops `depthserve_cpu::group_gemm`, `group_dequantize`, `paged_decode_attention`,
-`store_kv`, `rms_norm`, `apply_rope`, `silu_and_mul`, `llama_decode_layers`, `greedy_pick` and `apply_token_bitmask`. Only on CPUs
+`paged_prefill_attention_varlen`, `store_kv`, `rms_norm`, `apply_rope`, `silu_and_mul`, `llama_decode_layers`, `greedy_pick` and `apply_token_bitmask`. Only on CPUs
 with AVX-512 F/BW/VL and AVX-512 VNNI: elsewhere, or where the build fails, `available()` is False
 and the quantized layers use torch's weight-only kernels (the reason is logged once).
 """
@@ -228,6 +228,10 @@ def dequantize_rows(weight: PackedWeight, index: torch.Tensor) -> torch.Tensor:
 
 # ---- paged attention: kernels/paged.py's decode ops, where the shapes fit the native kernel ----------
 MAX_HEAD_DIM, MAX_GROUP = 256, 8
+# The native prefill kernel reads each key block once for all of a chunk's queries, which makes it
+# 2-4x faster than SDPA for chunks of a few tokens over thousands of cached keys (a long prompt's
+# capped chunks); past ~100 queries SDPA's blocked GEMMs win (bench/prefill_chunks.py, docs/server.md).
+NATIVE_PREFILL_MAX_QUERIES = 64
 
 
 def attention_fits(head_dim: int, num_q_heads: int, num_kv_heads: int, *tensors: torch.Tensor) -> bool:
@@ -244,6 +248,23 @@ def paged_decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torc
 
         return paged.paged_decode_attention(q, k_pages, v_pages, page_table, context_lens, scale)
     return torch.ops.depthserve_cpu.paged_decode_attention(q, k_pages, v_pages, page_table, context_lens, scale)
+
+
+def paged_prefill_attention_varlen(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
+                                   page_tables: torch.Tensor, query_starts: torch.Tensor, context_lens: torch.Tensor,
+                                   scale: float, window: int | None = None) -> torch.Tensor:
+    """kernels/paged.py's `paged_prefill_attention_varlen` as one native call, for chunks of at most
+    NATIVE_PREFILL_MAX_QUERIES queries each (there where the shapes fit; a sliding window takes the
+    torch implementation)."""
+    if (window is not None or q.stride(-1) != 1
+            or not attention_fits(q.shape[-1], q.shape[1], page_tables.shape[1], q, k_pages, v_pages)
+            or int((query_starts[1:] - query_starts[:-1]).max()) > NATIVE_PREFILL_MAX_QUERIES):
+        from depthserve.kernels import paged
+
+        return paged.paged_prefill_attention_varlen(q, k_pages, v_pages, page_tables, query_starts, context_lens,
+                                                    scale, window)
+    return torch.ops.depthserve_cpu.paged_prefill_attention_varlen(q, k_pages, v_pages, page_tables, query_starts,
+                                                                   context_lens, scale)
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,

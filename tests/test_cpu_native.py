@@ -149,6 +149,49 @@ def test_paged_decode_attention_equals_the_torch_version(dtype, heads):
     assert torch.equal(got[3], torch.zeros_like(got[3]))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads", [(9, 3, 64), (4, 4, 32), (16, 2, 128), (6, 2, 48)])
+def test_paged_prefill_attention_equals_the_torch_version(dtype, heads):
+    """Prompt chunks packed as one varlen batch, each over its own cache: a first chunk, one token over a
+    cached prefix, a chunk whose keys span two of the kernel's key blocks (256), the longest chunk it takes."""
+    from depthserve.kernels import paged
+
+    num_q, num_kv, dim = heads
+    block_size = 8
+    chunks = [(0, 5), (37, 1), (300, 33), (5, cpu_native.NATIVE_PREFILL_MAX_QUERIES)]  # (cached context, queries)
+    blocks = max(-(-(context + n) // block_size) for context, n in chunks)
+    k_pages, v_pages = _pool(len(chunks) * num_kv * blocks, block_size, dim, dtype, seed=dim)
+    generator = torch.Generator().manual_seed(num_q)
+    tables = torch.randperm(len(chunks) * num_kv * blocks, generator=generator).view(len(chunks), blocks, num_kv)
+    starts = torch.tensor([0] + [n for _, n in chunks]).cumsum(0).int()
+    lengths = torch.tensor([context + n for context, n in chunks], dtype=torch.int32)
+    wide = torch.randn(int(starts[-1]), num_q, dim + 16, generator=generator).to(dtype)
+    q = wide[..., :dim]  # not contiguous: a view, as the qkv split gives
+    got = torch.ops.depthserve_cpu.paged_prefill_attention_varlen(q, k_pages, v_pages, tables.transpose(1, 2),
+                                                                   starts, lengths, 0.125)
+    want = paged.paged_prefill_attention_varlen(q, k_pages, v_pages, tables.transpose(1, 2), starts, lengths, 0.125)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the output rounded once, the torch path rounds P too
+    assert got.dtype == dtype
+    assert (got.float() - want.float()).abs().max() <= tol * want.float().abs().max()
+
+
+def test_prefill_attention_takes_the_native_kernel_for_short_chunks_only(monkeypatch):
+    from depthserve.kernels import paged
+
+    calls = []
+    monkeypatch.setattr(paged, "paged_prefill_attention_varlen", lambda *args: calls.append(args) or "torch")
+    k_pages, v_pages = _pool(64, 8, 64, torch.float32, seed=1)
+    tables = torch.arange(64).view(1, 8, 8).transpose(1, 2)  # [1 sequence, 8 KV heads, 8 blocks]
+    for queries, native in [(cpu_native.NATIVE_PREFILL_MAX_QUERIES, True), (cpu_native.NATIVE_PREFILL_MAX_QUERIES + 1, False)]:
+        q = torch.randn(queries, 8, 64)
+        out = cpu_native.paged_prefill_attention_varlen(q, k_pages, v_pages, tables, torch.tensor([0, queries]),
+                                                        torch.tensor([queries]), 0.125)
+        assert isinstance(out, torch.Tensor) is native
+    out = cpu_native.paged_prefill_attention_varlen(torch.randn(4, 8, 64), k_pages, v_pages, tables,
+                                                    torch.tensor([0, 4]), torch.tensor([4]), 0.125, window=2)
+    assert out == "torch" and len(calls) == 2  # a sliding window: the torch implementation
+
+
 @pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                                     (torch.float32, torch.bfloat16)])
 def test_store_kv_equals_the_torch_version(dtypes):

@@ -11,6 +11,7 @@ import random
 import subprocess
 import sys
 import textwrap
+from dataclasses import replace
 
 import pytest
 
@@ -50,16 +51,18 @@ class Sim:
     """A scheduler and block manager driven like the engine drives them, with invariant checks."""
 
     def __init__(self, num_pages, block_size=4, *, budget=16, max_num_seqs=8, chunked=True,
-                 watermark=0.0, prefix_caching=True, long_threshold=0, context_scale=0, max_long=1):
+                 watermark=0.0, prefix_caching=True, long_threshold=0, chunk_tokens=0, context_scale=0, max_long=1):
         self.bm = BlockManager(num_pages, block_size, prefix_caching)
         self.config = SchedulerConfig(
             max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
             enable_chunked_prefill=chunked, watermark=watermark, long_prefill_token_threshold=long_threshold,
-            long_prefill_context_scale=context_scale, max_long_partial_prefills=max_long,
+            long_prefill_chunk_tokens=chunk_tokens, long_prefill_context_scale=context_scale,
+            max_long_partial_prefills=max_long,
         )
         self.sched = Scheduler(self.config, self.bm)
         self.seqs: list[Sequence] = []
         self.outputs: list[SchedulerOutput] = []
+        self.sat_out: set[str] = set()  # the long prefills that gave way in the last step
 
     def add(self, *seqs: Sequence) -> None:
         for seq in seqs:
@@ -114,8 +117,9 @@ class Sim:
         # prompt while the long prefills allowed are running.
         assert newly == [s for s in waiting_before if s in newly]
         passed_over = waiting_before[: waiting_before.index(newly[-1])] if newly else []
-        assert all(config.is_long_prefill(s.num_tokens) for s in passed_over if s not in newly)
-        long_items = [item for item in out.scheduled if config.is_long_prefill(item.seq.num_tokens - item.start)]
+        assert all(config.is_long_prefill(s.num_tokens, s.num_tokens) for s in passed_over if s not in newly)
+        long_items = [item for item in out.scheduled
+                      if config.is_long_prefill(item.seq.num_tokens, item.seq.num_tokens - item.start)]
         assert len(long_items) <= config.max_long_partial_prefills
         if out.preempted:
             assert not newly, "admitted a sequence in a step that preempted"
@@ -124,7 +128,8 @@ class Sim:
             assert item.num_tokens > 0
             assert item.start == seq.num_computed_tokens
             cap = config.prefill_chunk_cap(item.start)
-            assert cap is None or item.num_tokens <= cap, "a chunk over its cost cap"
+            if item in long_items:
+                assert cap is None or item.num_tokens <= cap, "a long prefill's chunk over its cost cap"
             assert item.end <= seq.num_tokens
             assert seq.status is SequenceStatus.RUNNING and seq in sched.running
             assert bm.pages_held(seq) >= bm.pages_for(seq.layout, item.end), "page table too short"
@@ -140,9 +145,15 @@ class Sim:
         assert set(map(id, sched.running)) == {id(s) for s in seen} | (
             {id(s) for s in running_before} - {id(s) for s in out.preempted}
         ), "a running sequence was neither scheduled nor preempted"
-        # A running sequence is skipped only when the budget is spent.
-        if len(seen) < len(sched.running):
+        # A running sequence is skipped only when the budget is spent, or when it is a long prefill that
+        # gives way to a short prompt, never in two steps running.
+        skipped = [s for s in sched.running if s not in seen]
+        sat_out = {s.request_id for s in skipped if config.is_long_prefill(s.num_tokens, s.num_uncomputed_tokens)}
+        if len(skipped) > len(sat_out):
             assert out.num_tokens == config.max_num_batched_tokens
+        assert not sat_out & self.sat_out, "a long prefill sat out two steps running"
+        assert not sat_out or any(s not in running_before for s in seen) or out.num_tokens == config.max_num_batched_tokens
+        self.sat_out = sat_out
 
     def assert_all_done(self) -> None:
         for seq in self.seqs:
@@ -549,10 +560,19 @@ def test_release_when_chunking_is_disabled_and_the_prompt_does_not_fit_the_budge
 def test_chunk_cap_shrinks_with_the_context_and_never_reaches_zero():
     config = SchedulerConfig(long_prefill_token_threshold=128, long_prefill_context_scale=256)
     assert [config.prefill_chunk_cap(c) for c in (0, 256, 768, 7936, 1 << 20)] == [128, 64, 32, 4, 1]
+    chunked = replace(config, long_prefill_chunk_tokens=32)  # a chunk size of its own, below the threshold
+    assert [chunked.prefill_chunk_cap(c) for c in (0, 256, 768, 7936)] == [32, 16, 8, 1]
     assert SchedulerConfig(long_prefill_token_threshold=128).prefill_chunk_cap(8000) == 128  # no scale
     assert SchedulerConfig().prefill_chunk_cap(0) is None  # off: only the budget
     assert SchedulerConfig(long_prefill_token_threshold=128, enable_chunked_prefill=False).prefill_chunk_cap(0) is None
-    assert config.is_long_prefill(129) and not config.is_long_prefill(128)
+
+
+def test_a_long_prefill_is_one_whose_tokens_reach_past_the_threshold_until_its_last_prompt_token():
+    config = SchedulerConfig(long_prefill_token_threshold=128)
+    assert config.is_long_prefill(129, 129) and not config.is_long_prefill(128, 128)
+    assert config.is_long_prefill(8000, 2)  # its last chunk still attends to 7998 positions
+    assert not config.is_long_prefill(8000, 1)  # decoding
+    assert not SchedulerConfig().is_long_prefill(8000, 8000)  # no threshold: nothing is long
 
 
 @pytest.mark.parametrize("context_scale", [0, 64])
@@ -568,7 +588,8 @@ def test_short_request_runs_in_the_next_step_while_a_long_prompt_is_mid_prefill(
     out = s.step()
     assert ("short", 0, 4) in s.trace(out)  # admitted at once, its whole prompt: it samples now
     assert len(short.output_token_ids) == 1
-    assert [item.seq for item in out.scheduled] == [long, short]
+    assert [item.seq for item in out.scheduled] == [short]  # the long prefill sat this step out
+    assert s.trace(s.step())[0][0] == "long"  # and is back in the next
     s.run()
     s.assert_all_done()
 
@@ -587,9 +608,10 @@ def test_without_a_threshold_the_long_prompt_takes_the_whole_budget(sim):
     s.assert_all_done()
 
 
-def test_long_prefill_share_of_a_step_is_bounded_it_gives_way_every_other_step_and_progresses_every_step(sim):
-    threshold, scale = 16, 32
-    s = sim(512, block_size=4, budget=32, max_num_seqs=32, long_threshold=threshold, context_scale=scale)
+def test_long_prefill_share_of_a_step_is_bounded_it_gives_way_every_other_step_at_most(sim):
+    threshold, chunk_tokens, scale = 16, 12, 32
+    s = sim(512, block_size=4, budget=32, max_num_seqs=32, long_threshold=threshold, chunk_tokens=chunk_tokens,
+            context_scale=scale)
     long = make_seq("long", 300, 1)
     s.add(long)
     arrivals = {step: [make_seq(f"short{step}", 3, 4)] for step in range(1, 400)}  # a short request every step
@@ -603,17 +625,19 @@ def test_long_prefill_share_of_a_step_is_bounded_it_gives_way_every_other_step_a
             break
         chunk = long.num_computed_tokens - before
         chunks.append(chunk)
-        cap = min(threshold * scale // (scale + before), long.num_prompt_tokens - before)
-        # from step 1 on a short prompt waits at every step: the long prefill gives way (one token)
-        # in every other step, and takes its capped chunk in the others
-        assert 1 <= chunk == (1 if step % 2 == 1 else cap)
+        cap = min(max(1, chunk_tokens * scale // (scale + before)), long.num_prompt_tokens - before)
+        # from step 1 on a short prompt waits at every step: the long prefill gives way (sits the step
+        # out) in every other step, and takes its capped chunk in the others (its last prompt token,
+        # a one-token step like a decode's, is not a long prefill)
+        assert chunk == (0 if step % 2 == 1 and long.num_prompt_tokens - before > 1 else cap)
         newcomer = f"short{step}"
         if step >= 1:  # each step's new short request is admitted in that very step
             assert any(item.seq.request_id == newcomer for item in out.scheduled)
     else:
         raise AssertionError("the long prompt never finished its prefill")
     assert sum(chunks) == long.num_prompt_tokens
-    assert chunks[0] == threshold and chunks[-1] < threshold // 4  # the cap shrank as the context grew
+    taken = [chunk for chunk in chunks if chunk]
+    assert taken[0] == chunk_tokens and taken[-1] < chunk_tokens // 4  # the cap shrank as the context grew
     s.run(arrivals=arrivals)
     s.assert_all_done()
 
@@ -624,16 +648,17 @@ def test_one_long_prefill_at_a_time_shorter_prompts_go_ahead_long_ones_keep_thei
     short = make_seq("short", 5, 2)
     s.add(first, second, short, third)
     out = s.step()
-    # long2 and long3 wait, short goes ahead; long1 gives way to it (one token) in this step
-    assert s.trace(out) == [("long1", 0, 1), ("short", 0, 5)]
-    assert s.trace(s.step())[0] == ("long1", 1, 16)
+    # long2 and long3 wait, short goes ahead; long1 is admitted after it in the next step (it gave way)
+    assert s.trace(out) == [("short", 0, 5)]
+    assert s.trace(s.step()) == [("short", 5, 1), ("long1", 0, 16)]
     assert list(s.sched.waiting) == [second, third]
-    while first.num_uncomputed_tokens > 16:
+    while first.status is not SequenceStatus.FINISHED:  # long prefill to its last token, alone
         out = s.step()
+        assert [item.seq for item in out.scheduled] == [first]
         assert second.status is SequenceStatus.WAITING and third.status is SequenceStatus.WAITING
-    # long1's last chunk is no longer long: long2, first in the queue, starts in that step, long3 waits
+    # long1's prefill is done: long2, first in the queue, starts, long3 still waits
     out = s.step()
-    assert [item.seq for item in out.scheduled][-1] is second
+    assert [item.seq for item in out.scheduled] == [second]
     assert third.status is SequenceStatus.WAITING
     s.run()
     s.assert_all_done()

@@ -5,17 +5,16 @@ sequence takes one token, a sequence still in its prompt takes the next chunk. T
 sequences are admitted first-come-first-served while the budget, `max_num_seqs` and free
 pages allow; the head of the queue is never overtaken for pages, so a large request is not starved.
 
-Long prompts (docs/server.md, "Scheduling"): a prompt chunk is capped by its cost, not only by the
-budget, so that a long prompt mid-prefill leaves most of every step to decodes and new requests: at
-most `long_prefill_token_threshold` tokens, fewer as its context grows (attention over thousands of
-cached positions costs more than the chunk's own weights), and at least one token, so the long
-prompt progresses in every step. In a step where a short prompt waits to be admitted, a long
-prefill takes one token only (its full chunk would lengthen the very step that gives the short
-prompt its first token), but never in two steps running, so it keeps at least every other chunk.
-At most `max_long_partial_prefills` long prompts (more uncomputed tokens than the threshold)
-prefill at once; a long prompt beyond them waits while shorter ones
-behind it are admitted, and is admitted first once a long prefill ends. `_prefill_chunk` is the one
-place that sizes a chunk.
+Long prompts (docs/server.md, "Scheduling"): a sequence prefilling more than
+`long_prefill_token_threshold` tokens is long. Its chunks are capped by their cost, not only by the
+budget, so that no step it runs in is much longer than a short request's own step: at most
+`long_prefill_chunk_tokens` tokens, fewer as its context grows (attention over thousands of cached
+positions costs more than the chunk's own weights), and at least one. In a step where a short prompt
+waits to be admitted, a long prefill sits out (that step gives the short prompt its first token and
+would otherwise also run the long chunk's attention), but never in two steps running, so it keeps
+at least every other step. At most `max_long_partial_prefills` long prompts prefill at once; a long
+prompt beyond them waits while shorter ones behind it are admitted, and is admitted first once a
+long prefill ends. `_prefill_chunk` is the one place that sizes a chunk.
 When pages run out, the newest running sequence is preempted: its pages are freed and it
 goes back to the front of the queue, to be recomputed from its tokens (nothing is lost).
 
@@ -47,11 +46,12 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     # Admission keeps this fraction of the pages free for running sequences to grow into.
     watermark: float = 0.01
-    # A prompt chunk's cost cap in tokens (0: none beyond the budget); a prefill with more uncomputed
-    # tokens than this is long. With chunked prefill only.
+    # A sequence to prefill with more tokens than this is long (0: none is). With chunked prefill only.
     long_prefill_token_threshold: int = 0
-    # Cached positions whose attention costs a chunk as much as its weights: a chunk at context c is
-    # capped at threshold / (1 + c / this) tokens (0: the cap does not shrink with the context).
+    # A long prefill's chunk at context 0, in tokens (0: the threshold).
+    long_prefill_chunk_tokens: int = 0
+    # Cached positions whose attention costs a chunk as much as its weights: a long prefill's chunk at
+    # context c is capped at chunk_tokens / (1 + c / this) tokens (0: the cap does not shrink with the context).
     long_prefill_context_scale: int = 0
     # Long prompts that may be mid-prefill at once.
     max_long_partial_prefills: int = 1
@@ -63,21 +63,25 @@ class SchedulerConfig:
             raise ConfigurationError("without chunked prefill, max_num_batched_tokens must be >= max_model_len")
         return cls(args.max_num_batched_tokens, args.max_num_seqs, args.enable_chunked_prefill,
                    long_prefill_token_threshold=args.long_prefill_token_threshold,
+                   long_prefill_chunk_tokens=args.long_prefill_chunk_tokens,
                    long_prefill_context_scale=args.long_prefill_context_scale,
                    max_long_partial_prefills=args.max_long_partial_prefills)
 
     def prefill_chunk_cap(self, context: int) -> int | None:
-        """The most tokens a prompt chunk starting at position `context` may take (None: no cap)."""
+        """The most tokens a long prefill's chunk starting at position `context` may take (None: no cap)."""
         if not self.enable_chunked_prefill or self.long_prefill_token_threshold <= 0:
             return None
-        cap = self.long_prefill_token_threshold
+        cap = self.long_prefill_chunk_tokens or self.long_prefill_token_threshold
         if self.long_prefill_context_scale > 0:
             cap = cap * self.long_prefill_context_scale // (self.long_prefill_context_scale + context)
         return max(1, cap)
 
-    def is_long_prefill(self, uncomputed_tokens: int) -> bool:
+    def is_long_prefill(self, num_tokens: int, num_uncomputed_tokens: int) -> bool:
+        """A sequence of `num_tokens` tokens, `num_uncomputed_tokens` of them still to compute, is a long
+        prefill: it is prefilling (not decoding its one new token) and its tokens reach past the threshold
+        (so a long prompt stays long to its last chunk, whose attention spans all the positions before it)."""
         return (self.enable_chunked_prefill and self.long_prefill_token_threshold > 0
-                and uncomputed_tokens > self.long_prefill_token_threshold)
+                and num_uncomputed_tokens > 1 and num_tokens > self.long_prefill_token_threshold)
 
 
 @dataclass(frozen=True)
@@ -218,17 +222,38 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         self._gave_way, self._giving_way = self._giving_way, set()
-        self._short_prompt_waiting = (self.config.long_prefill_token_threshold > 0 and any(
-            not self.config.is_long_prefill(seq.num_uncomputed_tokens) for seq in self.waiting))
+        self._short_prompt_waiting = False
         isolated = self._next_isolated()
         if isolated is not None:
             self._schedule_alone(isolated, out)
             return out
-        budget = self.config.max_num_batched_tokens
-        budget = self._schedule_running(out, budget)
+        self._short_prompt_waiting = any(not self._is_long(seq) for seq in self.waiting)
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not out.preempted:
-            self._schedule_waiting(out, budget)
+            running = len(out.scheduled)
+            budget = self._schedule_waiting(out, budget)
+            if len(out.scheduled) == running and self._giving_way:
+                self._take_back_way(out, budget)
         return out
+
+    def _take_back_way(self, out: SchedulerOutput, budget: int) -> None:
+        """No waiting prompt could be admitted after all: the long prefills that gave way take their
+        chunks in this step (nothing was admitted, so the step is as `_schedule_running` left it), and
+        a long prompt that gave way at admission is admitted. A running one whose pages cannot grow
+        without preempting sits the step out, and runs in the next."""
+        self._short_prompt_waiting = False
+        for seq in [seq for seq in self.running if seq.request_id in self._giving_way]:
+            num = self._prefill_chunk(seq, budget)
+            if budget <= 0 or not self.block_manager.can_grow(seq, seq.num_computed_tokens + num):
+                continue
+            self.block_manager.grow(seq, seq.num_computed_tokens + num)
+            out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, num))
+            budget -= num
+        self._schedule_waiting(out, budget)
+        self._giving_way -= {item.seq.request_id for item in out.scheduled}
+
+    def _is_long(self, seq: Sequence) -> bool:
+        return self.config.is_long_prefill(seq.num_tokens, seq.num_uncomputed_tokens)
 
     def look_ahead(self, items: list[ScheduledSeq], steps: int) -> int:
         """How many decode steps the scheduled batch runs back to back (engine/static_decode.py
@@ -252,6 +277,9 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
             num = self._prefill_chunk(seq, budget)
+            if num == 0:  # a long prefill giving way
+                index += 1
+                continue
             target = seq.num_computed_tokens + num
             while not self.block_manager.can_grow(seq, target):
                 victim = self.running[-1]
@@ -267,19 +295,19 @@ class Scheduler:
             index += 1
         return budget
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
         bm = self.block_manager
-        long_prefills = sum(self.config.is_long_prefill(seq.num_uncomputed_tokens) for seq in self.running)
+        long_prefills = sum(self._is_long(seq) for seq in self.running)
         index = 0  # waiting long prompts left for later sit before it
         while index < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[index]
             self._attach_cached_prefix(seq)
-            remaining = seq.num_uncomputed_tokens
-            if self.config.is_long_prefill(remaining) and long_prefills >= self.config.max_long_partial_prefills:
+            remaining, long = seq.num_uncomputed_tokens, self._is_long(seq)
+            num = self._prefill_chunk(seq, budget) if not long or long_prefills < self.config.max_long_partial_prefills else 0
+            if num == 0:  # a long prompt beyond max_long_partial_prefills, or giving way
                 self._release_waiting(seq)
                 index += 1
                 continue
-            num = self._prefill_chunk(seq, budget)
             if num < remaining and not self.config.enable_chunked_prefill:
                 self._release_waiting(seq)
                 break
@@ -295,25 +323,26 @@ class Scheduler:
             bm.grow(seq, seq.num_computed_tokens + num)
             out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, num))
             budget -= num
-            long_prefills += self.config.is_long_prefill(remaining)
+            long_prefills += long
+        return budget
 
     def _prefill_chunk(self, seq: Sequence, budget: int) -> int:
         """The tokens `seq` computes in this step, out of `budget`: its uncomputed tokens (one when it
-        decodes), within the budget and the cost cap of a chunk at its context."""
+        decodes), within the budget and, for a long prefill, the cost cap of a chunk at its context;
+        0 when a long prefill gives way."""
         fixed = seq.plan.forward_tokens(seq.num_computed_tokens, seq.num_prompt_tokens,
                                         self.config.enable_chunked_prefill)
         if fixed is not None:  # the model's results depend on the split: its chunk is never cut (may overrun the budget)
             return fixed
         num = min(seq.num_uncomputed_tokens, budget)
-        cap = self.config.prefill_chunk_cap(seq.num_computed_tokens)
-        if cap is None:
+        if not self._is_long(seq):
             return num
-        if (self._short_prompt_waiting and self.config.is_long_prefill(seq.num_uncomputed_tokens)
-                and seq.request_id not in self._gave_way):
-            # A short prompt admitted beside a full chunk would wait out that chunk's attention too.
+        if self._short_prompt_waiting and seq.request_id not in self._gave_way:
+            # The step that gives a waiting short prompt its first token runs without the long chunk,
+            # whose attention over its context would lengthen that step.
             self._giving_way.add(seq.request_id)
-            return min(num, 1)
-        return min(num, cap)
+            return 0
+        return min(num, self.config.prefill_chunk_cap(seq.num_computed_tokens))
 
     def _attach_cached_prefix(self, seq: Sequence) -> None:
         """A waiting sequence that holds no pages starts from its cached prompt prefix, if any."""

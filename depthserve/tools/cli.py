@@ -75,11 +75,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=EngineArgs.max_num_seqs,
                         help="sequences running at once")
     parser.add_argument("--long-prefill-token-threshold", type=int, default=EngineArgs.long_prefill_token_threshold,
-                        help="most tokens of a prompt chunk per step, fewer as its context grows; a prompt with "
-                             "more uncomputed tokens is long (default: 128 on CPU, 2048 on CUDA; 0: no cap)")
+                        help="a sequence prefilling more tokens is long: its chunks are capped, it gives way to "
+                             "short prompts (default: 128 on CPU, 2048 on CUDA; 0: none is, no cap)")
+    parser.add_argument("--long-prefill-chunk-tokens", type=int, default=EngineArgs.long_prefill_chunk_tokens,
+                        help="most tokens of a long prefill's chunk at context 0, fewer as its context grows "
+                             "(default: 32 on CPU, the threshold on CUDA)")
     parser.add_argument("--long-prefill-context-scale", type=int, default=EngineArgs.long_prefill_context_scale,
-                        help="a chunk at context c takes at most threshold / (1 + c / this) tokens "
-                             "(default: 256 on CPU, 0 on CUDA: no shrinking)")
+                        help="a long prefill's chunk at context c takes at most chunk_tokens / (1 + c / this) "
+                             "tokens (default: 1024 on CPU, 0 on CUDA: no shrinking)")
     parser.add_argument("--max-long-partial-prefills", type=int, default=EngineArgs.max_long_partial_prefills,
                         help="long prompts prefilling at once; later long ones wait while shorter ones go ahead")
     parser.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",

@@ -148,6 +148,110 @@ void attend_one(const Q* q, int64_t q_head_stride, int64_t group, const P* k_pag
   }
 }
 
+// One (sequence, KV head, run of `queries` consecutive queries of a prompt chunk): query i sits at
+// position start + i and sees keys 0 .. start + i. Rows are (query, head of the group) pairs. The
+// keys are taken kKeyBlock at a time for every query of the run, so that a block read from memory
+// serves them all from cache (one decode-style pass per query would read the whole context once per
+// query: at thousands of cached positions that traffic, not the arithmetic, set a chunk's time).
+// Two passes as in attend_one: every row's scores, softmax per row, then the weighted sum of values,
+// whose fp32 accumulators live in `acc` between blocks.
+constexpr int64_t kKeyBlock = 256;
+
+template <int Chunks, typename Q, typename P>
+void attend_chunk(const Q* q, int64_t q_token_stride, int64_t q_head_stride, int64_t queries, int64_t group,
+                  int64_t start, const P* k_pages, const P* v_pages, const int64_t* offsets, int64_t dim, float scale,
+                  Q* out, int64_t out_token_stride, std::vector<float>& scores, std::vector<float>& acc) {
+  constexpr int kTile = Chunks >= 8 ? 1 : 12 / Chunks > 8 ? 8 : 12 / Chunks;
+  __mmask16 lanes[Chunks];
+  for (int c = 0; c < Chunks; ++c) lanes[c] = depthserve_simd::tail_mask(std::max<int64_t>(0, dim - 16 * c));
+  const int64_t keys = start + queries, padded = (keys + 15) / 16 * 16, rows = queries * group;
+  scores.resize(rows * padded);
+  acc.assign(rows * dim, 0.0f);
+  auto length_of = [&](int64_t i) { return start + i + 1; };
+  for (int64_t block = 0; block < keys; block += kKeyBlock) {
+    for (int64_t i = 0; i < queries; ++i) {
+      const int64_t end = std::min(block + kKeyBlock, length_of(i));
+      if (end <= block) continue;
+      for (int64_t g0 = 0; g0 < group; g0 += kTile) {
+        const int tile = static_cast<int>(std::min<int64_t>(kTile, group - g0));
+        __m512 query[kTile][Chunks];
+        for (int g = 0; g < kTile; ++g)
+          for (int c = 0; c < Chunks; ++c)
+            query[g][c] = g < tile ? _mm512_mul_ps(load16(q + i * q_token_stride + (g0 + g) * q_head_stride + 16 * c,
+                                                          lanes[c]), _mm512_set1_ps(scale))
+                                   : _mm512_setzero_ps();
+        for (int64_t t0 = block; t0 < end; t0 += 16) {
+          __m512 products[kTile][16];
+          for (int j = 0; j < 16; ++j) {
+            if (t0 + j >= end) {
+              for (int g = 0; g < kTile; ++g) products[g][j] = _mm512_setzero_ps();
+              continue;
+            }
+            const P* key = k_pages + offsets[t0 + j];
+            __m512 k[Chunks];
+            for (int c = 0; c < Chunks; ++c) k[c] = load16(key + 16 * c, lanes[c]);
+            for (int g = 0; g < kTile; ++g) {
+              __m512 dot = _mm512_mul_ps(query[g][0], k[0]);
+              for (int c = 1; c < Chunks; ++c) dot = _mm512_fmadd_ps(query[g][c], k[c], dot);
+              products[g][j] = dot;
+            }
+          }
+          for (int g = 0; g < tile; ++g)
+            _mm512_storeu_ps(scores.data() + (i * group + g0 + g) * padded + t0, sum_each(products[g]));
+        }
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t length = length_of(r / group);
+    float* s = scores.data() + r * padded;
+    __m512 peaks = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t t = 0; t < length; t += 16)
+      peaks = _mm512_mask_max_ps(peaks, depthserve_simd::tail_mask(length - t), peaks, _mm512_loadu_ps(s + t));
+    const __m512 peak = _mm512_set1_ps(_mm512_reduce_max_ps(peaks));
+    __m512 totals = _mm512_setzero_ps();
+    for (int64_t t = 0; t < length; t += 16) {
+      const __mmask16 m = depthserve_simd::tail_mask(length - t);
+      const __m512 e = _mm512_maskz_mov_ps(m, exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + t), peak)));
+      _mm512_storeu_ps(s + t, e);
+      totals = _mm512_add_ps(totals, e);
+    }
+    const __m512 inverse = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(totals));
+    for (int64_t t = 0; t < length; t += 16) _mm512_storeu_ps(s + t, _mm512_mul_ps(_mm512_loadu_ps(s + t), inverse));
+  }
+  for (int64_t block = 0; block < keys; block += kKeyBlock) {
+    for (int64_t i = 0; i < queries; ++i) {
+      const int64_t end = std::min(block + kKeyBlock, length_of(i));
+      if (end <= block) continue;
+      for (int64_t g0 = 0; g0 < group; g0 += kTile) {
+        const int tile = static_cast<int>(std::min<int64_t>(kTile, group - g0));
+        float* row_acc = acc.data() + (i * group + g0) * dim;
+        const float* row_p = scores.data() + (i * group + g0) * padded;
+        __m512 sum[kTile][Chunks];
+        for (int g = 0; g < kTile; ++g)
+          for (int c = 0; c < Chunks; ++c)
+            sum[g][c] = g < tile ? _mm512_maskz_loadu_ps(lanes[c], row_acc + g * dim + 16 * c) : _mm512_setzero_ps();
+        for (int64_t t = block; t < end; ++t) {
+          const P* value = v_pages + offsets[t];
+          __m512 v[Chunks];
+          for (int c = 0; c < Chunks; ++c) v[c] = load16(value + 16 * c, lanes[c]);
+          for (int g = 0; g < kTile; ++g) {
+            if (g >= tile) break;
+            const __m512 p = _mm512_set1_ps(row_p[g * padded + t]);
+            for (int c = 0; c < Chunks; ++c) sum[g][c] = _mm512_fmadd_ps(p, v[c], sum[g][c]);
+          }
+        }
+        for (int g = 0; g < tile; ++g)
+          for (int c = 0; c < Chunks; ++c) _mm512_mask_storeu_ps(row_acc + g * dim + 16 * c, lanes[c], sum[g][c]);
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r)
+    for (int c = 0; c < Chunks; ++c)
+      store16(out + (r / group) * out_token_stride + (r % group) * dim + 16 * c,
+              _mm512_maskz_loadu_ps(lanes[c], acc.data() + r * dim + 16 * c), lanes[c]);
+}
+
 // Each key's element offset into the pages, walked page by page (an integer division per key and
 // pass cost more than the key's arithmetic).
 template <typename I>
@@ -238,6 +342,102 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pages
   return out;
 }
 
+// A run of one prompt chunk's queries for one KV head: a unit of work of the varlen prefill.
+struct ChunkWork {
+  int64_t seq, head, first, count;
+};
+
+template <typename Q, typename P, typename I>
+void prefill_attention(const at::Tensor& q, const at::Tensor& k_pages, const at::Tensor& v_pages,
+                       const at::Tensor& tables, const std::vector<int64_t>& query_starts,
+                       const std::vector<int64_t>& lengths, double scale, at::Tensor& out) {
+  const int64_t seqs = tables.size(0), kv_heads = tables.size(1), blocks = tables.size(2);
+  const int64_t q_heads = q.size(1), dim = q.size(2), group = q_heads / kv_heads, block_size = k_pages.size(1);
+  // Runs of queries small enough that every thread gets work (a chunk of a few tokens over thousands
+  // of cached keys is the case this kernel is for), large enough to share each key block widely.
+  const int64_t threads = at::get_num_threads();
+  std::vector<ChunkWork> work;
+  for (int64_t s = 0; s < seqs; ++s) {
+    const int64_t count = query_starts[s + 1] - query_starts[s];
+    if (count <= 0) continue;
+    const int64_t parts = std::min<int64_t>(count, (2 * threads + seqs * kv_heads - 1) / (seqs * kv_heads));
+    const int64_t run = (count + parts - 1) / parts;
+    for (int64_t h = 0; h < kv_heads; ++h)
+      for (int64_t first = 0; first < count; first += run)
+        work.push_back({s, h, first, std::min(run, count - first)});
+  }
+  const Q* q_data = q.data_ptr<Q>();
+  Q* out_data = out.data_ptr<Q>();
+  const P* k_data = k_pages.data_ptr<P>();
+  const P* v_data = v_pages.data_ptr<P>();
+  const I* table_data = tables.data_ptr<I>();  // through its strides: the caller's view is transposed
+  const int64_t chunks = (dim + 15) / 16;
+  const int64_t workers = std::min<int64_t>(threads, static_cast<int64_t>(work.size()));
+  // Work items interleaved over the threads: later runs of a chunk see more keys than earlier ones.
+  at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, acc;
+    std::vector<int64_t> offsets;
+    for (int64_t worker = begin; worker < end; ++worker) {
+      for (size_t w = worker; w < work.size(); w += workers) {
+        const ChunkWork& item = work[w];
+        const int64_t count = query_starts[item.seq + 1] - query_starts[item.seq];
+        const int64_t start = lengths[item.seq] - count + item.first;  // position of the run's first query
+        TORCH_CHECK(start >= 0 && start + item.count <= blocks * block_size,
+                    "paged_prefill_attention_varlen: context length out of the page table's range");
+        key_offsets(table_data + item.seq * tables.stride(0) + item.head * tables.stride(1), tables.stride(2),
+                    start + item.count, block_size, dim, offsets);
+        const int64_t token = query_starts[item.seq] + item.first, first_head = item.head * group;
+        const Q* q_first = q_data + token * q.stride(0) + first_head * q.stride(1);
+        Q* out_first = out_data + (token * q_heads + first_head) * dim;
+        auto attend = [&](auto chunk_count) {
+          attend_chunk<decltype(chunk_count)::value, Q, P>(q_first, q.stride(0), q.stride(1), item.count, group, start,
+                                                          k_data, v_data, offsets.data(), dim,
+                                                          static_cast<float>(scale), out_first, q_heads * dim, scores,
+                                                          acc);
+        };
+        if (chunks <= 1) attend(std::integral_constant<int, 1>{});
+        else if (chunks <= 2) attend(std::integral_constant<int, 2>{});
+        else if (chunks <= 4) attend(std::integral_constant<int, 4>{});
+        else if (chunks <= 8) attend(std::integral_constant<int, 8>{});
+        else attend(std::integral_constant<int, 16>{});
+      }
+    }
+  });
+}
+
+at::Tensor paged_prefill_attention_varlen(const at::Tensor& q, const at::Tensor& k_pages, const at::Tensor& v_pages,
+                                          const at::Tensor& page_tables, const at::Tensor& query_starts,
+                                          const at::Tensor& context_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1,
+              "paged_prefill_attention_varlen: q must be [tokens, heads, dim], dim contiguous");
+  TORCH_CHECK(k_pages.is_contiguous() && v_pages.is_contiguous() && k_pages.dtype() == v_pages.dtype(),
+              "paged_prefill_attention_varlen: contiguous K and V pages of one dtype");
+  const int64_t dim = q.size(2);
+  TORCH_CHECK(page_tables.dim() == 3 && (page_tables.scalar_type() == at::kInt || page_tables.scalar_type() == at::kLong),
+              "paged_prefill_attention_varlen: an int32 or int64 page table [seqs, kv_heads, blocks]");
+  const int64_t kv_heads = page_tables.size(1);
+  TORCH_CHECK(dim % 16 == 0 && dim <= kMaxDim,
+              "paged_prefill_attention_varlen: head_dim must be a multiple of 16, at most 256");
+  TORCH_CHECK(q.size(1) % kv_heads == 0, "paged_prefill_attention_varlen: query heads a multiple of KV heads");
+  TORCH_CHECK(k_pages.size(2) == dim, "paged_prefill_attention_varlen: pages of head_dim ", k_pages.size(2));
+  TORCH_CHECK(query_starts.dim() == 1 && query_starts.numel() == page_tables.size(0) + 1 &&
+                  context_lens.dim() == 1 && context_lens.numel() == page_tables.size(0),
+              "paged_prefill_attention_varlen: query_starts [seqs + 1] and context_lens [seqs]");
+  const std::vector<int64_t> starts = as_lengths(query_starts), lengths = as_lengths(context_lens);
+  TORCH_CHECK(starts.front() == 0 && starts.back() == q.size(0),
+              "paged_prefill_attention_varlen: query_starts must run from 0 to the number of queries");
+  at::Tensor out = at::empty({q.size(0), q.size(1), dim}, q.options());
+  depthserve_simd::with_float_types(q.scalar_type(), k_pages.scalar_type(), "paged_prefill_attention_varlen",
+                                    [&](auto query, auto page) {
+    using Q = decltype(query);
+    using P = decltype(page);
+    if (page_tables.scalar_type() == at::kInt)
+      prefill_attention<Q, P, int32_t>(q, k_pages, v_pages, page_tables, starts, lengths, scale, out);
+    else prefill_attention<Q, P, int64_t>(q, k_pages, v_pages, page_tables, starts, lengths, scale, out);
+  });
+  return out;
+}
+
 // k, v [tokens, kv_heads, dim] into the pages at slot_index [tokens, kv_heads] (page * block_size +
 // offset; -1: a padding row, not stored), converted to the pages' dtype.
 template <typename S, typename P, typename I>
@@ -284,10 +484,13 @@ void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_pages, at:
 TORCH_LIBRARY_FRAGMENT(depthserve_cpu, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_pages, Tensor v_pages, Tensor page_table, Tensor context_lens, "
         "float scale) -> Tensor");
+  m.def("paged_prefill_attention_varlen(Tensor q, Tensor k_pages, Tensor v_pages, Tensor page_tables, "
+        "Tensor query_starts, Tensor context_lens, float scale) -> Tensor");
   m.def("store_kv(Tensor k, Tensor v, Tensor(a!) k_pages, Tensor(b!) v_pages, Tensor slot_index) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(depthserve_cpu, CPU, m) {
   m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("paged_prefill_attention_varlen", &paged_prefill_attention_varlen);
   m.impl("store_kv", &store_kv);
 }
