@@ -1,0 +1,11 @@
+"""Inkling-2 loop (Thinking Machines): the looped text model of Inkling-2-Mini, served from its
+transformers checkpoint (docs/depth-semantics.md, "Public looped models: Inkling-2")."""
+
+from depthserve.archs.inkling2 import format, tiny
+from depthserve.archs.registry import Architecture, imported, register
+
+ARCHITECTURE = register(Architecture(
+    name="inkling2_loop_text", read_spec=format.read_spec, build=imported("depthserve.archs.inkling2.model:build"),
+    reference_forward=imported("depthserve.archs.inkling2.reference:forward"), make_tiny=tiny.make_tiny,
+    description="transformers' Inkling-2 looped text model (model_type inkling2_loop_text); knob `loops`",
+    knobs=format.KNOBS))
