@@ -268,7 +268,9 @@ def test_released_layout_checkpoint_serves_the_same(ckpts):
     ({"loops": 0}, "1..8"),
     ({"loops": 9}, "1..8"),
     ({"loops": 1.5}, "integer"),
-    ({"loops": {"min": 1, "max": 2}}, "per-token depth ranges"),
+    ({"loops": {"min": 0, "max": 2}}, "1..8"),
+    ({"loops": {"min": 2, "max": 9}}, "1..8"),
+    ({"loops": {"min": 3, "max": 2}}, "above its max"),
     ({"depth": 2}, "not supported"),
 ])
 def test_invalid_loops_raise_and_leave_no_pages(ckpts, depth, match):

@@ -262,7 +262,8 @@ class ModelRunner:
                 items.append(BatchItem(seq.seq_id, seq.plan, item.start, item.num_tokens, row, full_table, routed,
                                        self.block_manager.state_table(seq), item.level, item.exit_threshold,
                                        item.samples, self.model.row_settings(seq.plan, item.level), allowed,
-                                       prompt_next_tokens(item) if item.exit_prompt else None))
+                                       prompt_next_tokens(item) if item.exit_prompt else None,
+                                       seq.levels if seq.plan.elastic is not None else ()))
             positions = np.arange(item.start, item.end)
             ids.extend(item.seq.token_ids(item.start, item.end))
             pos_chunks.append(positions)

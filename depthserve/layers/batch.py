@@ -11,7 +11,7 @@ runner makes it from the scheduled sequence and reads what the forward left in t
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +44,9 @@ class BatchItem:
     # Prompt tokens by need (ScheduledSeq.exit_prompt): per row, the prompt's next token that the
     # row's readout is checked against (-1: none; the sampled row keeps the top-1 rule).
     prompt_next_tokens: np.ndarray | None = None
+    # A range knob: the level each position before `start` ran at (Sequence.levels), for a model
+    # whose routed slots need their keys' positions (Dory's sliding-window passes); () otherwise.
+    levels: Sequence[int] = ()
 
     @property
     def end(self) -> int:

@@ -10,12 +10,15 @@ doubled layer counts, which are halved here as transformers halves them.
 
 from __future__ import annotations
 
+import itertools
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from depthserve.cache import CacheLayout, SlotKind, SlotSpec
-from depthserve.depth import DepthCounter, DepthParams, DepthPlan, DepthReport, KnobInfo, KnobSpec
+from depthserve.depth import DepthCounter, DepthParams, DepthPlan, DepthRange, DepthReport, KnobInfo, KnobSpec
 from depthserve.loading.checkpoint import CheckpointFormatError
 
 SLIDING = "sliding_attention"
@@ -201,12 +204,12 @@ def parameter_name(checkpoint_name: str) -> str:
 
 
 # ---- the knob and the plan ------------------------------------------------------------------------
-KNOBS = (KnobInfo("loops", "passes of the recurrent section"),)
+KNOBS = (KnobInfo("loops", "passes of the recurrent section", elastic=True),)
 
 
 def knobs(cfg: DoryConfig) -> dict[str, KnobSpec]:
     return {"loops": KnobSpec("loops", f"passes of the recurrent section; trained with {cfg.n_recurrent_loops}",
-                              1, cfg.max_loops, cfg.n_recurrent_loops)}
+                              1, cfg.max_loops, cfg.n_recurrent_loops, elastic=True)}
 
 
 def layer_slot_name(i: int) -> str:
@@ -227,10 +230,28 @@ def base_slots(cfg: DoryConfig) -> tuple[SlotSpec, ...]:
     return tuple(SlotSpec(name, SlotKind.DENSE, cfg.num_kv_heads, cfg.window(i)) for i, name in enumerate(names))
 
 
+# Request serials of the ranged last_loop plans (DoryPlan.cache_key).
+_SCHEDULED_PLANS = itertools.count(1)
+
+
 @dataclass(frozen=True, kw_only=True)
 class DoryPlan(DepthPlan):
-    loops: int  # passes of the recurrent section
-    columns: dict[str, slice]  # slot name -> columns of the request's page table
+    loops: int  # passes of the recurrent section (a range: its maximum)
+    columns: dict[str, slice]  # slot name -> columns of the request's page table (token-covering slots)
+    # A ranged request in last_loop mode: its own serial, so that its blocks are never shared. Its
+    # slots are dense, and what they hold depends on the schedule the depth policy ran, which the
+    # prefix-cache key cannot name before the request runs (per_loop ranges have routed slots, which
+    # keep any request off the prefix cache). 0: the blocks are shared by equal knobs.
+    cache_serial: int = field(default=0, compare=False)
+
+    @property
+    def min_loops(self) -> int:
+        """Passes every token runs: in per_loop mode their slots are dense, the later ones routed."""
+        return self.loops if self.elastic is None else self.elastic.minimum
+
+    @property
+    def cache_key(self) -> tuple:
+        return self.depth.cache_key() if not self.cache_serial else (*self.depth.cache_key(), ("serial", self.cache_serial))
 
 
 def layer_weight_flops(cfg: DoryConfig) -> float:
@@ -244,31 +265,61 @@ def token_flops(cfg: DoryConfig, loops: int) -> float:
     return layers * layer_weight_flops(cfg)
 
 
+def level_work(cfg: DoryConfig) -> tuple[float, ...]:
+    """One token's cost at loops = 0..max_loops in layer applications (index 0, never run, at the
+    level-1 value), for the slo depth policy's cost model."""
+    work = [float(cfg.n_input_layers + cfg.n_output_layers + loops * cfg.n_recurrent_layers)
+            for loops in range(cfg.max_loops + 1)]
+    work[0] = work[1]
+    return tuple(work)
+
+
 def plan(cfg: DoryConfig, depth: DepthParams) -> DoryPlan:
-    loops = int(depth.get("loops", cfg.n_recurrent_loops))
-    base = base_slots(cfg)
-    later = () if cfg.recurrent_kv_cache_mode == "last_loop" else tuple(
-        SlotSpec(recurrent_slot_name(cfg, i, t), SlotKind.DENSE, cfg.num_kv_heads, cfg.window(i))
-        for t in range(2, loops + 1) for i in cfg.recurrent_layers)
+    """With a range of loops (docs/depth-semantics.md section 6) the plan is priced at its maximum.
+    per_loop: the passes up to the range's minimum, which every token runs, have dense slots; each
+    later pass's slots are routed (they hold only the tokens that ran the pass). last_loop: the
+    slots are the same whatever the loops (each token writes its own last pass)."""
+    value = depth.get("loops", cfg.n_recurrent_loops)
+    elastic = value if isinstance(value, DepthRange) and value.minimum < value.maximum else None
+    loops = value.maximum if isinstance(value, DepthRange) else int(value)
+    lowest = loops if elastic is None else elastic.minimum
     last_loop = cfg.recurrent_kv_cache_mode == "last_loop"
+    base = base_slots(cfg)
+    later = () if last_loop else tuple(
+        SlotSpec(recurrent_slot_name(cfg, i, t), SlotKind.DENSE, cfg.num_kv_heads, cfg.window(i))
+        for t in range(2, lowest + 1) for i in cfg.recurrent_layers)
+    # a routed slot keeps every key it holds: a sliding-window layer's pass masks by the keys'
+    # positions (model.py, RoutedWindow) and gives no page back
+    routed = () if last_loop else tuple(
+        SlotSpec(recurrent_slot_name(cfg, i, t), SlotKind.ROUTED, cfg.num_kv_heads)
+        for t in range(max(2, lowest + 1), loops + 1) for i in cfg.recurrent_layers)
     # last_loop: the cached keys depend on how the tokens were split into forwards, so the prompt
     # runs in fixed chunks and only blocks of whole chunks are shared through the prefix cache
     chunk = LAST_LOOP_PREFILL_CHUNK if last_loop else None
-    layout = CacheLayout(base + later, base_slots=len(base), prefix_chunk=chunk)
+    layout = CacheLayout(base + later, routed, base_slots=len(base), prefix_chunk=chunk)
     return DoryPlan(depth=depth, layout=layout, flops_per_token=token_flops(cfg, loops),
                     plain_flops_per_token=token_flops(cfg, cfg.n_recurrent_loops), loops=loops,
-                    columns=dict(layout.slot_columns()), level=loops,
-                    prefill_chunk=chunk)
+                    columns=dict(layout.slot_columns()), level=loops, elastic=elastic, level_work=level_work(cfg),
+                    prefill_chunk=chunk, cache_serial=next(_SCHEDULED_PLANS) if last_loop and elastic else 0)
 
 
-def report(cfg: DoryConfig, plan: DoryPlan, tokens: int, generated: int) -> DepthReport:
+def report(cfg: DoryConfig, plan: DoryPlan, tokens: int, generated: int,
+           levels: list[int] | tuple[int, ...] = ()) -> DepthReport:
     """Weight FLOPs of the tokens computed and of the LM head rows, at the request's loops and at the
-    trained loop count (the `plain` reference of a Dory request)."""
+    trained loop count (the `plain` reference of a Dory request). `levels`: with a range of loops,
+    the loops each computed position ran (Sequence.levels), reported per token."""
     head = generated * 2 * cfg.hidden_size * cfg.vocab_size
-    counters = {"recurrent_layer_passes": tokens * plan.loops * cfg.n_recurrent_layers}
-    return DepthReport(architecture="dory", tokens=tokens, flops=tokens * plan.flops_per_token + head,
-                       plain_flops=tokens * plan.plain_flops_per_token + head,
-                       settings={"loops": plan.loops, "trained_loops": cfg.n_recurrent_loops,
-                                 "recurrent_kv_cache_mode": cfg.recurrent_kv_cache_mode},
+    ranged = plan.elastic is not None
+    per_token = np.asarray(levels[:tokens] if ranged else [plan.loops] * tokens, dtype=np.int64)
+    settings: dict[str, Any] = {"loops": plan.loops, "trained_loops": cfg.n_recurrent_loops,
+                                "recurrent_kv_cache_mode": cfg.recurrent_kv_cache_mode}
+    if ranged:
+        settings["loops"] = plan.elastic.as_json()
+        settings["mean_depth"] = round(float(per_token.mean()), 4) if tokens else 0.0
+    counters = {"recurrent_layer_passes": int(per_token.sum()) * cfg.n_recurrent_layers}
+    flops = float(sum(token_flops(cfg, int(n)) for n in per_token)) if ranged else tokens * plan.flops_per_token
+    return DepthReport(architecture="dory", tokens=tokens, flops=flops + head,
+                       plain_flops=tokens * plan.plain_flops_per_token + head, settings=settings,
                        counters=counters,
-                       counter_samples=tuple(DepthCounter(name, count) for name, count in counters.items()))
+                       counter_samples=tuple(DepthCounter(name, count) for name, count in counters.items()),
+                       per_token=per_token.tolist() if ranged else None)

@@ -21,6 +21,17 @@ Caches (DoryConfig.recurrent_kv_cache_mode): per_loop gives each (pass, recurren
 slot; last_loop gives each recurrent layer one slot that every pass writes in turn, so after the
 forward it holds the last pass's keys, and pass t of a chunk attends over the earlier forwards'
 last-pass keys plus this chunk's pass-t keys (what transformers computes for that chunk).
+
+Per-token loops (docs/depth-semantics.md section 6; "Public looped models: Dory"): a request whose
+`loops` is a range runs each step's tokens at the depth policy's level (all its tokens of the step
+alike), and pass t runs over the rows whose level is at least t. per_loop: passes up to the range's
+minimum have dense slots; each later pass's slots are routed and hold, in order, only the tokens
+that ran the pass. A routed slot stores no positions, so a sliding-window layer's pass masks its
+keys by the positions the sequence's recorded levels give them (`RoutedWindow`). last_loop: the
+one slot of a recurrent layer holds each token's own last pass, whatever pass that was: a token
+that stopped before pass t is read there at its last pass, by earlier forwards and its own alike.
+No confidence exit: the coda layers attend over the earlier tokens' coda states, so a pass's
+output is no readout of the token (as for PUT with suffix layers).
 """
 
 from __future__ import annotations
@@ -48,8 +59,9 @@ from depthserve.cache import CacheLayout
 from depthserve.depth import DepthParams, DepthReport, KnobSpec
 from depthserve.errors import CheckpointFormatError
 from depthserve.layers.attention import AttentionMetadata, KVPool, paged_attention
+from depthserve.layers.batch import BatchItem
 from depthserve.layers.rotary import apply_rope, rope_tables
-from depthserve.layers.rows import step_rows
+from depthserve.layers.rows import StepRows, step_rows
 
 L2_EPS = 1e-6  # transformers' DoryL2Norm
 
@@ -62,6 +74,65 @@ def unit_norm(x: torch.Tensor) -> torch.Tensor:
 
 def _scale(size: int, init: float) -> nn.Parameter:
     return nn.Parameter(torch.full((size,), init), requires_grad=False)
+
+
+class RoutedWindow:
+    """A sliding-window layer's pass t over rows of which some hold the pass in a routed slot: the
+    keys a query sees are those of the slot at positions p - window < q <= p. A routed slot's j-th
+    key is the j-th token that ran pass t, so the keys' positions come from the sequence's recorded
+    levels (BatchItem.levels: the loops each earlier position ran) and the step's own tokens, which
+    all run the pass (one level per sequence and step)."""
+
+    def __init__(self, level: StepRows, slot: str, t: int):
+        self.level, self.slot, self.t = level, slot, t
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: KVPool, meta: AttentionMetadata,
+                  scale: float, window: int) -> torch.Tensor:
+        """Store the rows' keys and values (`meta`: the level's metadata over the slot), then attend."""
+        meta.kernels.store_kv(k, v, pool.k_pages, pool.v_pages, meta.slot_index)
+        step = self.level.meta.batch
+        out, row = torch.empty_like(q), 0
+        for index, count in zip(self.level.item_indices, self.level.item_row_counts):
+            item = step.items[index]
+            keys, values, key_positions = self._keys(item, pool, step.block_size, window)
+            positions = torch.arange(item.start, item.end, device=q.device)
+            visible = (key_positions[None, :] <= positions[:, None]) & (key_positions[None, :] > positions[:, None] - window)
+            out[row: row + count] = _attend(q[row: row + count], keys, values, visible, scale)
+            row += count
+        return out
+
+    def _keys(self, item: BatchItem, pool: KVPool, block_size: int,
+              window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The keys and values [kv heads, keys, head_dim] an item's queries may see, and their positions."""
+        first = max(0, item.start - window + 1)  # the earliest key position the step's first query sees
+        if self.slot not in item.routed:  # the item's dense slot: every position
+            pages = item.table[first // block_size: -(-item.end // block_size), item.slot_columns[self.slot]]
+            offset, key_positions = first - first // block_size * block_size, np.arange(first, item.end)
+        else:
+            table, committed = item.routed[self.slot]
+            earlier = np.flatnonzero(np.asarray(item.levels[first: item.start]) >= self.t) + first
+            begin = committed - len(earlier)  # the routed index of the first of them
+            pages = table[begin // block_size: -(-(committed + item.num_tokens) // block_size)]
+            offset, key_positions = begin - begin // block_size * block_size, np.concatenate(
+                [earlier, np.arange(item.start, item.end)])
+        device = pool.k_pages.device
+        index = torch.from_numpy(np.ascontiguousarray(pages, dtype=np.int64)).to(device)  # [blocks, kv heads]
+
+        def gather(cache: torch.Tensor) -> torch.Tensor:
+            per_head = cache[index].transpose(0, 1).flatten(1, 2)  # [kv heads, blocks * block_size, head_dim]
+            return per_head[:, offset: offset + len(key_positions)]
+
+        return gather(pool.k_pages), gather(pool.v_pages), torch.from_numpy(key_positions).to(device)
+
+
+def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor,
+            scale: float) -> torch.Tensor:
+    """Softmax attention of q [n, heads, d] over keys/values [kv heads, m, d] where `visible` [n, m]."""
+    groups = q.shape[1] // keys.shape[0]
+    keys, values = keys.repeat_interleave(groups, 0), values.repeat_interleave(groups, 0)
+    scores = torch.einsum("nhd,hmd->hnm", q.float(), keys.float()) * scale
+    weights = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+    return torch.einsum("hnm,hmd->nhd", weights, values.float()).to(q.dtype)
 
 
 class DoryAttention(nn.Module):
@@ -82,14 +153,18 @@ class DoryAttention(nn.Module):
         self.scale = cfg.head_dim**-0.5
         self.window = cfg.window(index)
 
-    def forward(self, x, cos, sin, pool: KVPool, meta: AttentionMetadata, columns: slice) -> torch.Tensor:
+    def forward(self, x, cos, sin, pool: KVPool, meta: AttentionMetadata, columns: slice,
+                routed_window: RoutedWindow | None = None) -> torch.Tensor:
         n = x.shape[0]
         q = unit_norm(self.q_proj(x).view(n, self.num_heads, self.head_dim))
         k = unit_norm(self.k_proj(x).view(n, self.num_kv_heads, self.head_dim))
         v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q = q * (self.sqk * self.sqk_factor).view(self.num_heads, self.head_dim).square()
-        out = paged_attention(q, k, v, pool, meta, columns, self.scale, self.window).reshape(n, -1)
+        if routed_window is not None and self.window is not None:
+            out = routed_window.attention(q, k, v, pool, meta, self.scale, self.window).reshape(n, -1)
+        else:
+            out = paged_attention(q, k, v, pool, meta, columns, self.scale, self.window).reshape(n, -1)
         out = out * torch.sigmoid(self.gate_proj(x) * (self.s_gate * self.s_gate_factor).square())
         return self.o_proj(unit_norm(out))
 
@@ -120,9 +195,9 @@ class DoryDecoderLayer(nn.Module):
         self.lambda_2 = _scale(cfg.hidden_size, cfg.initializer_range)
         self.lambda_factor = cfg.ngpt_alpha_init / cfg.initializer_range
 
-    def forward(self, x, cos, sin, pool, meta, columns) -> torch.Tensor:
+    def forward(self, x, cos, sin, pool, meta, columns, routed_window: RoutedWindow | None = None) -> torch.Tensor:
         h = unit_norm(x)
-        attention = unit_norm(self.self_attn(h, cos, sin, pool, meta, columns))
+        attention = unit_norm(self.self_attn(h, cos, sin, pool, meta, columns, routed_window))
         h = h + (self.lambda_1 * self.lambda_factor).abs() * (attention - h)
         h = unit_norm(h)
         mlp = unit_norm(self.mlp(h))
@@ -163,8 +238,9 @@ class DoryForCausalLM(nn.Module, DepthModel):
         return unit_norm(x)
 
     def recurrent(self, x, rope, pool, meta) -> torch.Tensor:
-        """The recurrent section's passes: pass t over the rows whose requests run at least t loops,
-        each pass restarting from N(x) + N(prelude output)."""
+        """The recurrent section's passes: pass t over the rows whose tokens run at least t loops
+        (their request's, or with a range the step's level), each pass restarting from N(x) + N(prelude
+        output)."""
         cfg, rows = self.config, step_rows(meta)
         loops = rows.setting(0)
         prelude = unit_norm(x)
@@ -173,10 +249,21 @@ class DoryForCausalLM(nn.Module, DepthModel):
             xs = unit_norm(level.take(x)) + level.take(prelude)
             for i in cfg.recurrent_layers:
                 cos, sin = rope[cfg.layer_types[i]]
-                sub_meta, columns = level.attend(recurrent_slot_name(cfg, i, t))
-                xs = self.layers[i](xs, level.take(cos), level.take(sin), pool, sub_meta, columns)
+                slot = recurrent_slot_name(cfg, i, t)
+                sub_meta, columns = level.attend(slot)
+                xs = self.layers[i](xs, level.take(cos), level.take(sin), pool, sub_meta, columns,
+                                    self._routed_window(level, slot, t, i))
             x = level.merge(x, xs)
         return x
+
+    def _routed_window(self, level: StepRows, slot: str, t: int, layer: int) -> RoutedWindow | None:
+        """A sliding-window layer's pass that some of the rows hold in a routed slot (module doc)."""
+        if self.config.window(layer) is None or level.meta.batch is None:
+            return None
+        step = level.meta.batch
+        if not any(slot in step.items[index].routed for index in level.item_indices):
+            return None
+        return RoutedWindow(level, slot, t)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float() * (self.logit_scale.float() * self.logit_factor)
@@ -192,7 +279,8 @@ class DoryForCausalLM(nn.Module, DepthModel):
         return np.array([plan.step_level(level)], dtype=np.float32)
 
     def report(self, request: RequestState) -> DepthReport:
-        return dory_report(self.config, request.plan, request.num_computed_tokens, request.num_output_tokens)
+        return dory_report(self.config, request.plan, request.num_computed_tokens, request.num_output_tokens,
+                           request.levels)
 
     # ---- weights ----------------------------------------------------------------------------------
     checkpoint_prefix = ""
