@@ -19,8 +19,7 @@ from depthserve import DepthParams, SamplingParams
 from depthserve.archs.dory import format as dory_format
 from depthserve.archs.dory import reference as dory_reference
 from depthserve.archs.dory.tiny import make_tiny
-from depthserve.errors import InvalidDepthError
-from tests.depth_helpers import check_logprobs, costliest_pages, tiny_llm
+from tests.depth_helpers import assert_runs_like_the_fixed_knob, check_logprobs, costliest_pages, tiny_llm
 from tests.test_depth_elastic import RandomLevels
 
 TOL = 1e-4  # tests/test_dory.py
@@ -41,12 +40,18 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-@pytest.fixture(scope="module", params=["per_loop", "last_loop"])
-def path(request, tmp_path_factory):
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
     """A tiny Dory (2 prelude, 2 recurrent, 2 coda layers, sliding and full in each; trained loops 2,
     max_loops 8) in each cache mode."""
-    return make_tiny(tmp_path_factory.mktemp("dory-schedules") / request.param, seed=11, loops=2,
-                     cache_mode=request.param, sliding_window=WINDOW)
+    root = tmp_path_factory.mktemp("dory-schedules")
+    return {mode: make_tiny(root / mode, seed=11, loops=2, cache_mode=mode, sliding_window=WINDOW)
+            for mode in ("per_loop", "last_loop")}
+
+
+@pytest.fixture(params=["per_loop", "last_loop"])
+def path(request, ckpts):
+    return ckpts[request.param]
 
 
 def _ids(n: int, seed: int) -> list[int]:
@@ -77,7 +82,7 @@ def test_a_token_depends_only_on_its_prefix_and_their_loops(path):
     prefix = dory_reference.forward(path, ids[:24], schedule=schedule[:24], prompt_len=20, prefill_chunk=8)
     torch.testing.assert_close(prefix, full[:24], rtol=0, atol=1e-10)
     other = list(schedule)
-    other[25] = {"loops": 5 - schedule[25]["loops"] if schedule[25]["loops"] != 2.5 else 1}
+    other[25] = {"loops": 1 if schedule[25]["loops"] != 1 else 3}
     changed = dory_reference.forward(path, ids, schedule=other, prompt_len=20, prefill_chunk=8)
     torch.testing.assert_close(changed[:25], full[:25], rtol=0, atol=1e-10)
     assert (changed[25] - full[25]).abs().max() > 1e-6
@@ -154,3 +159,154 @@ def test_random_levels_in_a_mixed_batch_equal_the_reference(path):
     print("dory schedules: preemptions", preempted, stats)
     assert any(ranged and len(levels) > 1 for ranged, levels in preempted), preempted
     assert llm.engine.block_manager.num_used_pages == 0
+
+
+def _mode(path) -> str:
+    return dory_reference.load_weights(str(path)).cfg.recurrent_kv_cache_mode
+
+
+def _plan(model, knob):
+    return model.plan(DepthParams(loops=knob).normalized(model.depth_knobs()))
+
+
+def test_the_plan_prices_the_maximum(path):
+    """per_loop: passes up to the range's minimum have dense slots, the later ones routed (so no
+    prefix cache); last_loop: the fixed knob's slots, and a key of its own (the blocks depend on the
+    schedule). Either way admission prices the range's maximum."""
+    llm = tiny_llm(path)
+    bm, model = llm.engine.block_manager, llm.engine.model
+    assert model.depth_knobs()["loops"].elastic
+    for low, high in ((1, 3), (2, 4), (1, 2)):
+        plan, fixed = _plan(model, {"min": low, "max": high}), _plan(model, high)
+        assert plan.elastic.as_json() == {"min": low, "max": high} and plan.loops == plan.level == high
+        assert bm.pages_for(plan.layout, 40) == bm.pages_for(fixed.layout, 40)
+        assert [plan.work_at(n) for n in (1, 2, 3)] == [6.0, 8.0, 10.0]  # 2 + 2 layers, 2 per pass
+        assert plan.cache_key != fixed.cache_key
+        routed = {slot.name for slot in plan.layout.routed_slots}
+        if _mode(path) == "per_loop":
+            dense = {slot.name for slot in plan.layout.slots}
+            assert routed == {dory_format.recurrent_slot_name(model.config, i, t)
+                              for t in range(max(2, low + 1), high + 1) for i in (2, 3)}
+            assert {f"layer{i}.pass{t}" for t in range(1, low + 1) for i in (2, 3)} <= dense
+            assert not plan.layout.uses_prefix_cache
+        else:
+            assert not routed and plan.layout == fixed.layout
+            assert plan.cache_key != _plan(model, {"min": low, "max": high}).cache_key  # one per request
+    assert _plan(model, {"min": 2, "max": 2}).elastic is None
+
+
+def test_a_range_at_its_maximum_is_the_fixed_knob(path):
+    """The fixed policy runs a range at its maximum: the same tokens as the fixed knob, every token
+    reported at it, the same FLOPs and counters, and the same logprobs: within 1e-6 in last_loop mode
+    (the same slots), within the engine's tolerance in per_loop mode, whose passes past the range's
+    minimum attend through routed slots (the same keys, summed in another order in fp32)."""
+    prompts = [_ids(n, seed=60 + i) for i, n in enumerate((19, 11, 35))]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=3)
+    llm = tiny_llm(path, max_num_batched_tokens=16)
+    for low, high in ((1, 3), (2, 4)):
+        ranged = llm.generate(prompts, params, DepthParams(loops={"min": low, "max": high}))
+        fixed = llm.generate(prompts, params, DepthParams(loops=high))
+        if _mode(path) == "last_loop":
+            assert_runs_like_the_fixed_knob(ranged, fixed, high)
+        for a, b in zip(ranged, fixed, strict=True):
+            assert a.token_ids == b.token_ids and a.depth.per_token == [high] * a.depth.tokens
+            assert a.outputs[0].token_depths == [high] * len(a.token_ids)
+            for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+                assert {t: v.logprob for t, v in x.items()} == pytest.approx({t: v.logprob for t, v in y.items()},
+                                                                            abs=TOL)
+            assert a.depth.settings["mean_depth"] == high
+            assert a.depth.flops == pytest.approx(b.depth.flops) and a.depth.counters == b.depth.counters
+    assert llm.engine.block_manager.num_used_pages == 0
+
+
+def test_a_routed_pass_holds_exactly_the_tokens_that_ran_it(ckpts):
+    """per_loop, after every step: the routed slots of pass t hold the tokens with loops >= t and
+    nothing stays reserved; the dense slots (every layer's first pass, and the passes up to the
+    range's minimum) cover every token."""
+    llm = tiny_llm(ckpts["per_loop"], max_num_batched_tokens=8)
+    engine = llm.engine
+    engine.depth_policy = RandomLevels(3)
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    engine.add_request("r", _ids(26, seed=5), params, DepthParams(loops={"min": 1, "max": 3}))
+    engine.add_request("s", _ids(17, seed=6), params, DepthParams(loops={"min": 2, "max": 4}))
+    seqs = {rid: engine._requests[rid].seqs[0] for rid in ("r", "s")}
+    cfg, bm, bs, kv, checked = engine.model.config, engine.block_manager, engine.args.block_size, 2, 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        for seq in seqs.values():
+            if seq.finished or not seq.num_computed_tokens:
+                continue
+            low, high = seq.plan.elastic.minimum, seq.plan.elastic.maximum
+            ran = np.asarray(seq.levels[: seq.num_computed_tokens])
+            assert ran.min() >= low and ran.max() <= high
+            routed = 0
+            for t in range(low + 1, high + 1):
+                for i in cfg.recurrent_layers:
+                    pages, length = bm.routed_table(seq, dory_format.recurrent_slot_name(cfg, i, t))
+                    assert length == np.count_nonzero(ran >= t)
+                    assert len(pages) == -(-length // bs)
+                    routed += len(pages) * kv
+            dense_slots = cfg.num_layers + (low - 1) * cfg.n_recurrent_layers
+            blocks = -(-seq.num_computed_tokens // bs)
+            # the sliding-window dense slots give back the pages of blocks behind the window
+            assert bm.pages_held(seq) - routed <= blocks * dense_slots * kv
+            assert bm.pages_held(seq) - routed >= blocks * (dense_slots // 2) * kv
+            checked += 1
+    assert checked >= 10 and bm.num_used_pages == 0
+
+
+def test_last_loop_ranges_never_share_prefix_blocks(ckpts):
+    """Two equal prompts with the same range: the second computes its own blocks (what they hold
+    depends on the schedule run); with a fixed knob the second hits the first's whole chunks."""
+    path = ckpts["last_loop"]
+    prompt = _ids(2 * dory_format.LAST_LOOP_PREFILL_CHUNK + 5, seed=7)
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    llm = tiny_llm(path, enable_prefix_caching=True)
+    for knob, hits in (({"min": 1, "max": 3}, False), (3, True)):
+        first = llm.generate([prompt], params, DepthParams(loops=knob))[0]
+        second = llm.generate([prompt], params, DepthParams(loops=knob))[0]
+        assert (second.num_cached_tokens > 0) == hits and first.token_ids == second.token_ids
+
+
+def test_slo_policy_and_ranges_over_http(ckpts):
+    """`--depth-policy slo` with a range: the prompt runs deep, the decode steps at the cap the time
+    target allows (the range's minimum for a target no step meets); choices and usage report the
+    depths, /v1/models marks `loops` elastic, and a range outside 1..max_loops is a 400 naming it.
+    The schedule offline under the same policy equals the reference."""
+    import httpx
+
+    from depthserve import LLM
+    from depthserve.config import EngineArgs
+    from depthserve.engine.async_llm import AsyncLLM
+    from depthserve.engine.llm_engine import LLMEngine
+    from depthserve.server.app import build_app
+    from tests.live_server import live_server, wait_idle
+
+    path = ckpts["per_loop"]
+    args = dict(device="cpu", dtype="float32", load_progress=False, max_model_len=MAX_LEN, block_size=8,
+                depth_policy="slo", tpot_slo_ms=0.001)
+    prompt = _ids(20, seed=8)
+    body = {"model": str(path), "prompt": prompt, "max_tokens": 6, "temperature": 0.0, "ignore_eos": True,
+            "depth": {"loops": {"min": 1, "max": 4}}}
+    llm = AsyncLLM(LLMEngine(EngineArgs(model=str(path), **args)))
+    with live_server(build_app(llm)) as base:
+        assert httpx.get(f"{base}/v1/models").json()["data"][0]["depth_knobs"]["loops"]["elastic"] is True
+        reply = httpx.post(f"{base}/v1/completions", json=body)
+        assert reply.status_code == 200, reply.text
+        depths, usage = reply.json()["choices"][0]["token_depths"], reply.json()["usage"]["depth"]
+        assert depths == [4] + [1] * 5  # the prompt's step deep; every decode step over the target
+        assert usage["loops"] == {"min": 1, "max": 4} and usage["mean_depth"] == pytest.approx((20 * 4 + 5) / 25)
+        for bad, message in (({"min": 0, "max": 2}, "1..8"), ({"min": 2, "max": 9}, "1..8"),
+                             ({"min": 3, "max": 1}, "above its max")):
+            response = httpx.post(f"{base}/v1/completions", json={**body, "depth": {"loops": bad}})
+            assert response.status_code == 400, response.text
+            error = response.json()["error"]
+            assert error["type"] == "invalid_request_error" and message in error["message"], error
+        wait_idle(llm)
+        assert llm.engine.block_manager.num_used_pages == 0
+    offline = LLM(str(path), **args)
+    out = offline.generate([prompt], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2),
+                           DepthParams(loops={"min": 1, "max": 4}))[0]
+    assert out.depth.per_token == [4] * 20 + [1] * 5 and out.text == reply.json()["choices"][0]["text"]
+    stats = _check_against_reference(path, [prompt], [body["depth"]], [out])
+    assert stats["tokens"] == 6
