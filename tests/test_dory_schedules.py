@@ -310,3 +310,16 @@ def test_slo_policy_and_ranges_over_http(ckpts):
     assert out.depth.per_token == [4] * 20 + [1] * 5 and out.text == reply.json()["choices"][0]["text"]
     stats = _check_against_reference(path, [prompt], [body["depth"]], [out])
     assert stats["tokens"] == 6
+
+
+def test_the_confidence_exit_is_refused(ckpts):
+    """The coda attends over the earlier tokens' coda states: a pass's output is no readout."""
+    from depthserve.config import EngineArgs
+    from depthserve.engine.llm_engine import LLMEngine
+    from depthserve.errors import ConfigurationError
+
+    assert not tiny_llm(ckpts["per_loop"]).engine.model.readout_every_level
+    with pytest.raises(ConfigurationError, match="readout at every depth level"):
+        LLMEngine(EngineArgs(model=str(ckpts["last_loop"]), device="cpu", dtype="float32", load_progress=False,
+                             max_model_len=MAX_LEN, block_size=8, depth_policy="confidence",
+                             confidence_threshold=0.9))
