@@ -12,7 +12,9 @@ PYTEST_ARGS ?=
 EVAL_VENV ?= .venv-eval
 EVAL_STAMP := $(EVAL_VENV)/.installed
 EVAL_ARGS ?=
-C4_SAMPLE ?= ../shared/data/c4_sample.jsonl
+# The data sets of tests and benchmarks (bench/common.py, data_dir): never committed.
+DEPTHSERVE_DATA_DIR ?= ../shared/data
+C4_SAMPLE ?= $(DEPTHSERVE_DATA_DIR)/c4_sample.jsonl
 
 .PHONY: install browser serve test test-fast bench eval eval-install llamacpp clean
 

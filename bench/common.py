@@ -22,7 +22,19 @@ PLOTS_DIR = RESULTS_DIR / "plots"
 # or overwrite the committed results.
 QUICK_SUFFIX = "-quick"
 QUICK_RESULTS_DIR = RESULTS_DIR / "quick"
-C4_SAMPLE = Path(__file__).resolve().parents[2] / "shared" / "data" / "c4_sample.jsonl"  # ../shared beside the checkout
+# The data sets the benchmarks and tests read (never committed): the folder DEPTHSERVE_DATA_DIR names,
+# else ../shared/data beside the checkout (README, "Tests").
+DATA_DIR_ENV = "DEPTHSERVE_DATA_DIR"
+
+
+def data_dir() -> Path:
+    """The data folder: $DEPTHSERVE_DATA_DIR, else ../shared/data beside the checkout."""
+    configured = os.environ.get(DATA_DIR_ENV)
+    return Path(configured) if configured else Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+C4_SAMPLE = data_dir() / "c4_sample.jsonl"
+ARC_EASY_VALIDATION = data_dir() / "arc_easy_validation.jsonl"
 
 
 def cpu_model() -> str:

@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
-DEFAULT_DATA = Path("/work/shared/data/arc_easy_validation.jsonl")
+DEFAULT_DATA = common.ARC_EASY_VALIDATION
 TASK_NAME = "arc_easy_local"
 METRICS = ("acc", "acc_norm")
 

@@ -8,20 +8,22 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench.common import DATA_DIR_ENV, data_dir
+
 # The tests that run the Triton kernels (the kernel tests, the engine on kernel_backend="triton")
 # run them interpreted where there is no CUDA. The interpreter is chosen when triton is first
 # imported, which any test module may do, so it is set here, before all of them.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
-
 
 def shared_data_file(name: str) -> Path:
-    """A file of ../shared/data, or a skip that says why (a user's clone has no shared/)."""
-    path = SHARED_DATA / name
+    """A file of the data folder (bench/common.py's `data_dir`: $DEPTHSERVE_DATA_DIR, else
+    ../shared/data beside the checkout), or a skip that says why (a user's clone has no data)."""
+    path = data_dir() / name
     if not path.is_file():
-        pytest.skip(f"{path} is absent (../shared/data is only present in the project's CI checkout)")
+        pytest.skip(f"{path} is absent (set {DATA_DIR_ENV} to a folder holding {name}; the default, "
+                    f"../shared/data beside the checkout, is only present in the project's CI checkout)")
     return path
 
 
