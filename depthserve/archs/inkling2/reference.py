@@ -35,9 +35,10 @@ def forward(model_dir: str | Path, token_ids: list[int], depth: Any = None, **_:
 
 
 @torch.inference_mode()
-def expert_margins(model_dir: str | Path, token_ids: list[int], depth: Any = None) -> torch.Tensor:
-    """The smallest routing margin of each token over every MoE invocation: the k-th largest
-    corrected score minus the (k+1)-th (a choice closer than its rounding may flip)."""
+def forward_with_margins(model_dir: str | Path, token_ids: list[int],
+                         depth: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`forward`'s logits and the smallest routing margin of each token over every MoE invocation:
+    the k-th largest corrected score minus the (k+1)-th (a choice closer than its rounding may flip)."""
     model = hf_model(str(model_dir), _loops(depth))
     k = model.config.num_experts_per_tok
     margins = []
@@ -49,8 +50,8 @@ def expert_margins(model_dir: str | Path, token_ids: list[int], depth: Any = Non
 
     hooks = [layer.mlp.gate.register_forward_hook(record) for layer in model.model.layers]
     try:
-        model(torch.tensor([token_ids]), use_cache=False)
+        logits = model(torch.tensor([token_ids]), use_cache=False).logits[0].float()
     finally:
         for hook in hooks:
             hook.remove()
-    return torch.stack(margins).min(dim=0).values
+    return logits, torch.stack(margins).min(dim=0).values
