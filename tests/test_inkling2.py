@@ -106,6 +106,11 @@ def test_malformed_configs_are_refused(ckpt, change, match):
         inkling2_format.read_spec(None, hf)
 
 
+def test_the_multimodal_checkpoint_is_refused_by_name():
+    with pytest.raises(CheckpointFormatError, match="vision tower"):
+        read_depth_spec({"model_type": "inkling2_loop", "text_config": {}, "vision_config": {}})
+
+
 def test_reference_is_peaked_and_loops_change_it(ckpt):
     ids = _ids(40, seed=1)
     logits = {L: inkling2_reference.forward(ckpt, ids, {"loops": L}) for L in (1, 2, 4)}
@@ -178,6 +183,7 @@ def test_prefix_cache_hits_are_exact_and_keyed_by_loops(ckpt):
     ({"loops": 0}, "1..8"),
     ({"loops": 9}, "1..8"),
     ({"loops": 1.5}, "integer"),
+    ({"loops": {"min": 1, "max": 2}}, "per-token depth ranges"),
     ({"depth": 2}, "not supported"),
 ])
 def test_invalid_loops_raise_and_leave_no_pages(ckpt, depth, match):
@@ -187,3 +193,49 @@ def test_invalid_loops_raise_and_leave_no_pages(ckpt, depth, match):
     assert not llm.engine.has_unfinished_requests() and llm.engine.block_manager.num_used_pages == 0
     knob = llm.engine.model.depth_knobs()["loops"]
     assert (knob.minimum, knob.maximum, knob.default) == (1, 8, 2)
+
+
+def _windowed_pages(engine, seq) -> int:
+    """Pages the sequence holds in its windowed slots (sliding attention and convolution inputs)."""
+    entry = engine.block_manager._seqs[seq.seq_id]
+    return (entry.num_rows - entry.released_rows) * len(entry.layout.windowed_columns)
+
+
+def _given_back_and_taken(engine) -> bool:
+    """Whether a page one running sequence gave back (its table still names it) is another's now."""
+    entries = [engine.block_manager._seqs[seq.seq_id] for seq in engine.scheduler.running]
+    for entry in entries:
+        given_back = entry.table()[entry.released_from:entry.released_to][:, list(entry.layout.windowed_columns)]
+        for other in entries:
+            if other is not entry and set(given_back.ravel().tolist()) & set(other.table()[other.released_to:].ravel().tolist()):
+                return True
+    return False
+
+
+def test_windowed_slots_give_pages_back_during_long_generations(ckpt):
+    """Two sequences decode 48 tokens side by side (block 8, windows of 8 and 4 tokens): each windowed
+    slot holds at most ceil((8 + block) / block) + 1 blocks while the full layers' slots grow, the
+    pages given back are taken by the other sequence, and the tokens still equal transformers
+    (prefix caching off: cached rows keep their pages)."""
+    engine = tiny_llm(ckpt, enable_prefix_caching=False).engine
+    block = engine.block_manager.block_size
+    prompts = [_ids(n, seed=70 + n) for n in (12, 20)]
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, logprobs=1)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"w{i}", prompt, params, DepthParams(loops=2))
+    layout = cache_layout(engine.model, DepthParams(loops=2))
+    bound = (-(-(WINDOW + block) // block) + 1) * len(layout.windowed_columns)
+    most, taken, final = 0, False, {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+        for seq in engine.scheduler.running:
+            most = max(most, _windowed_pages(engine, seq))
+        taken = taken or _given_back_and_taken(engine)
+    assert 0 < most <= bound and taken
+    stats = {"tokens": 0, "max_err": 0.0}
+    for i, prompt in enumerate(prompts):
+        _check(ckpt, prompt, {"loops": 2}, final[f"w{i}"].outputs[0], stats)
+    print(f"inkling2 windowed pages: at most {most} of {bound}", stats)
+    assert engine.block_manager.num_used_pages == 0

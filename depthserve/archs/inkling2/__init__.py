@@ -9,3 +9,9 @@ ARCHITECTURE = register(Architecture(
     reference_forward=imported("depthserve.archs.inkling2.reference:forward"), make_tiny=tiny.make_tiny,
     description="transformers' Inkling-2 looped text model (model_type inkling2_loop_text); knob `loops`",
     knobs=format.KNOBS))
+
+# The multimodal checkpoint names an architecture of its own, so that loading it says why it is refused.
+MULTIMODAL = register(Architecture(
+    name="inkling2_loop", read_spec=format.refuse_multimodal, build=imported("depthserve.archs.inkling2.model:build"),
+    reference_forward=imported("depthserve.archs.inkling2.reference:forward"),
+    description="Inkling-2 with its vision tower (model_type inkling2_loop): refused, serve the text model"))

@@ -163,7 +163,7 @@ def read_config(hf: dict[str, Any]) -> Inkling2Config:
         rel_clip=_number(hf, "rel_l2_clip_threshold", 8.0), layers_per_block=per_block,
         mlp_gate_softcap=_number(hf, "mlp_gate_softcap", 4.0), mlp_up_softcap=_number(hf, "mlp_up_softcap", 25.0),
         final_logit_softcap=_number(hf, "final_logit_softcapping", 30.0), loop_start=start, loop_end=end,
-        loop_passes=passes, max_loops=_integer(hf, "max_loop_num_passes", MAX_LOOPS_FACTOR * passes, passes),
+        loop_passes=passes, max_loops=MAX_LOOPS_FACTOR * passes,
         loop_gate_rank=_integer(hf, "loop_gate_rank", 64, 1),
         max_position_embeddings=_integer(hf, "max_position_embeddings", 1048576, 1))
 
@@ -173,6 +173,12 @@ def read_spec(section: dict[str, Any] | None, hf_config: dict[str, Any]) -> Inkl
     if section is not None:
         raise CheckpointFormatError("an Inkling-2 loop checkpoint carries no `depth` section")
     return read_config(hf_config)
+
+
+def refuse_multimodal(section: dict[str, Any] | None, hf_config: dict[str, Any]) -> Inkling2Config:
+    """The reader of `model_type: "inkling2_loop"` (text model and vision tower): refused."""
+    raise CheckpointFormatError("an inkling2_loop checkpoint (text model and vision tower) is not served; serve "
+                                "its text model (model_type inkling2_loop_text)")
 
 
 # ---- the knob and the plan ------------------------------------------------------------------------
