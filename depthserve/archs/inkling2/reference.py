@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 
-@functools.lru_cache(maxsize=4)
+@functools.lru_cache(maxsize=8)
 def hf_model(model_dir: str, loops: int | None):
     from transformers import Inkling2LoopForCausalLM
 
