@@ -21,7 +21,7 @@ from depthserve.errors import UnknownArchitectureError
 if TYPE_CHECKING:
     from depthserve.archs.base import BuildOptions, DepthModel
 
-BUILTIN = ("llama", "sgt", "itt", "dreamer", "put", "saobp", "dory", "inkling2")
+BUILTIN = ("llama", "sgt", "itt", "dreamer", "put", "saobp", "dory", "inkling2", "hrm_text")
 
 
 def imported(path: str) -> Callable[..., Any]:

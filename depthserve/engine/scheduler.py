@@ -308,7 +308,8 @@ class Scheduler:
                 self._release_waiting(seq)
                 index += 1
                 continue
-            if num < remaining and not self.config.enable_chunked_prefill:
+            # a model's own split (after a preemption: the prompt, then one token per forward) is not chunking
+            if num < remaining and not self.config.enable_chunked_prefill and seq.plan.prefill_chunk is None:
                 self._release_waiting(seq)
                 break
             # Admit only if the whole prompt fits now (with headroom for running sequences).

@@ -20,7 +20,7 @@ FORMAT_VERSION = 1
 
 # transformers model types whose checkpoints are served as they are, under the architecture of
 # the same name (docs/checkpoint-format.md, "Dory").
-NATIVE_MODEL_TYPES = ("dory", "inkling2_loop_text", "inkling2_loop")
+NATIVE_MODEL_TYPES = ("dory", "inkling2_loop_text", "inkling2_loop", "hrm_text")
 
 
 def depth_section(hf_config: dict[str, Any]) -> tuple[str, dict[str, Any] | None]:
