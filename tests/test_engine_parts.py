@@ -17,13 +17,16 @@ from depthserve.errors import ConfigurationError
 from tests.test_scheduler import make_seq
 
 
-@pytest.mark.parametrize("device_type, budget, threshold, chunk, scale",
-                         [("cpu", 512, 128, 32, 1024), ("cuda", 8192, 2048, 0, 0)])
-def test_engine_args_on_a_device_take_its_defaults(device_type, budget, threshold, chunk, scale):
-    resolved = EngineArgs(model="m").on_device(device_type)
-    assert resolved.max_num_batched_tokens == budget
-    assert (resolved.long_prefill_token_threshold, resolved.long_prefill_chunk_tokens,
-            resolved.long_prefill_context_scale) == (threshold, chunk, scale)
+@pytest.mark.parametrize("device_type", ["cpu", "cuda"])
+def test_engine_args_on_a_device_take_its_defaults(device_type):
+    args = EngineArgs(model="m")
+    resolved = args.on_device(device_type)
+    assert resolved.max_num_batched_tokens == args.step_token_budget(device_type)
+    assert (resolved.long_prefill_token_threshold,
+            resolved.long_prefill_context_scale) == args.long_prefill_caps(device_type)
+    assert resolved.long_prefill_chunk_tokens == args.long_prefill_chunk(device_type)
+    assert None not in (resolved.max_num_batched_tokens, resolved.long_prefill_token_threshold,
+                        resolved.long_prefill_chunk_tokens, resolved.long_prefill_context_scale)
     assert resolved.model == "m"
 
 
