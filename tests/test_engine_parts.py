@@ -9,7 +9,6 @@ from dataclasses import replace
 import pytest
 
 from depthserve.config import EngineArgs
-from depthserve.depth import DepthPlan
 from depthserve.engine.block_manager import BlockManager
 from depthserve.engine.model_runner import ModelRunner
 from depthserve.engine.scheduler import Scheduler, SchedulerConfig
