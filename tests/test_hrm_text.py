@@ -258,3 +258,61 @@ def test_admission_prices_the_cycles(ckpt):
              for h, l in ((1, 1), (2, 2), (4, 3))}
     per_invocation = pages[(1, 1)] // 2
     assert pages == {(1, 1): 2 * per_invocation, (2, 2): 6 * per_invocation, (4, 3): 16 * per_invocation}
+
+
+# ---- over HTTP -------------------------------------------------------------------------------------
+@pytest.mark.slow  # a server and SmolLM2's 49152-token vocabulary on the shared 2-core machine
+def test_served_over_http_with_the_openai_sdk(tmp_path, smollm_tokenizer):
+    """Completions, chat and streams equal offline generation at each cycle setting; the knobs change
+    the tokens and the bill (usage.depth); GET /v1/models lists their ranges and defaults; a value
+    outside a range is a 400 naming it."""
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("uvicorn")
+    import httpx
+
+    from depthserve import LLM
+    from depthserve.config import EngineArgs
+    from depthserve.engine.async_llm import AsyncLLM
+    from depthserve.engine.llm_engine import LLMEngine
+    from depthserve.server.app import build_app
+    from tests.live_server import live_server, wait_idle
+
+    path = make_tiny(tmp_path / "hrm-chat", seed=2, h_cycles=2, l_cycles=2, tokenizer=smollm_tokenizer)
+    engine_args = dict(device="cpu", dtype="float32", load_progress=False, max_model_len=256, block_size=8)
+    llm = AsyncLLM(LLMEngine(EngineArgs(model=str(path), **engine_args)))
+    offline = LLM(str(path), **engine_args)
+    model, prompts = llm.engine.model_name, ["The meaning of depth is", "Once upon a time there was a loop"]
+    settings = [{"h_cycles": 1, "l_cycles": 1}, {"h_cycles": 3, "l_cycles": 2}, {"h_cycles": 2, "prefix_lm": 0}]
+    with live_server(build_app(llm)) as base:
+        listed = httpx.get(f"{base}/v1/models").json()["data"][0]["depth_knobs"]
+        assert {name: (k["minimum"], k["maximum"], k["default"]) for name, k in listed.items()} == {
+            "h_cycles": (1, 8, 2), "l_cycles": (1, 8, 2), "prefix_lm": (0, 1, 1)}
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="none")
+        texts, flops = [], []
+        for knobs in settings:
+            depth = DepthParams.from_dict(knobs)
+            expected = offline.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), depth)
+            got = client.completions.create(model=model, prompt=prompts, max_tokens=8, temperature=0.0,
+                                            extra_body={"depth": knobs, "ignore_eos": True})
+            texts.append([c.text for c in sorted(got.choices, key=lambda c: c.index)])
+            assert texts[-1] == [e.text for e in expected]
+            usage = got.usage.model_extra["depth"]
+            assert all({k: p[k] for k in knobs} == knobs for p in usage["per_prompt"])
+            flops.append(usage["flops"])
+            assert usage["flops"] == pytest.approx(sum(e.depth.flops for e in expected))
+            streamed = client.completions.create(model=model, prompt=prompts[1], max_tokens=8, temperature=0.0,
+                                                 stream=True, extra_body={"depth": knobs, "ignore_eos": True})
+            assert "".join(c.choices[0].text for c in streamed if c.choices) == expected[1].text
+            messages = [{"role": "user", "content": "Cycle again."}]
+            chat_expected = offline.chat(messages, SamplingParams(temperature=0.0, max_tokens=6), depth)
+            chat = client.chat.completions.create(model=model, messages=messages, max_tokens=6, temperature=0.0,
+                                                  extra_body={"depth": knobs})
+            assert chat.choices[0].message.content == chat_expected.text
+        assert texts[0] != texts[1] and flops[1] > flops[2] > flops[0]
+        for bad, named in (({"h_cycles": 0}, "1..8"), ({"l_cycles": 9}, "1..8"), ({"prefix_lm": 2}, "0..1")):
+            response = httpx.post(f"{base}/v1/completions", json={"model": model, "prompt": "x", "depth": bad})
+            assert response.status_code == 400, response.text
+            error = response.json()["error"]
+            assert error["type"] == "invalid_request_error" and named in error["message"], error
+        wait_idle(llm)
+        assert llm.engine.block_manager.num_used_pages == 0
