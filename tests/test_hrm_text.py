@@ -250,6 +250,21 @@ def test_invalid_knobs_raise_and_leave_no_pages(ckpt, depth, match):
     assert [(k.minimum, k.maximum, k.default) for k in knobs.values()] == [(1, 8, 2), (1, 8, 2), (0, 1, 1)]
 
 
+def test_a_checkpoint_without_prefix_lm_is_causal(tmp_path):
+    """transformers ignores an instruction block when the config's prefix_lm is false: the knob's
+    range is 0..0 and the default request equals the causal reference."""
+    path = make_tiny(tmp_path / "causal", seed=5, h_cycles=1, l_cycles=3, prefix_lm=False)
+    llm = tiny_llm(path, max_num_batched_tokens=7)
+    knob = llm.engine.model.depth_knobs()["prefix_lm"]
+    assert (knob.minimum, knob.maximum, knob.default) == (0, 0, 0)
+    with pytest.raises(InvalidDepthError, match="0..0"):
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), DepthParams(prefix_lm=1))
+    prompt = _ids(19, seed=6)
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2))[0]
+    _check(path, prompt, None, out.outputs[0], {})
+    _check(path, prompt, {"prefix_lm": 0}, out.outputs[0], {})
+
+
 def test_admission_prices_the_cycles(ckpt):
     """A request's pages grow with its slots: h_cycles x (l_cycles + 1) stack invocations."""
     llm = tiny_llm(ckpt)

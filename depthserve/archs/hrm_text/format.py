@@ -154,8 +154,9 @@ def knobs(cfg: HrmTextConfig) -> dict[str, KnobSpec]:
                              cfg.h_cycles),
         "l_cycles": KnobSpec("l_cycles", f"low-level cycles per high-level cycle; trained with {cfg.l_cycles}", 1,
                              cfg.max_l_cycles, cfg.l_cycles),
+        # transformers ignores the instruction block of a checkpoint trained without one
         "prefix_lm": KnobSpec("prefix_lm", "1: the prompt attends bidirectionally (an instruction block), 0: causally",
-                              0, 1, int(cfg.prefix_lm)),
+                              0, int(cfg.prefix_lm), int(cfg.prefix_lm)),
     }
 
 
