@@ -323,6 +323,10 @@ def test_served_over_http_with_the_openai_sdk(tmp_path, smollm_tokenizer):
             chat = client.chat.completions.create(model=model, messages=messages, max_tokens=6, temperature=0.0,
                                                   extra_body={"depth": knobs})
             assert chat.choices[0].message.content == chat_expected.text
+            # the instruction of a chat is the whole rendered conversation: greedy tokens of transformers
+            prompt, reply = offline.apply_chat_template(messages), chat_expected.outputs[0].token_ids
+            logits = hrm_reference.forward(path, prompt + reply[:-1], knobs, prompt_len=len(prompt))
+            assert logits[len(prompt) - 1:].argmax(-1).tolist() == reply
         assert texts[0] != texts[1] and flops[1] > flops[2] > flops[0]
         for bad, named in (({"h_cycles": 0}, "1..8"), ({"l_cycles": 9}, "1..8"), ({"prefix_lm": 2}, "0..1")):
             response = httpx.post(f"{base}/v1/completions", json={"model": model, "prompt": "x", "depth": bad})
