@@ -1,8 +1,9 @@
-"""The one place where an op is bound to an implementation.
+"""The attention and cache ops bound to their forms once per engine.
 
 Each family of ops has a torch implementation (`kernels/<family>.py`: the CPU path and the
 reference) and, for the hot ones, a Triton kernel of the same signature and meaning
-(`kernels/triton/<family>.py`). A `Kernels` object binds every op once, by its backend:
+(`kernels/triton/<family>.py`). A `Kernels` object binds every op once, by its backend, with the
+rule every op follows (kernels/ops.py, `KernelOp.form`):
 
 - "auto": the Triton kernel when the op's first tensor lives on a CUDA device (and triton
   imports); on the CPU, the decode step's KV store and attention (`NATIVE_CPU_OPS`) as native
@@ -30,6 +31,7 @@ from types import ModuleType
 import torch
 
 from depthserve.errors import ConfigurationError
+from depthserve.kernels.ops import KernelOp, Target
 
 FAMILIES: dict[str, tuple[str, ...]] = {
     "paged": ("store_kv", "paged_decode_attention", "paged_prefill_attention", "paged_prefill_attention_varlen"),
@@ -66,6 +68,18 @@ def module(family: str, triton: bool) -> ModuleType | None:
         return None
 
 
+def kernel_op(family: str, name: str) -> KernelOp:
+    """An op of FAMILIES with its forms: torch, the native CPU kernel (NATIVE_CPU_OPS; it checks its
+    own tensors' dtypes and shapes, falling back to torch) and the Triton kernel (TRITON_OPS, where
+    triton imports)."""
+    from depthserve.kernels import cpu_native
+
+    triton = module(family, True) if name in TRITON_OPS else None
+    return KernelOp(name, torch=getattr(module(family, False), name),
+                    cpu=getattr(cpu_native, name) if name in NATIVE_CPU_OPS else None, cpu_dtypes=None,
+                    cuda=getattr(triton, name) if triton is not None else None)
+
+
 def triton_available() -> bool:
     return module("paged", True) is not None
 
@@ -99,20 +113,18 @@ class Kernels:
                 setattr(self, name, custom_op(backend, name))
 
     def _bind(self, family: str, name: str) -> Callable:
-        fallback = getattr(module(family, False), name)
-        if self.native_cpu:
-            fallback = native_cpu_op(name) or fallback
-        kernels = module(family, True) if name in TRITON_OPS and self.backend != "torch" else None
-        if kernels is None:
-            return fallback
-        kernel = getattr(kernels, name)
-        if self.backend == "triton":
-            return kernel
+        """The op's form by kernels/ops.py's rule; under "auto" with a Triton kernel, the CPU's and
+        CUDA's forms each for its device (a Kernels object is made before any tensor is seen)."""
+        op = kernel_op(family, name)
+        on_cpu = op.for_target(Target("cpu", backend=self.backend, native_cpu=self.native_cpu))
+        on_cuda = op.for_target(Target("cuda", backend=self.backend, native_cpu=self.native_cpu))
+        if op.cuda is None or on_cuda is on_cpu:  # no Triton kernel here: the engine's tensors are on one device
+            return on_cpu
 
-        @functools.wraps(fallback)
+        @functools.wraps(on_cpu)
         def by_device(*args, **kwargs):
             first = args[0] if args else None
             on_gpu = isinstance(first, torch.Tensor) and first.is_cuda
-            return (kernel if on_gpu else fallback)(*args, **kwargs)
+            return (on_cuda if on_gpu else on_cpu)(*args, **kwargs)
 
         return by_device

@@ -66,7 +66,7 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device, ma
     report.resident_bytes = resident_bytes(model)
     if mode == "gguf" and report.dense:
         _warn_dequantized(report, stored_types, model)
-    if device.type == "cpu" and dtype == torch.float32 and cpu_linear:
+    if cpu_linear:  # the linears whose weights take LINEAR's CPU form (layers/linear.py)
         optimize_linears_for_cpu(model)
     return LoadedModel(model=model, hf_config=hf_config, max_model_len=max_len, vocab_size=int(hf_config["vocab_size"]),
                        quantization=report)

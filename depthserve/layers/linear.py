@@ -21,6 +21,8 @@ import torch
 import torch.utils.mkldnn
 from torch import nn
 
+from depthserve.kernels.ops import Form, KernelOp, Target
+
 SMALL_BATCH_ROWS = 4
 PACKED_MAX_ROWS = 48
 PACKED_MIN_OUT_FEATURES = 8192  # only layers this wide keep a oneDNN-prepacked copy
@@ -48,11 +50,7 @@ class CpuLinear(nn.Module):
         return out.view(*x.shape[:-1], self.out_features)
 
     def _blocked_matmul(self, rows: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling():
-            # Opaque to the compiler: inductor would otherwise turn a GEMM of one or a few rows into
-            # its own reduction loops, 1.5x slower than MKL's (SmolLM2 batch-1 decode step on 2 cores).
-            return blocked_matmul(rows, self.weight_blocks)
-        return _blocked_matmul(rows, self.weight_blocks)
+        return BLOCKED_MATMUL(rows, self.weight_blocks)
 
 
 def _blocked_matmul(rows: torch.Tensor, weight_blocks: torch.Tensor) -> torch.Tensor:
@@ -74,6 +72,11 @@ def _(rows: torch.Tensor, weight_blocks: torch.Tensor) -> torch.Tensor:
     return rows.new_empty(rows.shape[0], weight_blocks.shape[0] * weight_blocks.shape[2])
 
 
+# Compiled, the op stays one opaque node: inductor would otherwise turn a GEMM of one or a few rows
+# into its own reduction loops, 1.5x slower than MKL's (SmolLM2 batch-1 decode step on 2 cores).
+BLOCKED_MATMUL = KernelOp("blocked_matmul", torch=_blocked_matmul, compiled=blocked_matmul)
+
+
 def column_splits(out_features: int, threads: int) -> int:
     """The most column blocks, at most one per thread, that divide the output features evenly."""
     return next(s for s in range(max(threads, 1), 0, -1) if out_features % s == 0)
@@ -88,12 +91,19 @@ def _prepacked(linear: nn.Linear) -> nn.Module:
     return torch.utils.mkldnn.to_mkldnn(packed)
 
 
+# The linear layer's forms: nn.Linear's, or on a CPU with oneDNN, for fp32 weights, CpuLinear's
+# column blocks (module docstring). The form needs its own weight layout, so the choice is made once
+# per layer when the model is loaded (optimize_linears_for_cpu), not per call.
+LINEAR = KernelOp("linear", torch=nn.Linear.forward, cpu=CpuLinear.forward, cpu_dtypes=(torch.float32,),
+                  cpu_built=torch.backends.mkldnn.is_available)
+
+
 def optimize_linears_for_cpu(model: nn.Module) -> nn.Module:
-    """Swap every fp32 nn.Linear of the model for a CpuLinear (weights shared at load, then re-laid out)."""
-    if not torch.backends.mkldnn.is_available():
-        return model
+    """Swap every nn.Linear of the model whose weight takes LINEAR's CPU form for a CpuLinear
+    (weights shared at load, then re-laid out)."""
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
-            if type(child) is nn.Linear and child.weight.dtype == torch.float32 and child.weight.device.type == "cpu":
+            weight = child.weight if type(child) is nn.Linear else None
+            if weight is not None and LINEAR.form(Target(weight.device.type, weight.dtype)) is Form.CPU:
                 setattr(module, child_name, CpuLinear(child))
     return model

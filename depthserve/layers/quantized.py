@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from depthserve.kernels import cpu_native
+from depthserve.kernels.ops import Form, KernelOp, Target
 from depthserve.layers import huge_pages
 
 INT4_GROUP = 32
@@ -150,10 +151,39 @@ class DequantScratch:
         return buffer[:numel]
 
 
+def _weight_only_matmul_torch(rows: torch.Tensor, layer: QuantLinear) -> torch.Tensor:
+    if layer.bits == 4:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(rows, layer.packed, INT4_GROUP, layer.scales_and_zeros)
+    return torch.ops.aten._weight_int8pack_mm(rows, layer.packed, layer.scales)
+
+
+def _weight_only_matmul_cpu(rows: torch.Tensor, layer: QuantLinear) -> torch.Tensor:
+    return cpu_native.group_gemm(rows, layer.native, layer.refine_activations)
+
+
+# The weight-only kernel's forms: torch's, or the native group GEMM for bf16 activations (with fp32
+# activations the layers stay on torch's kernels, which multiply the activations as they are, with no
+# int8 rounding of them). Each form reads its own packing of the codes, so a layer picks its form
+# once, when it is built; quantization runs on the CPU only (loading/quantization.py).
+WEIGHT_ONLY_MATMUL = KernelOp("weight_only_matmul", torch=_weight_only_matmul_torch, cpu=_weight_only_matmul_cpu,
+                              cpu_dtypes=(torch.bfloat16,))
+
+
+def _dequantized_linear_eager(rows: torch.Tensor, layer: QuantLinear) -> torch.Tensor:
+    return F.linear(rows, layer._dequantized_for_gemm())
+
+
+def _dequantized_linear_compiled(rows: torch.Tensor, layer: QuantLinear) -> torch.Tensor:
+    return F.linear(rows, layer.dequantize())  # the compiler fuses the dequantization; no shared buffer
+
+
+DEQUANTIZED_LINEAR = KernelOp("dequantized_linear", torch=_dequantized_linear_eager,
+                              compiled=_dequantized_linear_compiled)
+
+
 def uses_native_kernel(dtype: torch.dtype) -> bool:
-    """bf16 activations on a CPU where the native kernels load. With fp32 activations the layers stay
-    on torch's kernels, which multiply the activations as they are (no int8 rounding of them)."""
-    return dtype == torch.bfloat16 and cpu_native.available()
+    """Whether a quantized layer with `dtype` activations runs WEIGHT_ONLY_MATMUL's native CPU form."""
+    return WEIGHT_ONLY_MATMUL.form(Target("cpu", dtype)) is Form.CPU
 
 
 class QuantLinear(nn.Module):
@@ -170,7 +200,9 @@ class QuantLinear(nn.Module):
         self.refine_activations = refine_activations
         self.policy, self.scratch = policy, scratch
         self.native: cpu_native.PackedWeight | None = None
-        if uses_native_kernel(dtype):
+        form = WEIGHT_ONLY_MATMUL.form(Target("cpu", dtype))
+        self._matmul = WEIGHT_ONLY_MATMUL.implementation(form)
+        if form is Form.CPU:
             self.hold_native(cpu_native.pack(*weight.unsigned_form(), weight.bits))
             self.padded_out = self.out_features
         elif weight.grouped and weight.bits == 8:
@@ -206,10 +238,8 @@ class QuantLinear(nn.Module):
             rows = rows.to(self.activation_dtype)
         if rows.shape[0] <= self.max_kernel_rows:
             out = self._kernel(rows)
-        elif torch.compiler.is_compiling():
-            out = F.linear(rows, self.dequantize())  # the compiler fuses the dequantization; no shared buffer
         else:
-            out = F.linear(rows, self._dequantized_for_gemm())
+            out = DEQUANTIZED_LINEAR(rows, self)
         if self.padded_out != self.out_features:
             out = out[:, : self.out_features]
         if self.bias is not None:
@@ -217,11 +247,7 @@ class QuantLinear(nn.Module):
         return out.view(*x.shape[:-1], self.out_features)
 
     def _kernel(self, rows: torch.Tensor) -> torch.Tensor:
-        if self.native is not None:
-            return cpu_native.group_gemm(rows, self.native, self.refine_activations)
-        if self.bits == 4:
-            return torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, INT4_GROUP, self.scales_and_zeros)
-        return torch.ops.aten._weight_int8pack_mm(rows, self.packed, self.scales)
+        return self._matmul(rows, self)
 
     def _dequantized_for_gemm(self) -> torch.Tensor:
         """The weight [padded out, in] for a many-row GEMM (the torch forms write it into the shared scratch)."""

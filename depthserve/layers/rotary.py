@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from depthserve.kernels import cpu_native
+from depthserve.kernels.ops import KernelOp
 
 
 def rope_tables(head_dim: int, max_positions: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -14,16 +15,26 @@ def rope_tables(head_dim: int, max_positions: int, theta: float, device=None) ->
     return angles.cos(), angles.sin()
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [tokens, heads, head_dim]; cos/sin: [tokens, head_dim // 2] at each token's position."""
-    native = cpu_native.FLOAT_DTYPES
-    if (x.device.type == "cpu" and x.dim() == 3 and x.dtype in native and cos.dtype in native and x.stride(-1) == 1
-            and not torch.compiler.is_compiling() and cpu_native.available()):
-        # one native call, in fp32 (the torch form below dispatches a dozen ops, rounding each in x's dtype)
-        return cpu_native.apply_rope(x, cos.contiguous(), sin.contiguous())
+def _apply_rope_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     if cos.dtype != x.dtype:
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     cos, sin = cos[:, None, :], sin[:, None, :]
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def _apply_rope_cpu(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """One native call in fp32 (the torch form dispatches a dozen ops, rounding each in x's dtype),
+    where the layout fits the kernel: [tokens, heads, head_dim] rows of unit stride, float tables."""
+    if x.dim() == 3 and x.stride(-1) == 1 and cos.dtype in cpu_native.FLOAT_DTYPES:
+        return cpu_native.apply_rope(x, cos.contiguous(), sin.contiguous())
+    return _apply_rope_torch(x, cos, sin)
+
+
+APPLY_ROPE = KernelOp("apply_rope", torch=_apply_rope_torch, cpu=_apply_rope_cpu)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [tokens, heads, head_dim]; cos/sin: [tokens, head_dim // 2] at each token's position."""
+    return APPLY_ROPE(x, cos, sin)

@@ -6,6 +6,8 @@ x' = h + W_down · (SiLU(W_gate · RMSNorm_m(h)) ⊙ W_up · RMSNorm_m(h))
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from torch import nn
 
@@ -73,6 +75,14 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module, DepthModel):
     packed_modules = PACKED_MODULES
+    # True where the forward is this class's plain loop over self.layers, which the native decode
+    # step may then run as one call (finish_load). A subclass (a depth model loops its own way) is
+    # False unless it declares the flag itself (__init_subclass__).
+    plain_layer_loop: ClassVar[bool] = True
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.plain_layer_loop = cls.__dict__.get("plain_layer_loop", False)
 
     def __init__(self, cfg: LlamaConfig, max_positions: int):
         super().__init__()
@@ -117,12 +127,13 @@ class LlamaForCausalLM(nn.Module, DepthModel):
 
     def finish_load(self, device: torch.device) -> None:
         fp32_rope_tables(self, device)
+        # NativeDecodeLayers.of needs every projection on the native CPU kernel (quantized layers run
+        # on the CPU only), so a layer elsewhere keeps its eager forward.
         for layer in self.layers:
             plain = (type(layer) is LlamaDecoderLayer and type(layer.self_attn) is LlamaAttention
                      and type(layer.mlp) is LlamaMLP)  # a subclass's parts are not what the native step computes
-            layer.native_decode = NativeDecodeLayers.of([layer]) if plain and torch.device(device).type == "cpu" else None
-        runs_this_loop = type(self).forward is LlamaForCausalLM.forward  # the depth models loop their own way
-        if runs_this_loop and all(layer.native_decode is not None for layer in self.layers):
+            layer.native_decode = NativeDecodeLayers.of([layer]) if plain else None
+        if self.plain_layer_loop and all(layer.native_decode is not None for layer in self.layers):
             self.native_layers = NativeDecodeLayers.of(self.layers)
 
 
