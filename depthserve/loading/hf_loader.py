@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 # a checkpoint of several GB is never held twice (the file's tensors and the model's parameters):
 # docs/checkpoint-format.md, "Dory". Read with pread, not through a mapping: the mapped pages of the
 # whole file would count in the process's resident memory until the files are closed.
-TENSOR_AT_A_TIME_MODEL_TYPES = ("dory",)
+TENSOR_AT_A_TIME_MODEL_TYPES = ("dory", "inkling2_loop_text")
 
 
 def load_hf_dir(path: Path, progress: bool = True) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:

@@ -48,6 +48,17 @@ def make_tiny(out: Path, seed: int = 0, like: str | None = None, num_kv_heads: i
         bos_token_id=tokenizer.bos_token_id, **shapes)
     torch.manual_seed(seed)
     model = Inkling2LoopForCausalLM(config).float().eval()
+    randomize(model, seed)
+    out = Path(out)
+    model.save_pretrained(str(out))
+    tokenizer.save_pretrained(str(out))
+    return out
+
+
+def randomize(model, seed: int) -> None:
+    """Random weights of the scales described above, in place, for a transformers Inkling2LoopForCausalLM."""
+    import torch
+
     generator = torch.Generator().manual_seed(seed)
 
     def normal(shape, std: float) -> torch.Tensor:
@@ -76,7 +87,3 @@ def make_tiny(out: Path, seed: int = 0, like: str | None = None, num_kv_heads: i
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buffer.copy_(normal(buffer.shape, 0.1))
-    out = Path(out)
-    model.save_pretrained(str(out))
-    tokenizer.save_pretrained(str(out))
-    return out
