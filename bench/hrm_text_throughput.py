@@ -13,7 +13,8 @@ Each decodes 1 and 8 greedy sequences of a causal 16-token prompt at each (h_cyc
 Reported: decode tok/s and step time per setting, transformers' over the engine's step time, the
 KV bytes per token the engine holds (measured from its pages) and the layout's count
 (layers per stack x h_cycles x (l_cycles + 1) slots x keys and values x 12 x 128 x 2 bytes), at
-the measured layer count and at the full 16. Writes bench/results/hrm-text-throughput-<device>.json.
+the measured layer count and at the full 16. Writes bench/results/hrm-text-throughput-<device>.json
+and its chart under bench/results/plots/ (`--replot JSON` redraws a chart alone).
 
     python bench/hrm_text_throughput.py [--layers-fraction 0.25] [--steps 4] [--quick]
 """
@@ -34,7 +35,7 @@ from statistics import median
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import QUICK_SUFFIX, cpu_model, environment, write_result  # noqa: E402
+from common import QUICK_SUFFIX, RESULTS_DIR, cpu_model, environment, write_result  # noqa: E402
 
 FULL_LAYERS_PER_STACK = 16  # HrmTextConfig()
 FORMATS = {"bf16": "none", "int8": "int8", "int4": "int4"}  # engine format -> quantization
@@ -218,6 +219,33 @@ def compare(engines: dict, hf: dict) -> None:
             row["speedup_over_transformers"] = theirs["step_seconds"] / row["step_seconds"]
 
 
+# ---- the chart ------------------------------------------------------------------------------------
+def plot(payload: dict, path: Path) -> Path:
+    """Decode tok/s per cycle setting, one panel per batch size, engine formats and transformers."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from plot import machine_line, save
+
+    batches, cycles = payload["setup"]["batches"], [f"{h}x{l}" for h, l in payload["setup"]["cycles"]]
+    results = {**{f"engine {k}": v for k, v in payload["results"]["engine"].items()},
+               "transformers bf16": payload["results"]["transformers"]}
+    fig, axes = plt.subplots(1, len(batches), figsize=(5.5 * len(batches), 4.2), squeeze=False)
+    for ax, batch in zip(axes[0], batches):
+        for label, result in results.items():
+            rows = {f"{r['h_cycles']}x{r['l_cycles']}": r for r in result["rows"] if r["batch"] == batch}
+            ax.plot(cycles, [rows[c]["tokens_per_second"] for c in cycles], marker="o", label=label)
+        ax.set_xlabel("h_cycles x l_cycles")
+        ax.set_ylabel("decode tokens/s")
+        ax.set_title(f"{batch} sequence{'s' if batch > 1 else ''}")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"HRM-Text, {payload['setup']['checkpoint']}\n{machine_line(payload)}", fontsize=9)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return save(fig, path)
+
+
 # ---- main -----------------------------------------------------------------------------------------
 def numbers(text: str) -> list[int]:
     return [int(v) for v in text.split(",") if v]
@@ -238,6 +266,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--cycles", type=cycle_pairs, default=list(CYCLES), help="h_cycles x l_cycles, e.g. 1x1,2x3")
     p.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE, help="where the random checkpoint is kept")
     p.add_argument("--quick", action="store_true", help="smoke run: 1 layer per stack, 1 step, under results/quick")
+    p.add_argument("--replot", type=Path, help="only draw the chart of a result JSON written before")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--checkpoint", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -250,6 +279,9 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     if args.worker:
         worker_main(args)
+        return
+    if args.replot:
+        print(plot(json.loads(args.replot.read_text()), RESULTS_DIR / "plots" / f"{args.replot.stem}.png"))
         return
     per_stack = layers_per_stack(args.layers_fraction)
     args.checkpoint = args.cache_dir / f"hrm-text-1b-random-{per_stack}-per-stack"
@@ -276,7 +308,8 @@ def main(argv=None) -> None:
     }
     kind = "xeon-" if "Xeon" in cpu_model() else ""
     name = f"hrm-text-throughput-cpu-{kind}{os.cpu_count()}core" + (QUICK_SUFFIX if args.quick else "")
-    print(write_result(name, payload))
+    plots = (RESULTS_DIR / "quick" if args.quick else RESULTS_DIR) / "plots"
+    print(write_result(name, payload), plot(payload, plots / f"{name}.png"))
     for fmt, result in [*engines.items(), ("transformers", hf)]:
         for row in result["rows"]:
             extra = f", {row['speedup_over_transformers']:.2f}x transformers" if "speedup_over_transformers" in row else ""
