@@ -45,7 +45,8 @@ TRITON_OPS = frozenset(OP_NAMES) - {"paged_prefill_attention", "saobp_prefill_at
 BACKENDS = ("auto", "torch", "triton")
 # kernels/csrc/paged_attention.cpp; greedy_pick and apply_token_bitmask (csrc/sampling.cpp) have no torch
 # twin here: the sampler's and depthserve/structured/bitmask.py's own torch code is their fallback
-NATIVE_CPU_OPS = frozenset({"store_kv", "paged_decode_attention", "greedy_pick", "apply_token_bitmask"})
+NATIVE_CPU_OPS = frozenset({"store_kv", "paged_decode_attention", "paged_prefill_attention_varlen", "greedy_pick",
+                            "apply_token_bitmask"})
 
 
 def native_cpu_op(name: str) -> Callable | None:

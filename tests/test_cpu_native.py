@@ -218,7 +218,9 @@ def test_the_auto_backend_runs_the_native_decode_ops_on_cpu():
     auto, reference = Kernels("auto"), Kernels("torch")
     assert cpu_implementation(auto.paged_decode_attention) is cpu_native.paged_decode_attention
     assert cpu_implementation(auto.store_kv) is cpu_native.store_kv
+    assert cpu_implementation(auto.paged_prefill_attention_varlen) is cpu_native.paged_prefill_attention_varlen
     assert reference.paged_decode_attention is paged.paged_decode_attention
+    assert reference.paged_prefill_attention_varlen is paged.paged_prefill_attention_varlen
     gpu_engine = Kernels("auto", native_cpu=False)  # an engine on CUDA: no native CPU kernel bound or built
     assert cpu_implementation(gpu_engine.paged_decode_attention) is paged.paged_decode_attention
     assert gpu_engine.greedy_pick is None
