@@ -250,6 +250,21 @@ def test_invalid_knobs_raise_and_leave_no_pages(ckpt, depth, match):
     assert [(k.minimum, k.maximum, k.default) for k in knobs.values()] == [(1, 8, 2), (1, 8, 2), (0, 1, 1)]
 
 
+def test_parallel_samples_of_a_bidirectional_prompt_are_exact(ckpt):
+    """n samples of one bidirectional prompt (a step budget below the prompt): every sample's
+    logprobs equal transformers with that prompt as the instruction block."""
+    prompt = _ids(20, seed=7)
+    llm = tiny_llm(ckpt, max_num_batched_tokens=7)
+    params = SamplingParams(n=3, temperature=1.0, seed=4, max_tokens=6, ignore_eos=True, logprobs=1)
+    out = llm.generate([prompt], params, DepthParams(h_cycles=3))[0]
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+    for completion in out.outputs:
+        logits = hrm_reference.forward(ckpt, prompt + completion.token_ids[:-1], {"h_cycles": 3}, prompt_len=len(prompt))
+        check_logprobs(torch.log_softmax(logits, dim=-1), len(prompt), completion, {}, tol=TOL, near_tie=NEAR_TIE,
+                       greedy=False)
+    assert llm.engine.block_manager.num_used_pages == 0
+
+
 def test_a_checkpoint_without_prefix_lm_is_causal(tmp_path):
     """transformers ignores an instruction block when the config's prefix_lm is false: the knob's
     range is 0..0 and the default request equals the causal reference."""
