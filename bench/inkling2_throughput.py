@@ -8,8 +8,9 @@ heads of 128 in both layer types, d_rel 16, expert width 1152, 8 experts per tok
 of half that many layers, so the band is one block) and `--experts` routed experts instead of
 Inkling-2-Mini's 24 layers and 128 experts (whose bf16 weights, ~50 GB, exceed this machine's
 memory), written once in bf16 by transformers itself into `--cache-dir`. Then, each in its own
-subprocess, one after the other: the engine in bf16 and transformers' Inkling2LoopForCausalLM in
-bf16 (`generate` with its cache), each decoding 1 and 8 greedy sequences at each loop setting
+subprocess, one after the other: the engine with bf16 activations serving the weights as bf16 and
+as int4 (`--quantization int4`: the attention, message and LM head linears; the experts' stacked
+weights stay bf16) and transformers' Inkling2LoopForCausalLM in bf16 (`generate` with its cache), each decoding 1 and 8 greedy sequences at each loop setting
 with the same threads. Reported: decode tok/s and step time, and the engine's KV cache bytes per
 token (every slot of the request's layout, as admission prices it, over a 16-token prompt).
 Writes bench/results/inkling2-throughput-<device>.json.
@@ -34,6 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import QUICK_SUFFIX, cpu_model, environment, write_result  # noqa: E402
 
+FORMATS = {"bf16": "none", "int4": "int4"}  # engine format -> --quantization
 BATCHES = (1, 8)
 LOOPS = (1, 2, 3)
 PROMPT_TOKENS = 16
@@ -69,12 +71,12 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def engine_worker(path: Path, steps: int, batches, loops_list) -> dict:
+def engine_worker(path: Path, steps: int, batches, loops_list, quantization: str) -> dict:
     from depthserve import LLM, DepthParams, SamplingParams
 
     start = time.perf_counter()
-    llm = LLM(str(path), device="cpu", dtype="bfloat16", load_progress=False, max_model_len=PROMPT_TOKENS + steps + 8,
-              block_size=16, enable_prefix_caching=False)
+    llm = LLM(str(path), device="cpu", dtype="bfloat16", quantization=quantization, load_progress=False,
+              max_model_len=PROMPT_TOKENS + steps + 8, block_size=16, enable_prefix_caching=False)
     load = {"seconds": time.perf_counter() - start, "peak_rss_bytes": peak_rss_bytes()}
     engine = llm.engine
     rows = []
@@ -99,7 +101,7 @@ def engine_worker(path: Path, steps: int, batches, loops_list) -> dict:
             step = median(times)
             rows.append({"batch": batch, "loops": loops, "step_seconds": step, "step_seconds_all": times,
                          "tokens_per_second": batch / step, "kv_bytes_per_token": kv_bytes_per_token})
-            print(f"  engine batch {batch} loops {loops}: {1000 * step:.0f} ms/step", file=sys.stderr)
+            print(f"  engine {quantization} batch {batch} loops {loops}: {1000 * step:.0f} ms/step", file=sys.stderr)
     return {"load": load, "rows": rows}
 
 
@@ -166,18 +168,22 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     if args.worker:
         torch.set_num_threads(args.threads)
-        worker = transformers_worker if args.worker == "transformers" else engine_worker
-        print(json.dumps(worker(args.checkpoint, args.steps, args.batches, args.loops)))
+        if args.worker == "transformers":
+            result = transformers_worker(args.checkpoint, args.steps, args.batches, args.loops)
+        else:
+            result = engine_worker(args.checkpoint, args.steps, args.batches, args.loops, FORMATS[args.worker])
+        print(json.dumps(result))
         return
     args.checkpoint = args.cache_dir / f"inkling2-mini-random-{args.layers}-layers-{args.experts}-experts"
     if not (args.checkpoint / "config.json").is_file():
         print(f"writing {args.checkpoint} ...", file=sys.stderr)
         make_checkpoint(args.checkpoint, args.layers, args.experts)
-    engine = run_worker(args, "engine")
+    engines = {name: run_worker(args, name) for name in FORMATS}
     hf = run_worker(args, "transformers")
-    for row in engine["rows"]:
-        theirs = next(r for r in hf["rows"] if (r["batch"], r["loops"]) == (row["batch"], row["loops"]))
-        row["speedup_over_transformers"] = theirs["step_seconds"] / row["step_seconds"]
+    for engine in engines.values():
+        for row in engine["rows"]:
+            theirs = next(r for r in hf["rows"] if (r["batch"], r["loops"]) == (row["batch"], row["loops"]))
+            row["speedup_over_transformers"] = theirs["step_seconds"] / row["step_seconds"]
     payload = {
         "benchmark": "inkling2_throughput", "environment": environment("cpu", args.threads),
         "setup": {"checkpoint": f"random weights, Inkling2LoopTextConfig() widths, {args.layers} layers "
@@ -185,19 +191,19 @@ def main(argv=None) -> None:
                                 "12 looped, 128 experts)",
                   "layers": args.layers, "experts": args.experts, "trained_loops": 3, "prompt_tokens": PROMPT_TOKENS,
                   "decode_steps": args.steps, "batches": args.batches, "loops": args.loops,
-                  "dtype": "bfloat16", "threads": args.threads,
+                  "activations": "bfloat16", "engine_formats": list(FORMATS), "threads": args.threads,
                   "command": "python bench/inkling2_throughput.py " + " ".join(argv if argv is not None else sys.argv[1:])},
         "load_average_at_end": os.getloadavg(),
-        "results": {"engine": engine, "transformers": hf},
+        "results": {"engine": engines, "transformers": hf},
     }
     kind = "xeon-" if "Xeon" in cpu_model() else ""
     name = f"inkling2-throughput-cpu-{kind}{os.cpu_count()}core" + (QUICK_SUFFIX if args.quick else "")
     print(write_result(name, payload))
-    for who, result in (("engine", engine), ("transformers", hf)):
+    for who, result in [*((f"engine {name}", engine) for name, engine in engines.items()), ("transformers", hf)]:
         for row in result["rows"]:
             extra = f", {row['speedup_over_transformers']:.2f}x transformers" if "speedup_over_transformers" in row else ""
             kv = f", KV {row['kv_bytes_per_token'] / 1024:.0f} KiB/token" if "kv_bytes_per_token" in row else ""
-            print(f"{who:12s} batch {row['batch']} loops {row['loops']}: {row['tokens_per_second']:.2f} tok/s{extra}{kv}")
+            print(f"{who:13s} batch {row['batch']} loops {row['loops']}: {row['tokens_per_second']:.2f} tok/s{extra}{kv}")
 
 
 if __name__ == "__main__":
