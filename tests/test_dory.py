@@ -20,6 +20,7 @@ from depthserve.archs.dory import reference as dory_reference
 from depthserve.archs.dory.tiny import make_tiny
 from depthserve.errors import CheckpointFormatError, InvalidDepthError
 from tests.depth_helpers import cache_layout, check_logprobs, tiny_llm
+from tests.looped_serving import check_loops_served_with_the_openai_sdk
 
 TOL = 1e-4
 NEAR_TIE = 0.0  # greedy tokens must be the reference's argmax
@@ -434,49 +435,5 @@ def test_sliding_window_pages_go_back_during_long_generations(ckpts, last_loop, 
 def test_served_over_http_with_the_openai_sdk(tmp_path, smollm_tokenizer):
     """Completions, chat and streams equal offline generation at each `loops`; the knob changes the
     tokens and the bill (usage.depth); a value outside 1..max_loops is a 400 naming the range."""
-    openai = pytest.importorskip("openai")
-    pytest.importorskip("uvicorn")
-    import httpx
-
-    from depthserve import LLM
-    from depthserve.config import EngineArgs
-    from depthserve.engine.async_llm import AsyncLLM
-    from depthserve.engine.llm_engine import LLMEngine
-    from depthserve.server.app import build_app
-    from tests.live_server import live_server, wait_idle
-
     path = make_tiny(tmp_path / "dory-chat", seed=2, loops=2, sliding_window=WINDOW, tokenizer=smollm_tokenizer)
-    engine_args = dict(device="cpu", dtype="float32", load_progress=False, max_model_len=256, block_size=8)
-    llm = AsyncLLM(LLMEngine(EngineArgs(model=str(path), **engine_args)))
-    offline = LLM(str(path), **engine_args)
-    model, prompts = llm.engine.model_name, ["The meaning of depth is", "Once upon a time there was a loop"]
-    with live_server(build_app(llm)) as base:
-        client = openai.OpenAI(base_url=f"{base}/v1", api_key="none")
-        texts, flops = {}, {}
-        for loops in (1, 4):
-            depth = DepthParams(loops=loops)
-            expected = offline.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), depth)
-            got = client.completions.create(model=model, prompt=prompts, max_tokens=8, temperature=0.0,
-                                            extra_body={"depth": {"loops": loops}, "ignore_eos": True})
-            texts[loops] = [c.text for c in sorted(got.choices, key=lambda c: c.index)]
-            assert texts[loops] == [e.text for e in expected]
-            usage = got.usage.model_extra["depth"]
-            assert [p["loops"] for p in usage["per_prompt"]] == [loops, loops]
-            flops[loops] = usage["flops"]
-            assert flops[loops] == pytest.approx(sum(e.depth.flops for e in expected))
-            streamed = client.completions.create(model=model, prompt=prompts[1], max_tokens=8, temperature=0.0,
-                                                 stream=True, extra_body={"depth": {"loops": loops}, "ignore_eos": True})
-            assert "".join(c.choices[0].text for c in streamed if c.choices) == expected[1].text
-            messages = [{"role": "user", "content": "Loop again."}]
-            chat_expected = offline.chat(messages, SamplingParams(temperature=0.0, max_tokens=6), depth)
-            chat = client.chat.completions.create(model=model, messages=messages, max_tokens=6, temperature=0.0,
-                                                  extra_body={"depth": {"loops": loops}})
-            assert chat.choices[0].message.content == chat_expected.text
-        assert texts[1] != texts[4] and flops[4] > flops[1]
-        for bad in ({"loops": 0}, {"loops": 9}):
-            response = httpx.post(f"{base}/v1/completions", json={"model": model, "prompt": "x", "depth": bad})
-            assert response.status_code == 400, response.text
-            error = response.json()["error"]
-            assert error["type"] == "invalid_request_error" and "1..8" in error["message"], error
-        wait_idle(llm)
-        assert llm.engine.block_manager.num_used_pages == 0
+    check_loops_served_with_the_openai_sdk(path, (1, 4), (1, 8))
