@@ -65,6 +65,48 @@ inline void prefetch_row(const P* row, int64_t dim) {
   for (int64_t at = 0; at < dim * static_cast<int64_t>(sizeof(P)); at += 64) _mm_prefetch(bytes + at, _MM_HINT_T0);
 }
 
+// A tile of query rows (pre-scaled, in registers) against keys t0 .. t0 + 15 (those before `end`): each
+// row's 16 scores stored at rows[g * row_stride + t0]; a key at or past `end` scores 0 (masked later).
+template <int Chunks, int kTile, typename P>
+inline void score_16_keys(const __m512 (&query)[kTile][Chunks], const __mmask16 (&lanes)[Chunks], int tile,
+                          const P* k_pages, const int64_t* offsets, int64_t t0, int64_t end, int64_t dim,
+                          float* rows, int64_t row_stride) {
+  __m512 products[kTile][16];
+  for (int j = 0; j < 16; ++j) {
+    if (t0 + j >= end) {
+      for (int g = 0; g < kTile; ++g) products[g][j] = _mm512_setzero_ps();
+      continue;
+    }
+    if (t0 + j + 16 < end) prefetch_row(k_pages + offsets[t0 + j + 16], dim);
+    const P* key = k_pages + offsets[t0 + j];
+    __m512 k[Chunks];
+    for (int c = 0; c < Chunks; ++c) k[c] = load16(key + 16 * c, lanes[c]);
+    for (int g = 0; g < kTile; ++g) {
+      __m512 dot = _mm512_mul_ps(query[g][0], k[0]);
+      for (int c = 1; c < Chunks; ++c) dot = _mm512_fmadd_ps(query[g][c], k[c], dot);
+      products[g][j] = dot;
+    }
+  }
+  for (int g = 0; g < tile; ++g) _mm512_storeu_ps(rows + g * row_stride + t0, sum_each(products[g]));
+}
+
+// Scores s[0 .. length) into their softmax, in place (fp32).
+inline void softmax_in_place(float* s, int64_t length) {
+  __m512 peaks = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t t = 0; t < length; t += 16)
+    peaks = _mm512_mask_max_ps(peaks, depthserve_simd::tail_mask(length - t), peaks, _mm512_loadu_ps(s + t));
+  const __m512 peak = _mm512_set1_ps(_mm512_reduce_max_ps(peaks));
+  __m512 totals = _mm512_setzero_ps();
+  for (int64_t t = 0; t < length; t += 16) {
+    const __mmask16 m = depthserve_simd::tail_mask(length - t);
+    const __m512 e = _mm512_maskz_mov_ps(m, exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + t), peak)));
+    _mm512_storeu_ps(s + t, e);
+    totals = _mm512_add_ps(totals, e);
+  }
+  const __m512 inverse = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(totals));
+  for (int64_t t = 0; t < length; t += 16) _mm512_storeu_ps(s + t, _mm512_mul_ps(_mm512_loadu_ps(s + t), inverse));
+}
+
 // One (sequence, KV head): its group of query heads over its keys, softmax in fp32 in two passes
 // (scores, then the weighted sum of values). Scores are computed 16 keys at a time.
 //
@@ -94,41 +136,9 @@ void attend_one(const Q* q, int64_t q_head_stride, int64_t group, const P* k_pag
         query[g][c] = g < tile ? _mm512_mul_ps(load16(q + (g0 + g) * q_head_stride + 16 * c, lanes[c]),
                                                _mm512_set1_ps(scale))
                                : _mm512_setzero_ps();
-    for (int64_t t0 = 0; t0 < length; t0 += 16) {
-      __m512 products[kTile][16];
-      for (int j = 0; j < 16; ++j) {
-        if (t0 + j >= length) {  // past the last key: a score of 0, masked out below
-          for (int g = 0; g < kTile; ++g) products[g][j] = _mm512_setzero_ps();
-          continue;
-        }
-        if (t0 + j + 16 < length) prefetch_row(k_pages + offsets[t0 + j + 16], dim);
-        const P* key = k_pages + offsets[t0 + j];
-        __m512 k[Chunks];
-        for (int c = 0; c < Chunks; ++c) k[c] = load16(key + 16 * c, lanes[c]);
-        for (int g = 0; g < kTile; ++g) {
-          __m512 acc = _mm512_mul_ps(query[g][0], k[0]);
-          for (int c = 1; c < Chunks; ++c) acc = _mm512_fmadd_ps(query[g][c], k[c], acc);
-          products[g][j] = acc;
-        }
-      }
-      for (int g = 0; g < tile; ++g) _mm512_storeu_ps(scores.data() + g * padded + t0, sum_each(products[g]));
-    }
-    for (int g = 0; g < tile; ++g) {
-      float* s = scores.data() + g * padded;
-      __m512 peaks = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-      for (int64_t t = 0; t < length; t += 16)
-        peaks = _mm512_mask_max_ps(peaks, depthserve_simd::tail_mask(length - t), peaks, _mm512_loadu_ps(s + t));
-      const __m512 peak = _mm512_set1_ps(_mm512_reduce_max_ps(peaks));
-      __m512 totals = _mm512_setzero_ps();
-      for (int64_t t = 0; t < length; t += 16) {
-        const __mmask16 m = depthserve_simd::tail_mask(length - t);
-        const __m512 e = _mm512_maskz_mov_ps(m, exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + t), peak)));
-        _mm512_storeu_ps(s + t, e);
-        totals = _mm512_add_ps(totals, e);
-      }
-      const __m512 inverse = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(totals));
-      for (int64_t t = 0; t < length; t += 16) _mm512_storeu_ps(s + t, _mm512_mul_ps(_mm512_loadu_ps(s + t), inverse));
-    }
+    for (int64_t t0 = 0; t0 < length; t0 += 16)
+      score_16_keys<Chunks, kTile, P>(query, lanes, tile, k_pages, offsets, t0, length, dim, scores.data(), padded);
+    for (int g = 0; g < tile; ++g) softmax_in_place(scores.data() + g * padded, length);
     __m512 acc[kTile][Chunks];
     for (int g = 0; g < kTile; ++g)
       for (int c = 0; c < Chunks; ++c) acc[g][c] = _mm512_setzero_ps();
@@ -180,45 +190,13 @@ void attend_chunk(const Q* q, int64_t q_token_stride, int64_t q_head_stride, int
             query[g][c] = g < tile ? _mm512_mul_ps(load16(q + i * q_token_stride + (g0 + g) * q_head_stride + 16 * c,
                                                           lanes[c]), _mm512_set1_ps(scale))
                                    : _mm512_setzero_ps();
-        for (int64_t t0 = block; t0 < end; t0 += 16) {
-          __m512 products[kTile][16];
-          for (int j = 0; j < 16; ++j) {
-            if (t0 + j >= end) {
-              for (int g = 0; g < kTile; ++g) products[g][j] = _mm512_setzero_ps();
-              continue;
-            }
-            const P* key = k_pages + offsets[t0 + j];
-            __m512 k[Chunks];
-            for (int c = 0; c < Chunks; ++c) k[c] = load16(key + 16 * c, lanes[c]);
-            for (int g = 0; g < kTile; ++g) {
-              __m512 dot = _mm512_mul_ps(query[g][0], k[0]);
-              for (int c = 1; c < Chunks; ++c) dot = _mm512_fmadd_ps(query[g][c], k[c], dot);
-              products[g][j] = dot;
-            }
-          }
-          for (int g = 0; g < tile; ++g)
-            _mm512_storeu_ps(scores.data() + (i * group + g0 + g) * padded + t0, sum_each(products[g]));
-        }
+        for (int64_t t0 = block; t0 < end; t0 += 16)
+          score_16_keys<Chunks, kTile, P>(query, lanes, tile, k_pages, offsets, t0, end, dim,
+                                          scores.data() + (i * group + g0) * padded, padded);
       }
     }
   }
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t length = length_of(r / group);
-    float* s = scores.data() + r * padded;
-    __m512 peaks = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    for (int64_t t = 0; t < length; t += 16)
-      peaks = _mm512_mask_max_ps(peaks, depthserve_simd::tail_mask(length - t), peaks, _mm512_loadu_ps(s + t));
-    const __m512 peak = _mm512_set1_ps(_mm512_reduce_max_ps(peaks));
-    __m512 totals = _mm512_setzero_ps();
-    for (int64_t t = 0; t < length; t += 16) {
-      const __mmask16 m = depthserve_simd::tail_mask(length - t);
-      const __m512 e = _mm512_maskz_mov_ps(m, exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + t), peak)));
-      _mm512_storeu_ps(s + t, e);
-      totals = _mm512_add_ps(totals, e);
-    }
-    const __m512 inverse = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(totals));
-    for (int64_t t = 0; t < length; t += 16) _mm512_storeu_ps(s + t, _mm512_mul_ps(_mm512_loadu_ps(s + t), inverse));
-  }
+  for (int64_t r = 0; r < rows; ++r) softmax_in_place(scores.data() + r * padded, length_of(r / group));
   for (int64_t block = 0; block < keys; block += kKeyBlock) {
     for (int64_t i = 0; i < queries; ++i) {
       const int64_t end = std::min(block + kKeyBlock, length_of(i));
