@@ -434,6 +434,7 @@ def test_sliding_window_pages_go_back_during_long_generations(ckpts, last_loop, 
 @pytest.mark.slow  # ~35 s on the shared 2-core machine (a server, SmolLM2's 49152-token vocabulary)
 def test_served_over_http_with_the_openai_sdk(tmp_path, smollm_tokenizer):
     """Completions, chat and streams equal offline generation at each `loops`; the knob changes the
-    tokens and the bill (usage.depth); a value outside 1..max_loops is a 400 naming the range."""
+    tokens and the bill (usage.depth); GET /v1/models lists its range and default; a value outside
+    1..max_loops is a 400 naming the range."""
     path = make_tiny(tmp_path / "dory-chat", seed=2, loops=2, sliding_window=WINDOW, tokenizer=smollm_tokenizer)
-    check_loops_served_with_the_openai_sdk(path, (1, 4), (1, 8))
+    check_loops_served_with_the_openai_sdk(path, (1, 4), (1, 8), default=2)
