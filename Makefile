@@ -57,7 +57,7 @@ test: $(STAMP) browser
 	$(BIN)/python -m pytest -q --durations=15 -m slow $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 # The tests not marked slow (parity with transformers, the mixed-batch engine = reference runs, the
-# soak and the other long ones are): about 10 minutes on 2 CPU cores.
+# soak and the other long ones are): about 8 minutes on 2 CPU cores.
 test-fast: $(STAMP) browser
 	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
