@@ -222,28 +222,9 @@ def compare(engines: dict, hf: dict) -> None:
 # ---- the chart ------------------------------------------------------------------------------------
 def plot(payload: dict, path: Path) -> Path:
     """Decode tok/s per cycle setting, one panel per batch size, engine formats and transformers."""
-    import matplotlib
+    from plot import plot_looped_decode
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from plot import machine_line, save
-
-    batches, cycles = payload["setup"]["batches"], [f"{h}x{l}" for h, l in payload["setup"]["cycles"]]
-    results = {**{f"engine {k}": v for k, v in payload["results"]["engine"].items()},
-               "transformers bf16": payload["results"]["transformers"]}
-    fig, axes = plt.subplots(1, len(batches), figsize=(5.5 * len(batches), 4.2), squeeze=False)
-    for ax, batch in zip(axes[0], batches):
-        for label, result in results.items():
-            rows = {f"{r['h_cycles']}x{r['l_cycles']}": r for r in result["rows"] if r["batch"] == batch}
-            ax.plot(cycles, [rows[c]["tokens_per_second"] for c in cycles], marker="o", label=label)
-        ax.set_xlabel("h_cycles x l_cycles")
-        ax.set_ylabel("decode tokens/s")
-        ax.set_title(f"{batch} sequence{'s' if batch > 1 else ''}")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle(f"HRM-Text, {payload['setup']['checkpoint']}\n{machine_line(payload)}", fontsize=9)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return save(fig, path)
+    return plot_looped_decode(payload, path, "HRM-Text", "h_cycles x l_cycles")
 
 
 # ---- main -----------------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ from statistics import median
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import QUICK_SUFFIX, cpu_model, environment, write_result  # noqa: E402
+from common import QUICK_SUFFIX, RESULTS_DIR, cpu_model, environment, write_result  # noqa: E402
 
 FORMATS = {"bf16": "none", "int4": "int4"}  # engine format -> --quantization
 BATCHES = (1, 8)
@@ -156,6 +156,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--loops", type=numbers, default=list(LOOPS))
     p.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE, help="where the random checkpoint is kept")
     p.add_argument("--quick", action="store_true", help="smoke run: 2 steps, written under results/quick")
+    p.add_argument("--replot", type=Path, help="only draw the chart of a result JSON written before")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--checkpoint", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -164,8 +165,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def plot(payload: dict, path: Path) -> Path:
+    from plot import plot_looped_decode
+
+    return plot_looped_decode(payload, path, "Inkling-2 looped text model", "loops")
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.replot:
+        print(plot(json.loads(args.replot.read_text()), RESULTS_DIR / "plots" / f"{args.replot.stem}.png"))
+        return
     if args.worker:
         torch.set_num_threads(args.threads)
         if args.worker == "transformers":
@@ -198,7 +208,8 @@ def main(argv=None) -> None:
     }
     kind = "xeon-" if "Xeon" in cpu_model() else ""
     name = f"inkling2-throughput-cpu-{kind}{os.cpu_count()}core" + (QUICK_SUFFIX if args.quick else "")
-    print(write_result(name, payload))
+    plots = (RESULTS_DIR / "quick" if args.quick else RESULTS_DIR) / "plots"
+    print(write_result(name, payload), plot(payload, plots / f"{name}.png"))
     for who, result in [*((f"engine {name}", engine) for name, engine in engines.items()), ("transformers", hf)]:
         for row in result["rows"]:
             extra = f", {row['speedup_over_transformers']:.2f}x transformers" if "speedup_over_transformers" in row else ""

@@ -364,6 +364,33 @@ def plot_depth_confidence(payload: dict[str, Any], out: Path) -> list[Path]:
     return [save(fig, out)]
 
 
+# ---- looped models at their real widths (bench/{hrm_text,inkling2}_throughput.py) -------------------
+def looped_setting(row: dict[str, Any]) -> str:
+    """A row's loop setting as its x label: `loops`, or HRM-Text's h_cycles x l_cycles."""
+    return str(row["loops"]) if "loops" in row else f"{row['h_cycles']}x{row['l_cycles']}"
+
+
+def plot_looped_decode(payload: dict[str, Any], path: Path, model: str, setting_label: str) -> Path:
+    """Decode tok/s per loop setting, one panel per batch size, each engine format against transformers."""
+    results = {**{f"engine {k}": v for k, v in payload["results"]["engine"].items()},
+               "transformers bf16": payload["results"]["transformers"]}
+    batches = payload["setup"]["batches"]
+    settings = list(dict.fromkeys(looped_setting(r) for r in payload["results"]["transformers"]["rows"]))
+    fig, axes = plt.subplots(1, len(batches), figsize=(5.5 * len(batches), 4.2), squeeze=False)
+    for ax, batch in zip(axes[0], batches):
+        for label, result in results.items():
+            rows = {looped_setting(r): r for r in result["rows"] if r["batch"] == batch}
+            ax.plot(settings, [rows[s]["tokens_per_second"] for s in settings], marker="o", label=label)
+        ax.set_xlabel(setting_label)
+        ax.set_ylabel("decode tokens/s")
+        ax.set_title(f"{batch} sequence{'s' if batch > 1 else ''}")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"{model}, {payload['setup']['checkpoint']}\n{machine_line(payload)}", fontsize=9)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return save(fig, path)
+
+
 PLOTTERS: dict[str, Callable[[dict[str, Any], Path], list[Path]]] = {
     "throughput": plot_throughput,
     "kernels": plot_kernels,
