@@ -90,6 +90,25 @@ inline void score_16_keys(const __m512 (&query)[kTile][Chunks], const __mmask16 
   for (int g = 0; g < tile; ++g) _mm512_storeu_ps(rows + g * row_stride + t0, sum_each(products[g]));
 }
 
+// A tile of fp32 accumulators (one per query row) plus each row's weight times value t, for keys begin .. end - 1;
+// row g's weights sit at probs[g * row_stride + t].
+template <int Chunks, int kTile, typename P>
+inline void accumulate_values(__m512 (&sum)[kTile][Chunks], const __mmask16 (&lanes)[Chunks], int tile,
+                              const P* v_pages, const int64_t* offsets, int64_t begin, int64_t end, int64_t dim,
+                              const float* probs, int64_t row_stride) {
+  for (int64_t t = begin; t < end; ++t) {
+    if (t + 16 < end) prefetch_row(v_pages + offsets[t + 16], dim);
+    const P* value = v_pages + offsets[t];
+    __m512 v[Chunks];
+    for (int c = 0; c < Chunks; ++c) v[c] = load16(value + 16 * c, lanes[c]);
+    for (int g = 0; g < kTile; ++g) {
+      if (g >= tile) break;
+      const __m512 p = _mm512_set1_ps(probs[g * row_stride + t]);
+      for (int c = 0; c < Chunks; ++c) sum[g][c] = _mm512_fmadd_ps(p, v[c], sum[g][c]);
+    }
+  }
+}
+
 // Scores s[0 .. length) into their softmax, in place (fp32).
 inline void softmax_in_place(float* s, int64_t length) {
   __m512 peaks = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
@@ -142,17 +161,7 @@ void attend_one(const Q* q, int64_t q_head_stride, int64_t group, const P* k_pag
     __m512 acc[kTile][Chunks];
     for (int g = 0; g < kTile; ++g)
       for (int c = 0; c < Chunks; ++c) acc[g][c] = _mm512_setzero_ps();
-    for (int64_t t = 0; t < length; ++t) {
-      if (t + 16 < length) prefetch_row(v_pages + offsets[t + 16], dim);
-      const P* value = v_pages + offsets[t];
-      __m512 v[Chunks];
-      for (int c = 0; c < Chunks; ++c) v[c] = load16(value + 16 * c, lanes[c]);
-      for (int g = 0; g < kTile; ++g) {
-        if (g >= tile) break;
-        const __m512 p = _mm512_set1_ps(scores[g * padded + t]);
-        for (int c = 0; c < Chunks; ++c) acc[g][c] = _mm512_fmadd_ps(p, v[c], acc[g][c]);
-      }
-    }
+    accumulate_values<Chunks, kTile, P>(acc, lanes, tile, v_pages, offsets, 0, length, dim, scores.data(), padded);
     for (int g = 0; g < tile; ++g)
       for (int c = 0; c < Chunks; ++c) store16(out + (g0 + g) * out_head_stride + 16 * c, acc[g][c], lanes[c]);
   }
@@ -209,16 +218,7 @@ void attend_chunk(const Q* q, int64_t q_token_stride, int64_t q_head_stride, int
         for (int g = 0; g < kTile; ++g)
           for (int c = 0; c < Chunks; ++c)
             sum[g][c] = g < tile ? _mm512_maskz_loadu_ps(lanes[c], row_acc + g * dim + 16 * c) : _mm512_setzero_ps();
-        for (int64_t t = block; t < end; ++t) {
-          const P* value = v_pages + offsets[t];
-          __m512 v[Chunks];
-          for (int c = 0; c < Chunks; ++c) v[c] = load16(value + 16 * c, lanes[c]);
-          for (int g = 0; g < kTile; ++g) {
-            if (g >= tile) break;
-            const __m512 p = _mm512_set1_ps(row_p[g * padded + t]);
-            for (int c = 0; c < Chunks; ++c) sum[g][c] = _mm512_fmadd_ps(p, v[c], sum[g][c]);
-          }
-        }
+        accumulate_values<Chunks, kTile, P>(sum, lanes, tile, v_pages, offsets, block, end, dim, row_p, padded);
         for (int g = 0; g < tile; ++g)
           for (int c = 0; c < Chunks; ++c) _mm512_mask_storeu_ps(row_acc + g * dim + 16 * c, lanes[c], sum[g][c]);
       }
