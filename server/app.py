@@ -32,6 +32,7 @@ from starlette.requests import ClientDisconnect
 from depthserve.engine.async_llm import AsyncLLM
 from depthserve.engine.client import EngineClient
 from depthserve.errors import DepthServeError
+from depthserve.server.connections import MAX_HEADER_BYTES, head_too_large_message, request_head_bytes
 from depthserve.server.metrics import ServerMetrics
 from depthserve.server.openapi import document_errors
 from depthserve.server.protocol import (
@@ -246,7 +247,9 @@ class RequestIdAuthAndLimit:
             return message
 
         refusal = _auth_refusal(scope, headers, self.api_key) if self.api_key and _needs_key(scope["path"]) else None
-        if refusal is not None:
+        if request_head_bytes(scope) > MAX_HEADER_BYTES:  # one that arrived in pieces never gets here (h11)
+            await _error(431, head_too_large_message(), "request_header_fields_too_large")(scope, receive, send_with_id)
+        elif refusal is not None:
             await refusal(scope, receive, send_with_id)
         elif _declared_length(headers) > self.max_body_bytes:
             await _too_large(self.max_body_bytes)(scope, receive, send_with_id)

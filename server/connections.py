@@ -13,6 +13,9 @@ Content-Length, a broken request line) with a plain-text 400. Here:
 - beyond `max_connections` open connections, requests are answered 503 at once (uvicorn's
   `limit_concurrency`) instead of queueing;
 - a request the HTTP parser rejects gets a 400 with an OpenAI-style JSON error body;
+- a request head (request line and headers) over MAX_HEADER_BYTES gets a 431 with that body, whether
+  it arrives in one read (the app refuses it, server/app.py) or in pieces (h11 refuses it): without
+  the app's check the same head was refused or served depending on how the socket split it;
 - on shutdown (Ctrl-C, SIGTERM) requests still running get `shutdown_grace_s` to finish.
 """
 
@@ -26,6 +29,8 @@ from typing import Literal
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 Awaited = Literal["headers", "body"]  # what a connection waits for from its client
+
+MAX_HEADER_BYTES = 16 * 1024  # h11's own default, stated so that the app applies the same limit
 
 
 @dataclass(frozen=True)
@@ -43,7 +48,7 @@ def uvicorn_config(app, host: str, port: int, log_level: str, limits: Connection
     protocol = type("LimitedH11Protocol", (DeadlineProtocol,), {"header_timeout_s": limits.header_timeout_s,
                                                                 "body_timeout_s": limits.body_timeout_s})
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,  # ours is the access line
-                          http=protocol, timeout_keep_alive=limits.keep_alive_s,
+                          http=protocol, h11_max_incomplete_event_size=MAX_HEADER_BYTES, timeout_keep_alive=limits.keep_alive_s,
                           limit_concurrency=limits.max_connections,
                           timeout_graceful_shutdown=limits.shutdown_grace_s)
 
@@ -75,7 +80,11 @@ class DeadlineProtocol(H11Protocol):
         super().connection_lost(exc)
 
     def send_400_response(self, msg: str) -> None:
-        self._send_error(400, "Bad Request", f"malformed HTTP request: {msg}", "invalid_request_error")
+        if len(self.conn.trailing_data[0]) > MAX_HEADER_BYTES:  # h11 gave up waiting for the head's end
+            self._send_error(431, "Request Header Fields Too Large", head_too_large_message(),
+                             "request_header_fields_too_large")
+        else:
+            self._send_error(400, "Bad Request", f"malformed HTTP request: {msg}", "invalid_request_error")
         self.transport.close()
 
     def _send_error(self, status: int, reason: str, message: str, err_type: str) -> None:
@@ -116,3 +125,15 @@ class DeadlineProtocol(H11Protocol):
             self._send_error(408, "Request Timeout", f"the request body did not arrive within "
                              f"{self.body_timeout_s:g} s of its headers", "request_timeout")
         self.transport.close()  # the app reading the body sees the client gone
+
+
+def head_too_large_message() -> str:
+    return f"the request line and headers are larger than this server's limit of {MAX_HEADER_BYTES} bytes"
+
+
+def request_head_bytes(scope: dict) -> int:
+    """The size of an HTTP/1.1 request head as sent (request line, headers, the blank line)."""
+    target = len(scope.get("raw_path") or scope["path"].encode()) + (len(scope["query_string"]) + 1
+                                                                    if scope.get("query_string") else 0)
+    request_line = len(scope.get("method", "GET")) + 1 + target + len(" HTTP/1.1\r\n")
+    return request_line + sum(len(k) + 2 + len(v) + 2 for k, v in scope.get("headers", [])) + 2

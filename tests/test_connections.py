@@ -15,7 +15,7 @@ import pytest
 from fastapi import FastAPI, Request
 
 from depthserve.server.app import DEFAULT_MAX_BODY_BYTES, RequestIdAuthAndLimit
-from depthserve.server.connections import ConnectionLimits
+from depthserve.server.connections import MAX_HEADER_BYTES, ConnectionLimits
 from tests.live_server import live_server
 
 LIMITS = ConnectionLimits(header_timeout_s=1.0, body_timeout_s=1.5, keep_alive_s=0.5, max_connections=20)
@@ -130,6 +130,32 @@ def test_what_the_http_parser_rejects_gets_a_json_400(base, request_head):
     assert head.startswith(b"HTTP/1.1 400") and b"content-type: application/json" in head.lower()
     error = json.loads(body)["error"]
     assert error["type"] == "invalid_request_error" and error["message"].startswith("malformed HTTP request")
+
+
+
+def _answer_to(base: str, data: bytes) -> tuple[bytes, dict]:
+    sock = _connect(base)
+    sock.sendall(data)
+    answer, _ = _until_closed(sock, within=5)
+    sock.close()
+    head, _, body = answer.partition(b"\r\n\r\n")
+    return head, json.loads(body) if body else {}
+
+
+def _head(header_bytes: int, end: bool = True) -> bytes:
+    head = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Request-Id: " + b"r" * header_bytes
+    return head + (b"\r\n\r\n" if end else b"")
+
+
+def test_a_request_head_over_the_limit_gets_a_json_431_however_it_arrives(base):
+    whole, whole_error = _answer_to(base, _head(60_000))  # parsed whole by h11: refused by the app
+    started, started_error = _answer_to(base, _head(MAX_HEADER_BYTES + 100, end=False))  # h11 gives up waiting
+    for head, error in ((whole, whole_error), (started, started_error)):
+        assert head.startswith(b"HTTP/1.1 431") and b"content-type: application/json" in head.lower(), head
+        assert error["error"]["type"] == "request_header_fields_too_large" and str(MAX_HEADER_BYTES) in \
+            error["error"]["message"]
+    under = httpx.get(f"{base}/health", headers={"X-Request-Id": "r" * (MAX_HEADER_BYTES - 200)})
+    assert under.status_code == 200
 
 
 
