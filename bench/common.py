@@ -201,6 +201,21 @@ def load_hf_model(model: str, dtype, device: str):
 
 
 # ---- prompts and statistics shared by the scripts -----------------------------------------------
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory (VmHWM). Not getrusage's ru_maxrss: that survives exec, so a
+    worker started by a parent that once held more reports the parent's peak."""
+    status = Path("/proc/self/status").read_text()
+    return int(re.search(r"^VmHWM:\s+(\d+) kB", status, re.M).group(1)) * 1024
+
+
+def byte_prompts(batch: int, tokens: int) -> list[list[int]]:
+    """`batch` prompts of `tokens` ids in 1..256 (the looped benchmarks' byte tokenizers), seeded by the batch."""
+    import torch
+
+    generator = torch.Generator().manual_seed(batch)
+    return [torch.randint(1, 257, (tokens,), generator=generator).tolist() for _ in range(batch)]
+
+
 def random_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     """`count` prompts of `length` uniformly random token ids (ids below 100 left out: SmolLM2
     keeps its special tokens there)."""

@@ -25,7 +25,6 @@ import argparse
 import json
 import math
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -35,7 +34,7 @@ from statistics import median
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import QUICK_SUFFIX, RESULTS_DIR, cpu_model, environment, write_result  # noqa: E402
+from common import QUICK_SUFFIX, RESULTS_DIR, byte_prompts, cpu_model, environment, peak_rss_bytes, write_result  # noqa: E402
 
 FULL_LAYERS = (8, 20, 8)  # DoryConfig(): prelude, recurrent, coda
 FORMATS = {"bf16": "none", "int8": "int8", "int4": "int4"}  # engine format -> --quantization
@@ -113,15 +112,6 @@ def read_bandwidth(threads: int, repeats: int = 5) -> float:
     return BANDWIDTH_BYTES / best
 
 
-def prompts(batch: int) -> list[list[int]]:
-    generator = torch.Generator().manual_seed(batch)
-    return [torch.randint(1, 257, (PROMPT_TOKENS,), generator=generator).tolist() for _ in range(batch)]
-
-
-def peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
 def engine_worker(path: Path, quantization: str, steps: int, batches, loops_list) -> dict:
     from depthserve import LLM, DepthParams, SamplingParams
     from depthserve.loading.quantization import resident_bytes
@@ -139,7 +129,7 @@ def engine_worker(path: Path, quantization: str, steps: int, batches, loops_list
         for loops in loops_list:
             params = SamplingParams(temperature=0.0, max_tokens=steps + 4, ignore_eos=True)
             ids = [f"b{batch}-l{loops}-{i}" for i in range(batch)]
-            for rid, prompt in zip(ids, prompts(batch)):
+            for rid, prompt in zip(ids, byte_prompts(batch, PROMPT_TOKENS)):
                 engine.add_request(rid, prompt, params, DepthParams(loops=loops))
             seqs = [engine._requests[rid].seqs[0] for rid in ids]
             while any(seq.num_computed_tokens < PROMPT_TOKENS for seq in seqs):
@@ -174,7 +164,7 @@ def transformers_worker(path: Path, steps: int, batches, loops_list) -> dict:
     for batch in batches:
         for loops in loops_list:
             model.config.n_recurrent_loops = loops
-            ids = torch.tensor(prompts(batch))
+            ids = torch.tensor(byte_prompts(batch, PROMPT_TOKENS))
 
             def generate(new_tokens: int) -> float:
                 begin = time.perf_counter()
@@ -343,7 +333,8 @@ def main(argv=None) -> None:
         "results": {"engine": engines, "transformers": hf},
     }
     kind = "xeon-" if "Xeon" in cpu_model() else ""
-    name = f"dory-throughput-cpu-{kind}{os.cpu_count()}core" + (QUICK_SUFFIX if args.quick else "")
+    part = "" if counts == FULL_LAYERS else f"-{counts[0]}-{counts[1]}-{counts[2]}-layers"
+    name = f"dory-throughput-cpu-{kind}{os.cpu_count()}core{part}" + (QUICK_SUFFIX if args.quick else "")
     out = write_result(name, payload)
     plots = (RESULTS_DIR / "quick" if args.quick else RESULTS_DIR) / "plots"
     print(out, plot(payload, plots / f"{name}.png"))

@@ -25,7 +25,6 @@ import argparse
 import json
 import math
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -35,7 +34,7 @@ from statistics import median
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import QUICK_SUFFIX, RESULTS_DIR, cpu_model, environment, write_result  # noqa: E402
+from common import QUICK_SUFFIX, RESULTS_DIR, byte_prompts, cpu_model, environment, peak_rss_bytes, write_result  # noqa: E402
 
 FULL_LAYERS_PER_STACK = 16  # HrmTextConfig()
 FORMATS = {"bf16": "none", "int8": "int8", "int4": "int4"}  # engine format -> quantization
@@ -108,15 +107,6 @@ def make_checkpoint(out: Path, fraction: float) -> None:
 
 
 # ---- measurements (each in its own process) -------------------------------------------------------
-def prompts(batch: int) -> list[list[int]]:
-    generator = torch.Generator().manual_seed(batch)
-    return [torch.randint(1, 257, (PROMPT_TOKENS,), generator=generator).tolist() for _ in range(batch)]
-
-
-def peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
 def engine_worker(path: Path, quantization: str, steps: int, batches, cycles) -> dict:
     from depthserve import LLM, DepthParams, SamplingParams
 
@@ -132,7 +122,7 @@ def engine_worker(path: Path, quantization: str, steps: int, batches, cycles) ->
             params = SamplingParams(temperature=0.0, max_tokens=steps + 4, ignore_eos=True)
             depth = DepthParams(h_cycles=h, l_cycles=l, prefix_lm=0)
             ids = [f"b{batch}-h{h}-l{l}-{i}" for i in range(batch)]
-            for rid, prompt in zip(ids, prompts(batch)):
+            for rid, prompt in zip(ids, byte_prompts(batch, PROMPT_TOKENS)):
                 engine.add_request(rid, prompt, params, depth)
             seqs = [engine._requests[rid].seqs[0] for rid in ids]
             while any(seq.num_computed_tokens < PROMPT_TOKENS for seq in seqs):
@@ -167,7 +157,7 @@ def transformers_worker(path: Path, steps: int, batches, cycles) -> dict:
     for batch in batches:
         for h, l in cycles:
             model.config.H_cycles, model.config.L_cycles = h, l
-            ids = torch.tensor(prompts(batch))
+            ids = torch.tensor(byte_prompts(batch, PROMPT_TOKENS))
 
             def generate(new_tokens: int) -> float:
                 # a cache with a layer per attention invocation at these cycles (transformers sizes its

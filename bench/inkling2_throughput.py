@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -33,7 +32,7 @@ from statistics import median
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import QUICK_SUFFIX, RESULTS_DIR, cpu_model, environment, write_result  # noqa: E402
+from common import QUICK_SUFFIX, RESULTS_DIR, byte_prompts, cpu_model, environment, peak_rss_bytes, write_result  # noqa: E402
 
 FORMATS = {"bf16": "none", "int4": "int4"}  # engine format -> --quantization
 BATCHES = (1, 8)
@@ -62,15 +61,6 @@ def make_checkpoint(out: Path, layers: int, experts: int) -> None:
     tokenizer.save_pretrained(str(out))
 
 
-def prompts(batch: int) -> list[list[int]]:
-    generator = torch.Generator().manual_seed(batch)
-    return [torch.randint(1, 257, (PROMPT_TOKENS,), generator=generator).tolist() for _ in range(batch)]
-
-
-def peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
 def engine_worker(path: Path, steps: int, batches, loops_list, quantization: str) -> dict:
     from depthserve import LLM, DepthParams, SamplingParams
 
@@ -84,7 +74,7 @@ def engine_worker(path: Path, steps: int, batches, loops_list, quantization: str
         for loops in loops_list:
             params = SamplingParams(temperature=0.0, max_tokens=steps + 4, ignore_eos=True)
             ids = [f"b{batch}-l{loops}-{i}" for i in range(batch)]
-            for rid, prompt in zip(ids, prompts(batch)):
+            for rid, prompt in zip(ids, byte_prompts(batch, PROMPT_TOKENS)):
                 engine.add_request(rid, prompt, params, DepthParams(loops=loops))
             seqs = [engine._requests[rid].seqs[0] for rid in ids]
             while any(seq.num_computed_tokens < PROMPT_TOKENS for seq in seqs):
@@ -115,7 +105,7 @@ def transformers_worker(path: Path, steps: int, batches, loops_list) -> dict:
         model = Inkling2LoopForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16, loop_num_passes=loops).eval()
         load = load or {"seconds": time.perf_counter() - start}
         for batch in batches:
-            ids = torch.tensor(prompts(batch))
+            ids = torch.tensor(byte_prompts(batch, PROMPT_TOKENS))
 
             def generate(new_tokens: int) -> float:
                 begin = time.perf_counter()

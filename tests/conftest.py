@@ -105,3 +105,29 @@ def _shared_llm_left_clean(request):
         engine = request.getfixturevalue("smollm_llm").engine
         assert not engine.has_unfinished_requests()
         assert engine.block_manager.num_used_pages == 0, "a finished or failed request kept cache pages"
+
+
+RSS_LOG_ENV = "DEPTHSERVE_TEST_RSS_LOG"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_memory_after_each_module(request):
+    """After a module's own fixtures are gone: collect them, drop torch.compile's graphs (whose
+    guards keep the compiled models alive) and hand freed heap back to the OS (glibc keeps it
+    otherwise), so that the suite's resident memory is that of its largest module rather than the
+    sum of them. With $DEPTHSERVE_TEST_RSS_LOG set, each module's current and peak RSS are appended
+    there (how the suite's memory was measured: docs/benchmarks.md)."""
+    yield
+    import ctypes
+    import gc
+
+    torch._dynamo.reset()
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:  # not glibc
+        pass
+    if log := os.environ.get(RSS_LOG_ENV):
+        status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
+        with open(log, "a") as out:
+            out.write(f"{request.module.__name__} rss={status['VmRSS'].strip()} peak={status['VmHWM'].strip()}\n")

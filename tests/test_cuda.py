@@ -22,7 +22,14 @@ from depthserve.kernels.dispatch import Kernels
 from depthserve.tiny import make_tiny
 from tests.depth_helpers import assert_same_generations, depth_params, tiny_llm
 from tests.test_kernels import make_pool, random_tables
-from tests.test_static_decode import DEPTH_CASES, LENGTHS, _prompts, assert_same_report, compiled_equals_eager
+from tests.test_static_decode import (
+    DEPTH_CASES,
+    LENGTHS,
+    _prompts,
+    assert_same_report,
+    case_arch,
+    compiled_equals_eager,
+)
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (the GPU tests run on a GPU host)")]
@@ -80,7 +87,7 @@ def test_varlen_prefill_and_saobp_kernels_in_half_precision_match_fp32(dtype):
 
 def _mixed_batch(arch: str, tmp_path, tokenizer):
     options, depths, pages = DEPTH_CASES.get(arch, ({}, None, 96))
-    path = make_tiny(arch, tmp_path / arch, seed=11, tokenizer=tokenizer, **options)
+    path = make_tiny(case_arch(arch), tmp_path / arch, seed=11, tokenizer=tokenizer, **options)
     return path, depths, pages, _prompts()
 
 

@@ -19,6 +19,7 @@ from depthserve.tiny import make_tiny
 from tests.depth_helpers import assert_same_generations, depth_params, stream_prompts, tiny_llm
 
 LENGTHS = [3, 17, 9, 30, 5, 12, 41]
+DORY_LOOPS = [{"loops": 1}, {"loops": 4}, None, {"loops": 3}, {"loops": 1}, {"loops": 2}, {"loops": 4}]
 # Architectures with a static decode step beyond Llama: make_tiny options, the depth of each request of
 # the mixed batch (GQA SGT with an uneven head subset; ITT steps on and off; Dreamer with attention
 # experts; SAOBP has no knobs) and a page budget that forces preemption.
@@ -32,7 +33,16 @@ DEPTH_CASES = {
     "saobp": (dict(num_kv_heads=2, variant="low", self_message=True), [None] * len(LENGTHS), 90),
     "dreamer": (dict(attn_experts=3, da_rope="reversed_half"),
                 [{"depth": 1}, {"depth": 4}, None, {"depth": 2}, {"depth": 3}, {"depth": 1}, {"depth": 2}], 90),
+    # Dory trained at 2 loops (so up to 4 per request), sliding windows of 8 keys (shorter than most
+    # prompts), in both cache modes: in last_loop mode a row writes the shared slot only at its passes.
+    "dory": (dict(loops=2, sliding_window=8), DORY_LOOPS, 260),
+    "dory:last_loop": (dict(loops=2, cache_mode="last_loop", sliding_window=8), DORY_LOOPS, 110),
 }
+
+
+def case_arch(case: str) -> str:
+    """The architecture of a DEPTH_CASES key ("arch" or "arch:variant")."""
+    return case.split(":")[0]
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +132,7 @@ def test_compiled_decode_equals_eager_on_a_mixed_batch_with_preemption(path):
 def test_compiled_depth_decode_equals_eager_on_a_mixed_depth_batch(arch, tmp_path, smollm_tokenizer):
     """The same for the depth architectures, every request of the batch at its own depth."""
     options, depths, pages = DEPTH_CASES[arch]
-    path = make_tiny(arch, tmp_path / arch, seed=11, tokenizer=smollm_tokenizer, **options)
+    path = make_tiny(case_arch(arch), tmp_path / arch, seed=11, tokenizer=smollm_tokenizer, **options)
     compiled_equals_eager(path, pages=pages, depths=depths)
 
 
@@ -132,6 +142,7 @@ SHALLOW = {
     "itt": [{"thinking_steps": 0}, {"selection_ratios": [0.6, 0.0]}, {"thinking_steps": 1}, {"thinking_steps": 0},
             {"selection_ratios": [1.0, 0.0]}, {"thinking_steps": 0}, {"thinking_steps": 1}],
     "put": [{"loops": 1}, {"loops": 2}, {"loops": 1}, {"loops": 2}, {"loops": 1}, {"loops": 1}, {"loops": 2}],
+    "dory:last_loop": [{"loops": 1}, {"loops": 3}, None, {"loops": 2}, {"loops": 1}, {"loops": 3}, {"loops": 2}],
 }
 
 
@@ -141,7 +152,7 @@ def test_a_shallow_batch_runs_capped_below_the_deepest_level_and_equals_eager(ar
     """Every request below the model's deepest setting: the compiled steps run capped at the batch's
     deepest level (iterations past it are not computed), with the eager engine's results."""
     options, _, pages = DEPTH_CASES[arch]
-    path = make_tiny(arch, tmp_path / arch, seed=11, tokenizer=smollm_tokenizer, **options)
+    path = make_tiny(case_arch(arch), tmp_path / arch, seed=11, tokenizer=smollm_tokenizer, **options)
     static = compiled_equals_eager(path, pages=pages, depths=SHALLOW[arch]).engine.runner.static
     assert static.level_steps and max(static.level_steps) < static.spec.levels[-1], (static.level_steps,
                                                                                      static.spec.levels)

@@ -265,8 +265,8 @@ class MaskedRows(StepRows):
         if slot in static.routed_index:  # a routed slot stores only the rows that run, at its own length
             lens = static.routed_lens[:, static.routed_index[slot]] + 1
             return decode_slot_meta(meta, columns, read_heads, stores=self.mask, context_lens=lens), slice(None)
-        if read_heads is not None:
-            return decode_slot_meta(meta, columns, read_heads), slice(None)
+        if read_heads is not None or self.mask is not None:  # a row stores its key only at a level it runs
+            return decode_slot_meta(meta, columns, read_heads, stores=self.mask), slice(None)
         return meta, columns
 
     def emit(self, decisions: torch.Tensor) -> None:

@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from depthserve.archs.base import BuildOptions, DepthModel, RequestState
+from depthserve.archs.base import BuildOptions, DepthModel, RequestState, StaticDecodeSpec
 from depthserve.archs.dory.format import (
     DoryConfig,
     DoryPlan,
@@ -274,6 +274,13 @@ class DoryForCausalLM(nn.Module, DepthModel):
 
     def plan(self, depth: DepthParams) -> DoryPlan:
         return dory_plan(self.config, depth)
+
+    def static_decode_spec(self) -> StaticDecodeSpec:
+        """Rows hold the slots of the deepest loop count (per_loop: every pass's; last_loop: one per
+        recurrent layer, which a row writes only at the passes it runs); a row's setting is its
+        loops, and a batch runs capped at its deepest row's. A range of loops decodes eagerly."""
+        deepest = self.plan(DepthParams(loops=self.config.max_loops)).layout
+        return StaticDecodeSpec(deepest, settings=1, levels=tuple(range(1, self.config.max_loops + 1)))
 
     def row_settings(self, plan: DoryPlan, level: int | None) -> np.ndarray:
         return np.array([plan.step_level(level)], dtype=np.float32)
