@@ -16,6 +16,13 @@ from bench.common import DATA_DIR_ENV, data_dir
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Engines a test builds without a KV budget of their own get 0.5 GiB on CPU, not the engine's 1 GiB
+# (committed at start-up; a test module's few engines then held gigabytes): enough for the suite's
+# longest contexts. Server subprocesses the tests start inherit it.
+from depthserve.engine.capacity import CPU_CACHE_ENV  # noqa: E402 (after TRITON_INTERPRET: it imports triton)
+
+os.environ.setdefault(CPU_CACHE_ENV, "0.5")
+
 
 def shared_data_file(name: str) -> Path:
     """A file of the data folder (bench/common.py's `data_dir`: $DEPTHSERVE_DATA_DIR, else

@@ -15,11 +15,17 @@ BLOCK_SIZE = 8
 TINY_HEAD_DIM = 16  # depthserve.tiny.TINY
 
 
+# A tiny engine's KV budget unless a test sets one: 64 MiB, room for hundreds of the tests' longest
+# sequences. Not the engine's CPU default (1 GiB, committed at start-up): with it every engine a test
+# module kept cost a GiB, and the suite grew past 20 GB resident.
+TINY_DEFAULT_PAGES = 1 << 16
+
+
 def tiny_llm(path, pages: int | None = None, max_model_len: int = 256, device: str = "cpu", **kwargs) -> LLM:
-    """An fp32 engine (CPU unless asked) with block size 8 and, if `pages` is given, a KV budget of
-    that many pages."""
+    """An fp32 engine (CPU unless asked) with block size 8 and a KV budget of `pages` pages
+    (TINY_DEFAULT_PAGES when not given)."""
     page_bytes = ModelRunner.page_bytes(BLOCK_SIZE, TINY_HEAD_DIM, torch.float32)
-    gib = None if pages is None else pages * page_bytes / (1 << 30)
+    gib = (TINY_DEFAULT_PAGES if pages is None else pages) * page_bytes / (1 << 30)
     return LLM(str(path), device=device, dtype="float32", load_progress=False, max_model_len=max_model_len,
                block_size=BLOCK_SIZE, kv_cache_memory_gib=gib, **kwargs)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -11,10 +12,11 @@ from depthserve.config import EngineArgs
 from depthserve.depth import DepthParams
 from depthserve.engine.block_manager import BlockManager
 from depthserve.engine.model_runner import ModelRunner
-from depthserve.errors import CacheCapacityError
+from depthserve.errors import CacheCapacityError, ConfigurationError
 
 GIB = 1 << 30
-CPU_CACHE_BYTES = 1 * GIB  # the cache memory on CPU when kv_cache_memory_gib is not set
+CPU_CACHE_BYTES = 1 * GIB  # the cache memory on CPU when kv_cache_memory_gib is not set ...
+CPU_CACHE_ENV = "DEPTHSERVE_CPU_KVCACHE_SPACE"  # ... unless this names it in GiB (vLLM: VLLM_CPU_KVCACHE_SPACE)
 CUDA_FREE_FRACTION = 0.6  # ... and on CUDA: this share of the memory free at start
 
 
@@ -38,7 +40,23 @@ def cache_memory_bytes(kv_cache_memory_gib: float | None, device: torch.device) 
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return CUDA_FREE_FRACTION * free
-    return CPU_CACHE_BYTES
+    return cpu_cache_default_bytes()
+
+
+def cpu_cache_default_bytes() -> float:
+    """The CPU's cache memory when an engine sets none: $DEPTHSERVE_CPU_KVCACHE_SPACE GiB, else 1 GiB
+    (every page is committed at start-up: layers/huge_pages.py)."""
+    named = os.environ.get(CPU_CACHE_ENV, "").strip()
+    if not named:
+        return CPU_CACHE_BYTES
+    try:
+        gib = float(named)
+    except ValueError:
+        gib = -1.0
+    if not 0 < gib < float("inf"):
+        raise ConfigurationError(f"{CPU_CACHE_ENV}={named!r}: the CPU's default KV cache memory must be a "
+                                 "positive number of GiB")
+    return gib * GIB
 
 
 def size_kv_cache(model: DepthModel, args: EngineArgs, device: torch.device, dtype: torch.dtype) -> KVCapacity:
