@@ -117,14 +117,16 @@ def _shared_llm_left_clean(request):
 RSS_LOG_ENV = "DEPTHSERVE_TEST_RSS_LOG"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _release_memory_after_each_module(request):
-    """After a module's own fixtures are gone: collect them, drop torch.compile's graphs (whose
-    guards keep the compiled models alive) and hand freed heap back to the OS (glibc keeps it
-    otherwise), so that the suite's resident memory is that of its largest module rather than the
-    sum of them. With $DEPTHSERVE_TEST_RSS_LOG set, each module's current and peak RSS are appended
-    there (how the suite's memory was measured: docs/benchmarks.md)."""
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """After a module's last test, once its fixtures are torn down and the test let go of them: drop torch.compile's graphs (whose
+    guards keep the compiled models alive), collect, and hand freed heap back to the OS (glibc keeps
+    it otherwise), so that the suite's resident memory is that of the session's fixtures and the
+    module running, not the sum of the modules. With $DEPTHSERVE_TEST_RSS_LOG set, each module's
+    resident memory after it and the peak so far are appended there."""
     yield
+    if nextitem is not None and nextitem.module is item.module:
+        return
     import ctypes
     import gc
 
@@ -137,4 +139,4 @@ def _release_memory_after_each_module(request):
     if log := os.environ.get(RSS_LOG_ENV):
         status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
         with open(log, "a") as out:
-            out.write(f"{request.module.__name__} rss={status['VmRSS'].strip()} peak={status['VmHWM'].strip()}\n")
+            out.write(f"{item.module.__name__} rss={status['VmRSS'].strip()} peak={status['VmHWM'].strip()}\n")
