@@ -131,6 +131,7 @@ def pytest_runtest_protocol(item, nextitem):
     import gc
 
     torch._dynamo.reset()
+    _forget_fastapi_endpoints()
     gc.collect()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
@@ -140,3 +141,16 @@ def pytest_runtest_protocol(item, nextitem):
         status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
         with open(log, "a") as out:
             out.write(f"{item.module.__name__} rss={status['VmRSS'].strip()} peak={status['VmHWM'].strip()}\n")
+
+
+def _forget_fastapi_endpoints() -> None:
+    """FastAPI (0.16x) classifies endpoints through module-level lru_caches keyed by the endpoint
+    function, so every app a test builds stays alive with its engine (the endpoints are closures over
+    it) until those caches are cleared. A server process builds one app; the suite builds dozens."""
+    import functools
+    import sys
+
+    models = sys.modules.get("fastapi.dependencies.models")
+    for value in vars(models).values() if models is not None else ():
+        if isinstance(value, functools._lru_cache_wrapper):
+            value.cache_clear()
