@@ -17,6 +17,7 @@ import common  # noqa: E402
 import serving  # noqa: E402
 
 from depthserve import tiny  # noqa: E402
+from depthserve.engine.capacity import CPU_CACHE_ENV  # noqa: E402
 from depthserve.errors import ConfigurationError  # noqa: E402
 
 
@@ -267,9 +268,10 @@ def test_step_breakdown_splits_each_parts_extra_time_into_fixed_and_per_selected
 
 @pytest.mark.parametrize("arch", ["itt", "sgt", "dreamer", "put"])
 @pytest.mark.slow
-def test_step_breakdown_times_every_part_of_real_decode_steps(tmp_path, arch):
+def test_step_breakdown_times_every_part_of_real_decode_steps(tmp_path, arch, monkeypatch):
     import step_breakdown
 
+    monkeypatch.setenv(CPU_CACHE_ENV, "0.0625")  # the bench holds an engine per setting; tiny models need little
     path = tiny.make_tiny(arch, tmp_path / arch, seed=1)
     ns = step_breakdown.parse_args(["--arch", arch, "--checkpoint", str(path), "--concurrency", "3",
                                     "--input-len", "8", "--decode-steps", "2", "--warmup-steps", "1"])
