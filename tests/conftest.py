@@ -119,9 +119,9 @@ RSS_LOG_ENV = "DEPTHSERVE_TEST_RSS_LOG"
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    """After a module's last test, once its fixtures are torn down and the test let go of them: drop torch.compile's graphs (whose
-    guards keep the compiled models alive), collect, and hand freed heap back to the OS (glibc keeps
-    it otherwise), so that the suite's resident memory is that of the session's fixtures and the
+    """After a module's last test, once its fixtures are torn down and the test let go of them: drop
+    torch.compile's graphs (whose guards keep the compiled models alive), collect, and hand freed heap
+    back to the OS (glibc keeps it otherwise), so that the suite's resident memory is that of the session's fixtures and the
     module running, not the sum of the modules. With $DEPTHSERVE_TEST_RSS_LOG set, each module's
     resident memory after it and the peak so far are appended there."""
     yield

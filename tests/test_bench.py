@@ -17,7 +17,6 @@ import common  # noqa: E402
 import serving  # noqa: E402
 
 from depthserve import tiny  # noqa: E402
-from depthserve.engine.capacity import CPU_CACHE_ENV  # noqa: E402
 from depthserve.errors import ConfigurationError  # noqa: E402
 
 
@@ -268,13 +267,13 @@ def test_step_breakdown_splits_each_parts_extra_time_into_fixed_and_per_selected
 
 @pytest.mark.parametrize("arch", ["itt", "sgt", "dreamer", "put"])
 @pytest.mark.slow
-def test_step_breakdown_times_every_part_of_real_decode_steps(tmp_path, arch, monkeypatch):
+def test_step_breakdown_times_every_part_of_real_decode_steps(tmp_path, arch):
     import step_breakdown
 
-    monkeypatch.setenv(CPU_CACHE_ENV, "0.0625")  # the bench holds an engine per setting; tiny models need little
     path = tiny.make_tiny(arch, tmp_path / arch, seed=1)
     ns = step_breakdown.parse_args(["--arch", arch, "--checkpoint", str(path), "--concurrency", "3",
                                     "--input-len", "8", "--decode-steps", "2", "--warmup-steps", "1"])
+    ns.kv_cache_memory_gib = 1 / 16  # the bench holds an engine per setting (1 GiB each by default)
     rows = step_breakdown.run(ns)
     mechanism = set(step_breakdown.part_targets(arch, [])) - {"weight matmuls", "paged attention"}
     assert mechanism, "every depth architecture times its own mechanism"
