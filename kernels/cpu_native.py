@@ -2,17 +2,20 @@
 VNNI dot products, and the same weights dequantized for prefill GEMMs (`csrc/group_gemm.cpp`); the
 decode step's paged attention and KV store (`csrc/paged_attention.cpp`); RMSNorm (`csrc/norm.cpp`)
 and the rotary embedding (`csrc/rotary.cpp`); a Llama decoder layer's decode step made of those
-(`csrc/decode_layer.cpp`: one layer, or a model's layers in one call); SwiGLU's SiLU(gate) * up (`csrc/activation.cpp`); greedy sampling's argmax and log-normalizer in one call, and a structured-output
-token bitmask applied to logits (`csrc/sampling.cpp`).
+(`csrc/decode_layer.cpp`: one layer, or a model's layers in one call); SwiGLU's SiLU(gate) * up
+(`csrc/activation.cpp`); nGPT's normalisations, interpolations and gates (`csrc/ngpt.cpp`, Dory's
+layers); greedy sampling's argmax and log-normalizer in one call, and a structured-output token
+bitmask applied to logits (`csrc/sampling.cpp`).
 
 Built on first use with torch's extension builder (g++ and ninja, about a minute, logged as a
 warning when it starts; the build is cached under `TORCH_EXTENSIONS_DIR` in a folder named by the
 checkout, so two checkouts never rebuild each other's; `make test` and `make serve` build it once at
-install) and loaded as
-the torch ops `depthserve_cpu::group_gemm`, `group_dequantize`, `paged_decode_attention`,
-`paged_prefill_attention_varlen`, `store_kv`, `rms_norm`, `apply_rope`, `silu_and_mul`, `llama_decode_layers`, `greedy_pick` and `apply_token_bitmask`. Only on CPUs
-with AVX-512 F/BW/VL and AVX-512 VNNI: elsewhere, or where the build fails, `available()` is False
-and the quantized layers use torch's weight-only kernels (the reason is logged once).
+install) and loaded as the torch ops `depthserve_cpu::group_gemm`, `group_dequantize`,
+`paged_decode_attention`, `paged_prefill_attention_varlen`, `store_kv`, `rms_norm`, `apply_rope`,
+`silu_and_mul`, `llama_decode_layers`, `l2_normalize`, `ngpt_interpolate`, `gated_l2_normalize`,
+`swiglu_l2_normalize`, `unit_rope`, `greedy_pick` and `apply_token_bitmask`. Only on CPUs with
+AVX-512 F/BW/VL and AVX-512 VNNI: elsewhere, or where the build fails, `available()` is False and
+the quantized layers use torch's weight-only kernels (the reason is logged once).
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
 EXTENSION_PREFIX = "depthserve_cpu_kernels"  # + a hash of SOURCE_DIR (extension_name)
 SOURCES = [SOURCE_DIR / name
            for name in ("group_gemm.cpp", "paged_attention.cpp", "norm.cpp", "rotary.cpp", "activation.cpp",
-                        "decode_layer.cpp", "sampling.cpp")]
+                        "decode_layer.cpp", "sampling.cpp", "ngpt.cpp")]
 CFLAGS = ["-O3", "-fopenmp", "-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
           "-mavx512vnni"]
 FLOAT_DTYPES = (torch.float32, torch.bfloat16)  # the activations, norms, tables and pages the kernels take
@@ -124,7 +127,7 @@ def _register_fakes() -> None:
         return x.new_empty(x.shape[0], out_features)
 
     @torch.library.register_fake("depthserve_cpu::paged_decode_attention")
-    def _(q, k_pages, v_pages, page_table, context_lens, scale):
+    def _(q, k_pages, v_pages, page_table, context_lens, scale, window=None):
         return torch.empty_like(q)
 
     @torch.library.register_fake("depthserve_cpu::rms_norm")
@@ -241,13 +244,21 @@ def attention_fits(head_dim: int, num_q_heads: int, num_kv_heads: int, *tensors:
 
 
 def paged_decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, page_table: torch.Tensor,
-                           context_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """kernels/paged.py's `paged_decode_attention` as one native call (there where the shapes fit)."""
+                           context_lens: torch.Tensor, scale: float, window: int | None = None) -> torch.Tensor:
+    """kernels/paged.py's `paged_decode_attention` as one native call (there where the shapes fit);
+    `window`: a sliding-window layer's (the kernel reads only the window's keys)."""
     if not attention_fits(q.shape[-1], q.shape[1], page_table.shape[1], q, k_pages, v_pages) or q.stride(-1) != 1:
         from depthserve.kernels import paged
 
-        return paged.paged_decode_attention(q, k_pages, v_pages, page_table, context_lens, scale)
-    return torch.ops.depthserve_cpu.paged_decode_attention(q, k_pages, v_pages, page_table, context_lens, scale)
+        return paged.paged_decode_attention(q, k_pages, v_pages, page_table, context_lens, scale, window)
+    return torch.ops.depthserve_cpu.paged_decode_attention(q, k_pages, v_pages, page_table, context_lens, scale, window)
+
+
+def paged_window_decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
+                                  page_table: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                                  window: int) -> torch.Tensor:
+    """kernels/paged.py's `paged_window_decode_attention`: the decode attention of a sliding-window layer."""
+    return paged_decode_attention(q, k_pages, v_pages, page_table, context_lens, scale, window)
 
 
 def paged_prefill_attention_varlen(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
@@ -281,19 +292,13 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_pages: torch.Tensor, v_pages: t
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """F.rms_norm over the last dimension as one native call (x fp32 or bf16, on the CPU)."""
-    rows = x.reshape(-1, x.shape[-1])
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
-    return torch.ops.depthserve_cpu.rms_norm(rows, weight, eps).view(x.shape)
+    return torch.ops.depthserve_cpu.rms_norm(rows_of(x), weight, eps).view(x.shape)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """SiLU(gate) * up of x [..., 2 * width] = [gate | up], in fp32 and rounded once to x's dtype
     (csrc/activation.cpp)."""
-    rows = x.reshape(-1, x.shape[-1])
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
-    return torch.ops.depthserve_cpu.silu_and_mul(rows).view(*x.shape[:-1], x.shape[-1] // 2)
+    return torch.ops.depthserve_cpu.silu_and_mul(rows_of(x)).view(*x.shape[:-1], x.shape[-1] // 2)
 
 
 def greedy_pick(logits: torch.Tensor, floor: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -314,6 +319,40 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """layers/rotary.py's `apply_rope` (x [tokens, heads, head_dim]; cos, sin [tokens, head_dim / 2])
     as one native call, in fp32 and rounded once to x's dtype."""
     return torch.ops.depthserve_cpu.apply_rope(x, cos, sin)
+
+
+def rows_of(x: torch.Tensor) -> torch.Tensor:
+    """x as [rows, last dimension] with unit-stride rows (a view where it can be)."""
+    rows = x.reshape(-1, x.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def l2_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / sqrt(sum x^2 + eps) along the last dimension (csrc/ngpt.cpp)."""
+    return torch.ops.depthserve_cpu.l2_normalize(x, eps)
+
+
+def ngpt_interpolate(h: torch.Tensor, y: torch.Tensor, rate: torch.Tensor, eps: float, normalize: bool) -> torch.Tensor:
+    """h + rate * (N(y) - h), and N of that where `normalize` (csrc/ngpt.cpp)."""
+    return torch.ops.depthserve_cpu.ngpt_interpolate(h, y, rate, eps, normalize)
+
+
+def gated_l2_normalize(x: torch.Tensor, gate: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+    """N(x * sigmoid(gate * scale)) (csrc/ngpt.cpp)."""
+    return torch.ops.depthserve_cpu.gated_l2_normalize(x, gate, scale, eps)
+
+
+def swiglu_l2_normalize(gate: torch.Tensor, up: torch.Tensor, gate_scale: torch.Tensor, up_scale: torch.Tensor,
+                        eps: float) -> torch.Tensor:
+    """N(silu(gate * gate_scale) * (up * up_scale)) (csrc/ngpt.cpp)."""
+    return torch.ops.depthserve_cpu.swiglu_l2_normalize(gate, up, gate_scale, up_scale, eps)
+
+
+def unit_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, scale: torch.Tensor | None,
+              eps: float) -> torch.Tensor:
+    """Per head of x [tokens, heads, head_dim]: N(x), rotated by cos, sin [tokens, head_dim / 2], times
+    scale [heads * head_dim] where given (csrc/ngpt.cpp)."""
+    return torch.ops.depthserve_cpu.unit_rope(x, cos, sin, scale, eps)
 
 
 def llama_decode_layers(x: torch.Tensor, norms: list[torch.Tensor], eps: float, weights: list[torch.Tensor],

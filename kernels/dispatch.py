@@ -34,19 +34,21 @@ from depthserve.errors import ConfigurationError
 from depthserve.kernels.ops import KernelOp, Target
 
 FAMILIES: dict[str, tuple[str, ...]] = {
-    "paged": ("store_kv", "paged_decode_attention", "paged_prefill_attention", "paged_prefill_attention_varlen"),
+    "paged": ("store_kv", "paged_decode_attention", "paged_window_decode_attention", "paged_prefill_attention",
+              "paged_prefill_attention_varlen"),
     "itt": ("itt_route", "itt_update"),
     "depth": ("depth_attention",),
     "saobp": ("saobp_decode_attention", "saobp_bias_update", "saobp_prefill_attention"),
 }
 OP_NAMES = tuple(name for names in FAMILIES.values() for name in names)
-# paged_prefill_attention: the varlen kernel covers single prompts; saobp_prefill_attention: torch only
-TRITON_OPS = frozenset(OP_NAMES) - {"paged_prefill_attention", "saobp_prefill_attention"}
+# paged_prefill_attention: the varlen kernel covers single prompts; paged_window_decode_attention: the
+# Triton kernel takes no window; saobp_prefill_attention: torch only
+TRITON_OPS = frozenset(OP_NAMES) - {"paged_prefill_attention", "paged_window_decode_attention", "saobp_prefill_attention"}
 BACKENDS = ("auto", "torch", "triton")
 # kernels/csrc/paged_attention.cpp; greedy_pick and apply_token_bitmask (csrc/sampling.cpp) have no torch
 # twin here: the sampler's and depthserve/structured/bitmask.py's own torch code is their fallback
-NATIVE_CPU_OPS = frozenset({"store_kv", "paged_decode_attention", "paged_prefill_attention_varlen", "greedy_pick",
-                            "apply_token_bitmask"})
+NATIVE_CPU_OPS = frozenset({"store_kv", "paged_decode_attention", "paged_window_decode_attention",
+                            "paged_prefill_attention_varlen", "greedy_pick", "apply_token_bitmask"})
 
 
 def native_cpu_op(name: str) -> Callable | None:

@@ -95,6 +95,14 @@ def paged_decode_attention(
     return out.reshape(batch, num_q_heads, head_dim)
 
 
+def paged_window_decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
+                                  page_table: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                                  window: int) -> torch.Tensor:
+    """paged_decode_attention of a sliding-window layer: its own op, since only this form and the
+    native CPU kernel take a window (the Triton kernel attends over the whole context)."""
+    return paged_decode_attention(q, k_pages, v_pages, page_table, context_lens, scale, window)
+
+
 def paged_prefill_attention(
     q: torch.Tensor,  # [num_queries, num_q_heads, head_dim], positions start..start+n-1 of one sequence
     k_pages: torch.Tensor,

@@ -341,3 +341,119 @@ def test_silu_and_mul_equals_torch_rounded_once(dtype, width):
     tol = 1e-6 if dtype == torch.float32 else 2 ** -8  # fp32: the polynomial; bf16: one rounding
     assert ((got.double() - want).abs() <= tol * want.abs() + 1e-30).all()
     assert torch.isnan(cpu_native.silu_and_mul(torch.full((1, 4), float("nan"), dtype=dtype))).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [1, 5, 8, 20, 1000])
+def test_windowed_decode_attention_reads_only_the_window(dtype, window):
+    """A sliding-window layer's decode attention: the torch form's meaning, and no key before the
+    window is read. Every table entry before the window points at a page of NaNs (a page given back
+    and reused), which would turn the output NaN if the kernel touched it."""
+    from depthserve.kernels import paged
+
+    num_q, num_kv, dim, block_size, blocks = 6, 2, 64, 8, 6
+    k_pages, v_pages = _pool(40, block_size, dim, dtype, seed=window)
+    poisoned = 39
+    k_pages[poisoned], v_pages[poisoned] = float("nan"), float("nan")
+    generator = torch.Generator().manual_seed(window)
+    table = torch.randint(0, poisoned, (3, num_kv, blocks), generator=generator, dtype=torch.int32)
+    lengths = torch.tensor([1, 19, blocks * block_size])
+    q = torch.randn(3, num_q, dim, generator=generator).to(dtype)
+    want = paged.paged_decode_attention(q, k_pages, v_pages, table, lengths, 0.125, window)
+    for row, length in enumerate(lengths.tolist()):
+        table[row, :, : max(0, length - window) // block_size] = poisoned  # pages wholly before the window
+    got = cpu_native.paged_window_decode_attention(q, k_pages, v_pages, table, lengths, 0.125, window)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert not torch.isnan(got).any()
+    assert (got.float() - want.float()).abs().max() <= tol * want.float().abs().max()
+
+
+def test_the_auto_backend_takes_the_native_kernel_for_windowed_decode_only_on_cpu():
+    from depthserve.kernels import Kernels, paged
+
+    auto = Kernels("auto")
+    assert getattr(auto.paged_window_decode_attention, "__wrapped__", auto.paged_window_decode_attention) is \
+        cpu_native.paged_window_decode_attention
+    assert Kernels("torch").paged_window_decode_attention is paged.paged_window_decode_attention
+    gpu_engine = Kernels("auto", native_cpu=False)
+    assert gpu_engine.paged_window_decode_attention is paged.paged_window_decode_attention
+
+
+# ---- nGPT (csrc/ngpt.cpp) against layers/ngpt.py's torch forms in float64 -----------------------------
+NGPT_WIDTHS = [2560, 40, 16]
+
+
+def _ngpt_tolerance(dtype: torch.dtype) -> float:
+    return 1e-6 if dtype == torch.float32 else 2 ** -8  # fp32: summation order and e^x; bf16: one rounding
+
+
+def _close_rounded_once(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor) -> bool:
+    """Within one rounding of the dtype of values of magnitude `scale` (per row) of the float64 value."""
+    return bool(((got.double() - want).abs() <= _ngpt_tolerance(dtype) * scale + 1e-7).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", NGPT_WIDTHS)
+def test_ngpt_normalisation_and_interpolation_equal_the_torch_forms(dtype, width):
+    from depthserve.layers import ngpt
+
+    generator = torch.Generator().manual_seed(width)
+    wide = (torch.randn(2, 3, width + 8, generator=generator) * 4).to(dtype)
+    x = wide[..., :width]  # rows with a stride: the op copies them
+    y = (torch.randn(2, 3, width, generator=generator) * 2).to(dtype)
+    rate = torch.rand(width, generator=generator).to(dtype)
+    eps = 1e-6
+    got = cpu_native.l2_normalize(x, eps)
+    assert got.shape == x.shape and got.dtype == dtype
+    assert _close_rounded_once(got, ngpt._l2_normalize_torch(x.double(), eps), dtype, torch.ones(()))
+    h = cpu_native.l2_normalize(y, eps)
+    for normalize in (False, True):
+        got = cpu_native.ngpt_interpolate(h, x, rate, eps, normalize)
+        want = ngpt._interpolate_torch(h.double(), x.double(), rate.double(), eps, normalize)
+        assert got.shape == h.shape and got.dtype == dtype
+        assert _close_rounded_once(got, want, dtype, want.abs().amax(dim=-1, keepdim=True))
+    assert torch.isnan(cpu_native.l2_normalize(torch.full((1, width), float("nan"), dtype=dtype), eps)).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", NGPT_WIDTHS)
+def test_ngpt_gates_equal_the_torch_forms(dtype, width):
+    """Attention's sigmoid gate and the MLP's scaled SwiGLU, each normalised, over the range the
+    sigmoid bends in and its saturated tails."""
+    from depthserve.layers import ngpt
+
+    generator = torch.Generator().manual_seed(width + 1)
+    x, gate, up = ((torch.randn(5, width, generator=generator) * 6).to(dtype) for _ in range(3))
+    gate[0] = torch.linspace(-100, 100, width).to(dtype)
+    scale, up_scale = (torch.rand(width, generator=generator).to(dtype) * 2 for _ in range(2))
+    eps = 1e-6
+    got = cpu_native.gated_l2_normalize(x, gate, scale, eps)
+    want = ngpt._gated_torch(x.double(), gate.double(), scale.double(), eps)
+    assert got.shape == x.shape and _close_rounded_once(got, want, dtype, torch.ones(()))
+    got = cpu_native.swiglu_l2_normalize(gate, up, scale, up_scale, eps)
+    want = ngpt._swiglu_torch(gate.double(), up.double(), scale.double(), up_scale.double(), eps)
+    assert got.shape == x.shape and _close_rounded_once(got, want, dtype, torch.ones(()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [256, 48])
+@pytest.mark.parametrize("scaled", [True, False])
+def test_unit_rope_equals_the_torch_form(dtype, head_dim, scaled):
+    from depthserve.layers import ngpt, rotary
+
+    heads, positions = 3, torch.tensor([0, 5, 63, 17])
+    cos, sin = rotary.rope_tables(head_dim, 64, 10000.0)
+    generator = torch.Generator().manual_seed(head_dim)
+    wide = (torch.randn(4, heads, head_dim + 16, generator=generator) * 3).to(dtype)
+    x = wide[..., :head_dim]  # a view with a row stride, as a projection's split gives
+    scale = torch.rand(heads * head_dim, generator=generator).to(dtype) * 4 if scaled else None
+    got = cpu_native.unit_rope(x, cos[positions], sin[positions], scale, 1e-6)
+    normed = ngpt._l2_normalize_torch(x.double(), 1e-6)
+    half = head_dim // 2
+    c, s = cos[positions].double()[:, None], sin[positions].double()[:, None]
+    want = torch.cat((normed[..., :half] * c - normed[..., half:] * s, normed[..., half:] * c + normed[..., :half] * s),
+                     dim=-1)
+    if scale is not None:
+        want = want * scale.double().view(heads, head_dim)
+    assert got.dtype == dtype and got.is_contiguous() and got.shape == x.shape
+    assert _close_rounded_once(got, want, dtype, want.abs().amax(dim=-1, keepdim=True))

@@ -265,6 +265,46 @@ def test_released_layout_checkpoint_serves_the_same(ckpts):
     _check(ckpts["per_loop"], prompt, {"loops": 3}, out.outputs[0], stats)
 
 
+def _with_biases(path, out):
+    """The checkpoint with `attention_bias` and `mlp_bias` set and random biases on W_Q, W_K, W_V, W_O
+    and the MLP's three projections (transformers' output gate W_G has none)."""
+    shutil.copytree(path, out)
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "attention_bias": True, "mlp_bias": True}))
+    weights = load_file(str(path / "model.safetensors"))
+    generator = torch.Generator().manual_seed(8)
+    for name, tensor in list(weights.items()):
+        if name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "up_proj.weight",
+                          "down_proj.weight")) or name.endswith("mlp.gate_proj.weight"):
+            weights[name.removesuffix("weight") + "bias"] = torch.randn(tensor.shape[0], generator=generator) * 0.3
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def test_biased_projections_serve_the_same(ckpts, tmp_path):
+    """W_Q, W_K, W_V and W_G run as one packed product, W_gate and W_up as another: with biases the
+    packed bias holds W_G's rows as zeros."""
+    path = _with_biases(ckpts["per_loop"], tmp_path / "biased")
+    prompts = [_ids(21, seed=11), _ids(9, seed=12)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
+    loops = [1, 4]
+    outputs = tiny_llm(path).generate(prompts, params, [DepthParams(loops=n) for n in loops])
+    stats = {"tokens": 0, "max_err": 0.0}
+    for prompt, n, out in zip(prompts, loops, outputs, strict=True):
+        _check(path, prompt, {"loops": n}, out.outputs[0], stats)
+    unbiased = tiny_llm(ckpts["per_loop"]).generate(prompts[:1], params, DepthParams(loops=1))[0]
+    assert unbiased.outputs[0].token_ids != outputs[0].outputs[0].token_ids  # the biases mattered
+
+
+def test_a_packed_projection_missing_a_shard_is_refused(ckpts, tmp_path):
+    out = shutil.copytree(ckpts["per_loop"], tmp_path / "no-k")
+    weights = load_file(str(out / "model.safetensors"))
+    del weights[next(name for name in weights if name.endswith("layers.2.self_attn.k_proj.weight"))]
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointFormatError, match=r"layers\.2\.self_attn\.qkvg_proj\.weight .*shards \[1\] are missing"):
+        tiny_llm(out)
+
+
 @pytest.mark.parametrize("depth, match", [
     ({"loops": 0}, "1..8"),
     ({"loops": 9}, "1..8"),

@@ -112,8 +112,9 @@ def paged_attention(
     """Store the step's keys/values in the slot, then attend causally. Returns [num_tokens, num_q_heads, head_dim].
 
     `window`: a query sees only the last `window` keys, its own included (a sliding-window layer).
-    Only the torch implementations (kernels/paged.py) take a window, so a windowed layer runs
-    them on every backend; the native and Triton kernels attend over the whole context."""
+    Its decoding rows take `paged_window_decode_attention` (torch, or the native CPU kernel), its
+    prompt chunks the torch implementation on every backend (the native prefill and Triton kernels
+    attend over the whole context)."""
     meta.kernels.store_kv(k, v, pool.k_pages, pool.v_pages, meta.slot_index[:, slot_columns])
     if window is not None:
         return _windowed_attention(q, pool, meta, slot_columns, scale, window)
@@ -135,7 +136,9 @@ def paged_attention(
 
 def _windowed_attention(q: torch.Tensor, pool: KVPool, meta: AttentionMetadata, slot_columns: slice, scale: float,
                         window: int) -> torch.Tensor:
-    """paged_attention's attention step for a sliding-window layer, on the torch implementations."""
+    """paged_attention's attention step for a sliding-window layer (paged_attention's docstring)."""
+    if not meta.prefills and meta.num_decodes:  # decode only: the kernel's output as it is
+        return _decode_attention(q, pool, meta, slot_columns, scale, window)
     out = torch.empty_like(q)
     if meta.prefills:
         rows = slice(0, meta.num_prefill_tokens)
@@ -145,17 +148,19 @@ def _windowed_attention(q: torch.Tensor, pool: KVPool, meta: AttentionMetadata, 
             q[rows], pool.k_pages, pool.v_pages, tables, packed.query_starts, packed.context_lens, scale, window)
     if meta.num_decodes:
         rows = slice(meta.num_prefill_tokens, None)
-        table = meta.decode_page_table[:, :, slot_columns].transpose(1, 2)
-        out[rows] = paged_ops.paged_decode_attention(q[rows], pool.k_pages, pool.v_pages, table,
-                                                     meta.decode_context_lens, scale, window)
+        out[rows] = _decode_attention(q[rows], pool, meta, slot_columns, scale, window)
     return out
 
 
 def _decode_attention(q: torch.Tensor, pool: KVPool, meta: AttentionMetadata, slot_columns: slice,
-                      scale: float) -> torch.Tensor:
-    """The decoding rows' queries `q` against the slot's pages."""
+                      scale: float, window: int | None = None) -> torch.Tensor:
+    """The decoding rows' queries `q` against the slot's pages (the last `window` keys where given)."""
     table = meta.decode_page_table[:, :, slot_columns].transpose(1, 2)  # [batch, kv_heads, blocks]
-    return meta.kernels.paged_decode_attention(q, pool.k_pages, pool.v_pages, table, meta.decode_context_lens, scale)
+    if window is None:
+        return meta.kernels.paged_decode_attention(q, pool.k_pages, pool.v_pages, table, meta.decode_context_lens,
+                                                   scale)
+    return meta.kernels.paged_window_decode_attention(q, pool.k_pages, pool.v_pages, table, meta.decode_context_lens,
+                                                      scale, window)
 
 
 def decode_slot_meta(meta: AttentionMetadata, columns: slice, read_heads: tuple[int, ...] | None = None, *,

@@ -28,7 +28,7 @@ using NormSignature = at::Tensor(const at::Tensor&, const at::Tensor&, double);
 using RopeSignature = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&);
 using StoreSignature = void(const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&);
 using AttentionSignature = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                      const at::Tensor&, double);
+                                      const at::Tensor&, double, c10::optional<int64_t>);
 using GateSignature = at::Tensor(const at::Tensor&);
 
 struct NativeOps {
@@ -74,7 +74,7 @@ at::Tensor decode_layer(const NativeOps& native, const at::Tensor& x, const at::
   const at::Tensor q = qk.narrow(1, 0, num_heads), k = qk.narrow(1, num_heads, kv_heads);
   const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({rows, kv_heads, head_dim});
   native.store.call(k, v, k_pages, v_pages, slot_index);
-  const at::Tensor attended = native.attention.call(q, k_pages, v_pages, page_table, context_lens, scale);
+  const at::Tensor attended = native.attention.call(q, k_pages, v_pages, page_table, context_lens, scale, c10::nullopt);
   const at::Tensor h = at::add(x, project(attended.view({rows, q_size}), kOut));
 
   const at::Tensor gate_up = project(native.norm.call(h, post_norm, eps), kGateUp);

@@ -230,21 +230,24 @@ void attend_chunk(const Q* q, int64_t q_token_stride, int64_t q_head_stride, int
               _mm512_maskz_loadu_ps(lanes[c], acc.data() + r * dim + 16 * c), lanes[c]);
 }
 
-// Each key's element offset into the pages, walked page by page (an integer division per key and
-// pass cost more than the key's arithmetic).
+// Each key's element offset into the pages, keys first .. length - 1 (offsets[0] is key first's),
+// walked page by page (an integer division per key and pass cost more than the key's arithmetic).
+// The pages of keys before `first` are never read: a sliding window's may have been given back.
 template <typename I>
-void key_offsets(const I* pages, int64_t page_stride, int64_t length, int64_t block_size, int64_t dim,
+void key_offsets(const I* pages, int64_t page_stride, int64_t first, int64_t length, int64_t block_size, int64_t dim,
                  std::vector<int64_t>& offsets) {
-  offsets.resize(std::max<int64_t>(length, 0));
-  for (int64_t t0 = 0, b = 0; t0 < length; t0 += block_size, ++b) {
-    const int64_t first = static_cast<int64_t>(pages[b * page_stride]) * block_size * dim;
-    for (int64_t t = t0; t < std::min(length, t0 + block_size); ++t) offsets[t] = first + (t - t0) * dim;
+  offsets.resize(std::max<int64_t>(length - first, 0));
+  for (int64_t t = first; t < length;) {
+    const int64_t b = t / block_size, page_end = std::min(length, (b + 1) * block_size);
+    const int64_t base = (static_cast<int64_t>(pages[b * page_stride]) - b) * block_size * dim;
+    for (; t < page_end; ++t) offsets[t - first] = base + t * dim;
   }
 }
 
 template <typename Q, typename P, typename I>
 void decode_attention(const at::Tensor& q, const at::Tensor& k_pages, const at::Tensor& v_pages,
-                      const at::Tensor& table, const std::vector<int64_t>& lengths, double scale, at::Tensor& out) {
+                      const at::Tensor& table, const std::vector<int64_t>& lengths, double scale, int64_t window,
+                      at::Tensor& out) {
   const int64_t batch = q.size(0), q_heads = q.size(1), dim = q.size(2), kv_heads = table.size(1);
   const int64_t blocks = table.size(2), block_size = k_pages.size(1), group = q_heads / kv_heads;
   const Q* q_data = q.data_ptr<Q>();
@@ -259,14 +262,16 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_pages, const at::
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i / kv_heads, h = i % kv_heads;
       const int64_t length = std::min(lengths[b], blocks * block_size);
+      const int64_t first_key = window > 0 ? std::max<int64_t>(0, length - window) : 0;
       const int64_t first_head = h * group;
-      key_offsets(table_data + b * table.stride(0) + h * table.stride(1), table.stride(2), length, block_size, dim,
-                  offsets);
+      key_offsets(table_data + b * table.stride(0) + h * table.stride(1), table.stride(2), first_key, length,
+                  block_size, dim, offsets);
       const Q* q_first = q_data + b * q.stride(0) + first_head * q.stride(1);
       Q* out_first = out_data + (b * q_heads + first_head) * dim;
       auto attend = [&](auto chunk_count) {
         attend_one<decltype(chunk_count)::value, Q, P>(q_first, q.stride(1), group, k_data, v_data, offsets.data(),
-                                                      length, dim, static_cast<float>(scale), out_first, dim, scores);
+                                                      length - first_key, dim, static_cast<float>(scale), out_first,
+                                                      dim, scores);
       };
       if (chunks <= 1) attend(std::integral_constant<int, 1>{});
       else if (chunks <= 2) attend(std::integral_constant<int, 2>{});
@@ -280,9 +285,11 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_pages, const at::
 template <typename Q, typename P>
 void decode_attention_indexed(const at::Tensor& q, const at::Tensor& k_pages, const at::Tensor& v_pages,
                               const at::Tensor& table, const std::vector<int64_t>& lengths, double scale,
-                              at::Tensor& out) {
-  if (table.scalar_type() == at::kInt) decode_attention<Q, P, int32_t>(q, k_pages, v_pages, table, lengths, scale, out);
-  else decode_attention<Q, P, int64_t>(q, k_pages, v_pages, table, lengths, scale, out);
+                              int64_t window, at::Tensor& out) {
+  if (table.scalar_type() == at::kInt)
+    decode_attention<Q, P, int32_t>(q, k_pages, v_pages, table, lengths, scale, window, out);
+  else
+    decode_attention<Q, P, int64_t>(q, k_pages, v_pages, table, lengths, scale, window, out);
 }
 
 std::vector<int64_t> as_lengths(const at::Tensor& context_lens) {
@@ -297,8 +304,10 @@ std::vector<int64_t> as_lengths(const at::Tensor& context_lens) {
   return lengths;
 }
 
+// `window`: a query sees only the last `window` keys, its own included (a sliding-window layer); none: all.
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pages, const at::Tensor& v_pages,
-                                  const at::Tensor& page_table, const at::Tensor& context_lens, double scale) {
+                                  const at::Tensor& page_table, const at::Tensor& context_lens, double scale,
+                                  c10::optional<int64_t> window) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "paged_decode_attention: q must be [batch, heads, dim], dim contiguous");
   TORCH_CHECK(k_pages.is_contiguous() && v_pages.is_contiguous() && k_pages.dtype() == v_pages.dtype(),
               "paged_decode_attention: contiguous K and V pages of one dtype");
@@ -315,7 +324,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pages
   at::Tensor out = at::empty({q.size(0), q.size(1), dim}, q.options());
   depthserve_simd::with_float_types(q.scalar_type(), k_pages.scalar_type(), "paged_decode_attention",
                                     [&](auto query, auto page) {
-    decode_attention_indexed<decltype(query), decltype(page)>(q, k_pages, v_pages, page_table, lengths, scale, out);
+    decode_attention_indexed<decltype(query), decltype(page)>(q, k_pages, v_pages, page_table, lengths, scale,
+                                                              window.value_or(0), out);
   });
   return out;
 }
@@ -362,7 +372,7 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& k_pages, const at:
         const int64_t start = lengths[item.seq] - count + item.first;  // position of the run's first query
         TORCH_CHECK(start >= 0 && start + item.count <= blocks * block_size,
                     "paged_prefill_attention_varlen: context length out of the page table's range");
-        key_offsets(table_data + item.seq * tables.stride(0) + item.head * tables.stride(1), tables.stride(2),
+        key_offsets(table_data + item.seq * tables.stride(0) + item.head * tables.stride(1), tables.stride(2), 0,
                     start + item.count, block_size, dim, offsets);
         const int64_t token = query_starts[item.seq] + item.first, first_head = item.head * group;
         const Q* q_first = q_data + token * q.stride(0) + first_head * q.stride(1);
@@ -461,7 +471,7 @@ void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_pages, at:
 
 TORCH_LIBRARY_FRAGMENT(depthserve_cpu, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_pages, Tensor v_pages, Tensor page_table, Tensor context_lens, "
-        "float scale) -> Tensor");
+        "float scale, int? window=None) -> Tensor");
   m.def("paged_prefill_attention_varlen(Tensor q, Tensor k_pages, Tensor v_pages, Tensor page_tables, "
         "Tensor query_starts, Tensor context_lens, float scale) -> Tensor");
   m.def("store_kv(Tensor k, Tensor v, Tensor(a!) k_pages, Tensor(b!) v_pages, Tensor slot_index) -> ()");

@@ -40,7 +40,6 @@ from dataclasses import replace
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from depthserve.archs.base import BuildOptions, DepthModel, RequestState, StaticDecodeSpec
@@ -60,7 +59,8 @@ from depthserve.depth import DepthParams, DepthReport, KnobSpec
 from depthserve.errors import CheckpointFormatError
 from depthserve.layers.attention import AttentionMetadata, KVPool, paged_attention
 from depthserve.layers.batch import BatchItem
-from depthserve.layers.rotary import apply_rope, rope_tables
+from depthserve.layers.ngpt import gated_l2_normalize, interpolate, l2_normalize, swiglu_l2_normalize, unit_rope
+from depthserve.layers.rotary import rope_tables
 from depthserve.layers.rows import StepRows, step_rows
 
 L2_EPS = 1e-6  # transformers' DoryL2Norm
@@ -68,12 +68,18 @@ L2_EPS = 1e-6  # transformers' DoryL2Norm
 
 def unit_norm(x: torch.Tensor) -> torch.Tensor:
     """x projected onto the unit sphere along its last dimension (computed in fp32)."""
-    y = x.float()
-    return (y * torch.rsqrt(y.pow(2).sum(-1, keepdim=True) + L2_EPS)).type_as(x)
+    return l2_normalize(x, L2_EPS)
 
 
 def _scale(size: int, init: float) -> nn.Parameter:
     return nn.Parameter(torch.full((size,), init), requires_grad=False)
+
+
+def _derived(module: nn.Module, *names: str) -> None:
+    """Buffers (moved and cast with the module, never saved) that `derive_scales` fills once the
+    weights are loaded."""
+    for name in names:
+        module.register_buffer(name, None, persistent=False)
 
 
 class RoutedWindow:
@@ -140,11 +146,11 @@ class DoryAttention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, q_size, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, kv_size, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, kv_size, bias=cfg.attention_bias)
+        # W_Q, W_K, W_V and the output gate's W_G as one product (the checkpoint's four, rows stacked;
+        # the gate has no bias: its rows of the bias are zeros)
+        self.shard_sizes = (q_size, kv_size, kv_size, q_size)
+        self.qkvg_proj = nn.Linear(cfg.hidden_size, sum(self.shard_sizes), bias=cfg.attention_bias)
         self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=cfg.attention_bias)
-        self.gate_proj = nn.Linear(cfg.hidden_size, q_size, bias=False)
         self.sqk = _scale(q_size, cfg.initializer_range)
         self.s_gate = _scale(q_size, cfg.initializer_range)
         # the stored scales are used as s * (their init value) / initializer_range
@@ -152,37 +158,45 @@ class DoryAttention(nn.Module):
         self.s_gate_factor = cfg.hidden_size**0.25 / cfg.initializer_range
         self.scale = cfg.head_dim**-0.5
         self.window = cfg.window(index)
+        _derived(self, "q_scale", "gate_scale")
+
+    def derive_scales(self) -> None:
+        """The learned scales as the forward applies them, computed once from the loaded weights."""
+        self.q_scale = (self.sqk * self.sqk_factor).square()
+        self.gate_scale = (self.s_gate * self.s_gate_factor).square()
 
     def forward(self, x, cos, sin, pool: KVPool, meta: AttentionMetadata, columns: slice,
                 routed_window: RoutedWindow | None = None) -> torch.Tensor:
         n = x.shape[0]
-        q = unit_norm(self.q_proj(x).view(n, self.num_heads, self.head_dim))
-        k = unit_norm(self.k_proj(x).view(n, self.num_kv_heads, self.head_dim))
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        q = q * (self.sqk * self.sqk_factor).view(self.num_heads, self.head_dim).square()
+        q, k, v, gate = self.qkvg_proj(x).split(self.shard_sizes, dim=-1)
+        q = unit_rope(q.view(n, self.num_heads, self.head_dim), cos, sin, self.q_scale, L2_EPS)
+        k = unit_rope(k.view(n, self.num_kv_heads, self.head_dim), cos, sin, None, L2_EPS)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
         if routed_window is not None and self.window is not None:
             out = routed_window.attention(q, k, v, pool, meta, self.scale, self.window).reshape(n, -1)
         else:
             out = paged_attention(q, k, v, pool, meta, columns, self.scale, self.window).reshape(n, -1)
-        out = out * torch.sigmoid(self.gate_proj(x) * (self.s_gate * self.s_gate_factor).square())
-        return self.o_proj(unit_norm(out))
+        return self.o_proj(gated_l2_normalize(out, gate, self.gate_scale, L2_EPS))
 
 
 class DoryMLP(nn.Module):
     def __init__(self, cfg: DoryConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.shard_sizes = (cfg.intermediate_size, cfg.intermediate_size)  # W_gate and W_up as one product
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, sum(self.shard_sizes), bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
         self.suv_gate = _scale(cfg.intermediate_size, 1.0)
         self.suv_up = _scale(cfg.intermediate_size, 1.0)
         self.suv_factor = cfg.hidden_size**0.5
+        _derived(self, "gate_scale", "up_scale")
+
+    def derive_scales(self) -> None:
+        self.gate_scale = self.suv_gate * self.suv_factor
+        self.up_scale = self.suv_up * self.suv_factor
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate = self.gate_proj(x) * (self.suv_gate * self.suv_factor)
-        up = self.up_proj(x) * (self.suv_up * self.suv_factor)
-        return self.down_proj(unit_norm(F.silu(gate) * up))
+        gate, up = self.gate_up_proj(x).split(self.shard_sizes, dim=-1)
+        return self.down_proj(swiglu_l2_normalize(gate, up, self.gate_scale, self.up_scale, L2_EPS))
 
 
 class DoryDecoderLayer(nn.Module):
@@ -194,14 +208,19 @@ class DoryDecoderLayer(nn.Module):
         self.lambda_1 = _scale(cfg.hidden_size, cfg.initializer_range)
         self.lambda_2 = _scale(cfg.hidden_size, cfg.initializer_range)
         self.lambda_factor = cfg.ngpt_alpha_init / cfg.initializer_range
+        _derived(self, "attention_rate", "mlp_rate")
+
+    def derive_scales(self) -> None:
+        self.attention_rate = (self.lambda_1 * self.lambda_factor).abs()
+        self.mlp_rate = (self.lambda_2 * self.lambda_factor).abs()
+        self.self_attn.derive_scales()
+        self.mlp.derive_scales()
 
     def forward(self, x, cos, sin, pool, meta, columns, routed_window: RoutedWindow | None = None) -> torch.Tensor:
         h = unit_norm(x)
-        attention = unit_norm(self.self_attn(h, cos, sin, pool, meta, columns, routed_window))
-        h = h + (self.lambda_1 * self.lambda_factor).abs() * (attention - h)
-        h = unit_norm(h)
-        mlp = unit_norm(self.mlp(h))
-        return h + (self.lambda_2 * self.lambda_factor).abs() * (mlp - h)
+        attention = self.self_attn(h, cos, sin, pool, meta, columns, routed_window)
+        h = interpolate(h, attention, self.attention_rate, L2_EPS, normalize=True)
+        return interpolate(h, self.mlp(h), self.mlp_rate, L2_EPS, normalize=False)
 
 
 class DoryForCausalLM(nn.Module, DepthModel):
@@ -218,6 +237,7 @@ class DoryForCausalLM(nn.Module, DepthModel):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.logit_scale = _scale(cfg.vocab_size, cfg.initializer_range)
         self.logit_factor = 1 / cfg.initializer_range
+        _derived(self, "logits_scale")
         self.rope: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # filled by finish_load
         self.base_columns = dict(CacheLayout(base_slots(cfg)).slot_columns())  # alike in every request's table
 
@@ -266,7 +286,7 @@ class DoryForCausalLM(nn.Module, DepthModel):
         return RoutedWindow(level, slot, t)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float() * (self.logit_scale.float() * self.logit_factor)
+        return self.lm_head(hidden).float() * self.logits_scale
 
     # ---- depth ------------------------------------------------------------------------------------
     def depth_knobs(self) -> dict[str, KnobSpec]:
@@ -295,21 +315,40 @@ class DoryForCausalLM(nn.Module, DepthModel):
     @torch.no_grad()
     def take_weights(self, weights: dict[str, torch.Tensor], source: str) -> set[str]:
         """Every tensor, by its name in any of the checkpoint spellings (format.parameter_name), read
-        and copied one at a time (the weights may be read lazily: loading/hf_loader.py). A tensor
-        stored wider than the dtype the model was built in (`build`) keeps its own dtype."""
+        and copied one at a time (the weights may be read lazily: loading/hf_loader.py); the packed
+        projections' (PACKED_PROJECTIONS) into their rows of the packed matrix. A tensor stored wider
+        than the dtype the model was built in (`build`) keeps its own dtype."""
         params = dict(self.named_parameters())
-        filled = set()
+        filled, shards = set(), {}
         for checkpoint_name in [name for name in weights if _target(name) in params]:
-            target = _target(checkpoint_name)
+            target, shard = _placement(checkpoint_name)
             tensor, param = weights.pop(checkpoint_name), params[target]
-            if tuple(tensor.shape) != tuple(param.shape):
-                raise CheckpointFormatError(f"{source}: {checkpoint_name} must be {list(param.shape)}, "
-                                            f"got {list(tensor.shape)}")
             if tensor.is_floating_point() and torch.finfo(tensor.dtype).bits > torch.finfo(param.dtype).bits:
-                param.data = torch.empty_like(param, dtype=tensor.dtype)
-            param.copy_(tensor)
+                param.data = param.data.to(tensor.dtype)
+            rows = param if shard is None else self._shard_rows(target, param, shard)
+            if tuple(tensor.shape) != tuple(rows.shape):
+                raise CheckpointFormatError(f"{source}: {checkpoint_name} must be {list(rows.shape)}, "
+                                            f"got {list(tensor.shape)}")
+            rows.copy_(tensor)
+            if shard is None:
+                filled.add(target)
+            else:
+                shards.setdefault(target, set()).add(shard)
+        for target, present in shards.items():
+            expected = _expected_shards(target)
+            if present != expected:
+                missing = sorted(expected - present)
+                raise CheckpointFormatError(f"{source}: {target} is packed from {len(expected)} checkpoint tensors; "
+                                            f"shards {missing} are missing")
+            if target.endswith(GATED_BIAS):  # the gate's rows: W_G has no bias
+                self._shard_rows(target, params[target], GATE_SHARD).zero_()
             filled.add(target)
         return filled
+
+    def _shard_rows(self, target: str, param: torch.Tensor, shard: int) -> torch.Tensor:
+        """The rows of a packed parameter that checkpoint shard `shard` fills."""
+        sizes = self.get_submodule(target.rsplit(".", 2)[0]).shard_sizes
+        return param.narrow(0, sum(sizes[:shard]), sizes[shard])
 
     def after_load(self, loaded: set[str]) -> set[str]:
         if self.config.tie_word_embeddings or "lm_head.weight" not in loaded:
@@ -318,15 +357,48 @@ class DoryForCausalLM(nn.Module, DepthModel):
         return set()
 
     def finish_load(self, device: torch.device) -> None:
-        """The rotary tables of each layer type (its own theta), fp32 whatever the model dtype."""
+        """The rotary tables of each layer type (its own theta), fp32 whatever the model dtype; the
+        learned scales as the forward applies them (each layer's `derive_scales`)."""
         self.rope = {kind: tuple(t.to(device) for t in rope_tables(self.config.head_dim, self.max_positions, theta))
                      for kind, theta in self.config.rope_thetas.items()}
+        with torch.no_grad():
+            self.logits_scale = self.logit_scale.float() * self.logit_factor
+            for layer in self.layers:
+                layer.derive_scales()
+
+
+# checkpoint projections the engine runs as one matrix product: (the engine's packed module, the shard
+# whose rows they fill, in shard order)
+PACKED_PROJECTIONS = {"self_attn.q_proj": ("self_attn.qkvg_proj", 0), "self_attn.k_proj": ("self_attn.qkvg_proj", 1),
+                      "self_attn.v_proj": ("self_attn.qkvg_proj", 2), "self_attn.gate_proj": ("self_attn.qkvg_proj", 3),
+                      "mlp.gate_proj": ("mlp.gate_up_proj", 0), "mlp.up_proj": ("mlp.gate_up_proj", 1)}
+
+
+GATE_SHARD, GATED_BIAS = 3, "self_attn.qkvg_proj.bias"
+
+
+def _expected_shards(target: str) -> set[int]:
+    """The shards a packed parameter is filled from."""
+    module = target.rsplit(".", 2)[-2]
+    shards = {shard for packed, shard in PACKED_PROJECTIONS.values() if packed.endswith("." + module)}
+    return shards - {GATE_SHARD} if target.endswith(GATED_BIAS) else shards
+
+
+def _placement(checkpoint_name: str) -> tuple[str, int | None]:
+    """The engine's parameter of a checkpoint tensor and, for a packed projection, its shard (the
+    head's scale lives beside the head)."""
+    name = parameter_name(checkpoint_name)
+    if name == "lm_head.logit_scale":
+        return "logit_scale", None
+    for module, (packed, shard) in PACKED_PROJECTIONS.items():
+        if f".{module}." in name:
+            return name.replace(f".{module}.", f".{packed}."), shard
+    return name, None
 
 
 def _target(checkpoint_name: str) -> str:
-    """The engine's parameter of a checkpoint tensor (the head's scale lives beside the head)."""
-    name = parameter_name(checkpoint_name)
-    return "logit_scale" if name == "lm_head.logit_scale" else name
+    """The engine's parameter of a checkpoint tensor."""
+    return _placement(checkpoint_name)[0]
 
 
 # config.json's `dtype` (`torch_dtype` before transformers 4.56): what the tensors are stored in
