@@ -7,13 +7,16 @@ count times `--layers-fraction`) is written once in bf16 safetensors into `--cac
 Then, each in its own subprocess, one after the other (no two copies of the weights in memory at
 once): the engine with bf16 activations serving the weights as bf16, int8 and int4
 (`--quantization`), and transformers' DoryForCausalLM in bf16 (`generate` with its cache). Each
-decodes 1 and 8 greedy sequences at loops 1, 2 and 4 with the same threads.
+decodes 1 and 8 greedy sequences at loops 1, 2 and 4 with the same threads: the engine's step is the
+median of `--steps` timed steps, transformers' the median of three (generate 1 + steps tokens minus
+generate 1) / steps samples.
 
 Reported per format: decode tok/s and step time; the load's peak RSS and the resident weights;
 the weight bytes one step reads ((prelude + coda + loops x recurrent layers) + the LM head) and
 the floor they set at the read bandwidth measured in the same run (a timed `torch.sum` over a
-1 GiB buffer); the step time that loops = 1 predicts for the other loop counts by those bytes; the
-KV bytes per token of both cache modes. Writes bench/results/dory-throughput-<device>.json and its
+1 GiB buffer); the step time that loops = 1 predicts for the other loop counts (the LM head's time,
+measured in each step, held fixed; the rest scaled by the layers run, whose weight bytes and FLOPs
+are proportional to their count); the KV bytes per token of both cache modes. Writes bench/results/dory-throughput-<device>.json and its
 chart under bench/results/plots/.
 
     python bench/dory_throughput.py [--layers-fraction 1.0] [--steps 8] [--quick]
@@ -38,6 +41,7 @@ from common import QUICK_SUFFIX, RESULTS_DIR, byte_prompts, cpu_model, environme
 
 FULL_LAYERS = (8, 20, 8)  # DoryConfig(): prelude, recurrent, coda
 FORMATS = {"bf16": "none", "int8": "int8", "int4": "int4"}  # engine format -> --quantization
+TRANSFORMERS_REPEATS = 3
 BATCHES = (1, 8)
 LOOPS = (1, 2, 4)
 PROMPT_TOKENS = 16
@@ -121,6 +125,8 @@ def engine_worker(path: Path, quantization: str, steps: int, batches, loops_list
               max_model_len=PROMPT_TOKENS + steps + 8, block_size=16, enable_prefix_caching=False)
     load = {"seconds": time.perf_counter() - start, "peak_rss_bytes": peak_rss_bytes()}
     engine, model = llm.engine, llm.engine.model
+    head = HeadClock(model.compute_logits)
+    model.compute_logits = head
     weights = {"resident_bytes": engine.quantization.resident_bytes,
                "layer_bytes": resident_bytes(model.layers[0]), "head_bytes": resident_bytes(model.lm_head),
                "summary": engine.quantization.summary()}
@@ -136,18 +142,34 @@ def engine_worker(path: Path, quantization: str, steps: int, batches, loops_list
                 engine.step()
             kv_bytes_per_token = engine.block_manager.pages_held(seqs[0]) * engine.block_manager.page_bytes / PROMPT_TOKENS
             engine.step()  # one decode step unmeasured
-            times = []
+            times, head_times = [], []
             for _ in range(steps):
+                head.seconds = 0.0
                 begin = time.perf_counter()
                 engine.step()
                 times.append(time.perf_counter() - begin)
+                head_times.append(head.seconds)
             for rid in ids:
                 engine.abort_request(rid)
             step = median(times)
             rows.append({"batch": batch, "loops": loops, "step_seconds": step, "step_seconds_all": times,
-                         "tokens_per_second": batch / step, "kv_bytes_per_token": kv_bytes_per_token})
+                         "head_seconds": median(head_times), "tokens_per_second": batch / step,
+                         "kv_bytes_per_token": kv_bytes_per_token})
             print(f"  {quantization} batch {batch} loops {loops}: {1000 * step:.0f} ms/step", file=sys.stderr)
     return {"load": load, "weights": weights, "rows": rows}
+
+
+class HeadClock:
+    """A callable standing in for the LM head's forward that adds its wall time to `seconds`."""
+
+    def __init__(self, forward):
+        self.forward, self.seconds = forward, 0.0
+
+    def __call__(self, *args, **kwargs):
+        begin = time.perf_counter()
+        out = self.forward(*args, **kwargs)
+        self.seconds += time.perf_counter() - begin
+        return out
 
 
 @torch.inference_mode()
@@ -160,22 +182,31 @@ def transformers_worker(path: Path, steps: int, batches, loops_list) -> dict:
         raise RuntimeError(f"transformers did not read the checkpoint as written: {info}")
     load = {"seconds": time.perf_counter() - start, "peak_rss_bytes": peak_rss_bytes()}
     model.eval()
+    head = HeadClock(model.lm_head.forward)
+    model.lm_head.forward = head
     rows = []
     for batch in batches:
         for loops in loops_list:
             model.config.n_recurrent_loops = loops
             ids = torch.tensor(byte_prompts(batch, PROMPT_TOKENS))
 
-            def generate(new_tokens: int) -> float:
+            def generate(new_tokens: int) -> tuple[float, float]:
+                head.seconds = 0.0
                 begin = time.perf_counter()
                 model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                                min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
-                return time.perf_counter() - begin
+                return time.perf_counter() - begin, head.seconds
 
             generate(2)  # warm-up
-            # decode steps alone: generating 1 + steps tokens against 1 (the prompt's forward)
-            step = (generate(1 + steps) - generate(1)) / steps
-            rows.append({"batch": batch, "loops": loops, "step_seconds": step, "tokens_per_second": batch / step})
+            # decode steps alone: generating 1 + steps tokens against 1 (the prompt's forward), the median
+            # of TRANSFORMERS_REPEATS such pairs (one pair is one sample; the engine's is a median of steps)
+            samples = []
+            for _ in range(TRANSFORMERS_REPEATS):
+                (many, many_head), (one, one_head) = generate(1 + steps), generate(1)
+                samples.append(((many - one) / steps, (many_head - one_head) / steps))
+            step, head_step = median(sample[0] for sample in samples), median(sample[1] for sample in samples)
+            rows.append({"batch": batch, "loops": loops, "step_seconds": step, "step_seconds_all": [s[0] for s in samples],
+                         "head_seconds": head_step, "tokens_per_second": batch / step})
             print(f"  transformers batch {batch} loops {loops}: {1000 * step:.0f} ms/step", file=sys.stderr)
     return {"load": load, "rows": rows}
 
@@ -210,10 +241,14 @@ def kv_bytes_per_token(counts: tuple[int, int, int], loops: int, mode: str, kv_w
     return slots * 2 * kv_width * dtype_bytes
 
 
+def layers_run(counts: tuple[int, int, int], loops: int) -> int:
+    n_in, n_rec, n_out = counts
+    return n_in + n_out + loops * n_rec
+
+
 def step_bytes(counts: tuple[int, int, int], loops: int, weights: dict) -> int:
     """Weight bytes one decode step reads: every layer it runs, the LM head (the embedding: one row)."""
-    n_in, n_rec, n_out = counts
-    return (n_in + n_out + loops * n_rec) * weights["layer_bytes"] + weights["head_bytes"]
+    return layers_run(counts, loops) * weights["layer_bytes"] + weights["head_bytes"]
 
 
 def analyse(counts, engines: dict, hf: dict, bandwidth: float) -> None:
@@ -229,8 +264,9 @@ def analyse(counts, engines: dict, hf: dict, bandwidth: float) -> None:
                 row["weight_bytes_per_step"] = step_bytes(counts, loops, weights)
                 row["floor_seconds"] = row["weight_bytes_per_step"] / bandwidth
                 row["step_over_floor"] = row["step_seconds"] / row["floor_seconds"]
-                if base is not None:
-                    predicted = base["step_seconds"] * row["weight_bytes_per_step"] / base["weight_bytes_per_step"]
+                if base is not None:  # the head's time fixed, the layers' scaled by their count
+                    layers = base["step_seconds"] - base["head_seconds"]
+                    predicted = base["head_seconds"] + layers * layers_run(counts, loops) / layers_run(counts, 1)
                     row["predicted_from_loops_1_seconds"] = predicted
                     row["step_over_prediction"] = row["step_seconds"] / predicted
                 hf_row = next((r for r in hf["rows"] if r["batch"] == batch and r["loops"] == loops), None)
