@@ -49,7 +49,7 @@ browser:
 		|| echo "could not install chromium: the playground test will skip"; \
 	fi
 
-# Two processes, the fast tests then the slow ones, each starting from nothing: at most 7.5 GB
+# Two processes, the fast tests then the slow ones, each starting from nothing: at most 6.6 GB
 # resident (a test engine commits its KV pool at start-up; tests/conftest.py bounds it).
 # Exit status 5 (no test selected, e.g. by a PYTEST_ARGS filter) is not a failure.
 test: $(STAMP) browser
