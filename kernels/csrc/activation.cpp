@@ -13,7 +13,7 @@
 
 namespace {
 
-using depthserve_simd::exp16;
+using depthserve_simd::exp_of_minus_clamped;
 using depthserve_simd::load16;
 using depthserve_simd::store16;
 using depthserve_simd::tail_mask;
@@ -30,11 +30,7 @@ void gate(const at::Tensor& x, at::Tensor& out) {
       for (int64_t c = 0; c < width; c += 16) {
         const __mmask16 m = tail_mask(width - c);
         const __m512 gv = load16(g + c, m);
-        // e^-g with -g clamped to [-88, 88] (e^88 ~ 1.7e38): 1 + e^-g stays finite, and a NaN gate
-        // stays NaN through the numerator
-        const __m512 minus = _mm512_max_ps(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), gv), _mm512_set1_ps(88.0f)),
-                                           _mm512_set1_ps(-88.0f));
-        const __m512 silu = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(minus)));
+        const __m512 silu = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), exp_of_minus_clamped(gv)));
         store16(dst + r * width + c, _mm512_mul_ps(silu, load16(u + c, m)), m);
       }
     }

@@ -24,7 +24,7 @@
 
 namespace {
 
-using depthserve_simd::exp16;
+using depthserve_simd::exp_of_minus_clamped;
 using depthserve_simd::load16;
 using depthserve_simd::store16;
 using depthserve_simd::tail_mask;
@@ -35,16 +35,21 @@ inline float inverse_norm(__m512 squares, double eps) {
   return 1.0f / std::sqrt(_mm512_reduce_add_ps(squares) + static_cast<float>(eps));
 }
 
-// 1 / (1 + e^-z) with -z clamped to [-88, 88], so that e^-z stays finite (csrc/activation.cpp)
 inline __m512 sigmoid16(__m512 z) {
-  const __m512 minus = _mm512_max_ps(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), z), _mm512_set1_ps(88.0f)),
-                                     _mm512_set1_ps(-88.0f));
-  return _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(minus)));
+  return _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_add_ps(_mm512_set1_ps(1.0f), exp_of_minus_clamped(z)));
 }
 
-// A row's values, computed once into `buffer` (fp32), then stored times the inverse of their norm.
-template <typename T>
-void store_normalized(const std::vector<float>& buffer, __m512 squares, double eps, T* dst, int64_t width) {
+// The row whose lanes c .. c + 15 are value(c, mask), projected onto the unit sphere: its values computed
+// once into `buffer` (fp32) while their squares are summed, then stored times the inverse of their norm.
+template <typename T, typename F>
+void store_normalized_row(int64_t width, double eps, std::vector<float>& buffer, T* dst, F&& value) {
+  __m512 squares = _mm512_setzero_ps();
+  for (int64_t c = 0; c < width; c += 16) {
+    const __mmask16 m = tail_mask(width - c);
+    const __m512 v = value(c, m);
+    _mm512_mask_storeu_ps(buffer.data() + c, m, v);
+    squares = _mm512_fmadd_ps(v, v, squares);
+  }
   const __m512 factor = _mm512_set1_ps(inverse_norm(squares, eps));
   for (int64_t c = 0; c < width; c += 16) {
     const __mmask16 m = tail_mask(width - c);
@@ -118,20 +123,19 @@ void interpolate_rows(const at::Tensor& h, const at::Tensor& y, const at::Tensor
     const T* y_row = y_data + r * width;
     T* out_row = dst + r * width;
     const __m512 y_factor = _mm512_set1_ps(row_inverse_norm(y_row, width, eps));
-    __m512 squares = _mm512_setzero_ps();
-    for (int64_t c = 0; c < width; c += 16) {
-      const __mmask16 m = tail_mask(width - c);
+    auto moved = [&](int64_t c, __mmask16 m) {
       const __m512 hv = load16(h_row + c, m);
       const __m512 step = _mm512_sub_ps(_mm512_mul_ps(load16(y_row + c, m), y_factor), hv);
-      const __m512 moved = _mm512_fmadd_ps(load16(rates + c, m), step, hv);
-      if (normalize) {
-        _mm512_mask_storeu_ps(buffer.data() + c, m, moved);
-        squares = _mm512_fmadd_ps(moved, moved, squares);
-      } else {
-        store16(out_row + c, moved, m);
-      }
+      return _mm512_fmadd_ps(load16(rates + c, m), step, hv);
+    };
+    if (normalize) {
+      store_normalized_row(width, eps, buffer, out_row, moved);
+      return;
     }
-    if (normalize) store_normalized(buffer, squares, eps, out_row, width);
+    for (int64_t c = 0; c < width; c += 16) {
+      const __mmask16 m = tail_mask(width - c);
+      store16(out_row + c, moved(c, m), m);
+    }
   });
 }
 
@@ -158,15 +162,9 @@ void gate_rows(const at::Tensor& x, const at::Tensor& gate, const at::Tensor& sc
   for_rows(rows_of(x), width, [&](int64_t r, std::vector<float>& buffer) {
     const T* x_row = x_data + r * width;
     const T* g_row = g_data + r * width;
-    __m512 squares = _mm512_setzero_ps();
-    for (int64_t c = 0; c < width; c += 16) {
-      const __mmask16 m = tail_mask(width - c);
-      const __m512 v = _mm512_mul_ps(load16(x_row + c, m),
-                                     sigmoid16(_mm512_mul_ps(load16(g_row + c, m), load16(scales + c, m))));
-      _mm512_mask_storeu_ps(buffer.data() + c, m, v);
-      squares = _mm512_fmadd_ps(v, v, squares);
-    }
-    store_normalized(buffer, squares, eps, dst + r * width, width);
+    store_normalized_row(width, eps, buffer, dst + r * width, [&](int64_t c, __mmask16 m) {
+      return _mm512_mul_ps(load16(x_row + c, m), sigmoid16(_mm512_mul_ps(load16(g_row + c, m), load16(scales + c, m))));
+    });
   });
 }
 
@@ -196,16 +194,11 @@ void swiglu_rows(const at::Tensor& gate, const at::Tensor& up, const at::Tensor&
   for_rows(rows_of(gate), width, [&](int64_t r, std::vector<float>& buffer) {
     const T* g_row = g_data + r * width;
     const T* u_row = u_data + r * width;
-    __m512 squares = _mm512_setzero_ps();
-    for (int64_t c = 0; c < width; c += 16) {
-      const __mmask16 m = tail_mask(width - c);
+    store_normalized_row(width, eps, buffer, dst + r * width, [&](int64_t c, __mmask16 m) {
       const __m512 g = _mm512_mul_ps(load16(g_row + c, m), load16(g_scales + c, m));
       const __m512 u = _mm512_mul_ps(load16(u_row + c, m), load16(u_scales + c, m));
-      const __m512 v = _mm512_mul_ps(_mm512_mul_ps(g, sigmoid16(g)), u);
-      _mm512_mask_storeu_ps(buffer.data() + c, m, v);
-      squares = _mm512_fmadd_ps(v, v, squares);
-    }
-    store_normalized(buffer, squares, eps, dst + r * width, width);
+      return _mm512_mul_ps(_mm512_mul_ps(g, sigmoid16(g)), u);
+    });
   });
 }
 

@@ -47,6 +47,14 @@ inline __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// e^-z with -z clamped to [-88, 88] (e^88 ~ 1.7e38), so that 1 + e^-z stays finite (SiLU's and the
+// sigmoid's denominator); a NaN z stays NaN
+inline __m512 exp_of_minus_clamped(__m512 z) {
+  const __m512 minus = _mm512_max_ps(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), z), _mm512_set1_ps(88.0f)),
+                                     _mm512_set1_ps(-88.0f));
+  return exp16(minus);
+}
+
 // the lanes of the last 16-wide chunk of a row that `left` values remain in
 inline __mmask16 tail_mask(int64_t left) {
   return left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
