@@ -8,8 +8,10 @@ Then, each in its own subprocess, one after the other (no two copies of the weig
 once): the engine with bf16 activations serving the weights as bf16, int8 and int4
 (`--quantization`), and transformers' DoryForCausalLM in bf16 (`generate` with its cache). Each
 decodes 1 and 8 greedy sequences at loops 1, 2 and 4 with the same threads: the engine's step is the
-median of `--steps` timed steps, transformers' the median of three (generate 1 + steps tokens minus
-generate 1) / steps samples.
+median of `--rounds` x `--steps` timed steps, the loop counts taken in turn in each round (so that a
+drift of the machine's speed over minutes, which a shared VM shows, falls on every loop count
+alike), transformers' the median of three (generate 1 + steps tokens minus generate 1) / steps
+samples.
 
 Reported per format: decode tok/s and step time; the load's peak RSS and the resident weights;
 the weight bytes one step reads ((prelude + coda + loops x recurrent layers) + the LM head) and
@@ -19,7 +21,7 @@ measured in each step, held fixed; the rest scaled by the layers run, whose weig
 are proportional to their count); the KV bytes per token of both cache modes. Writes bench/results/dory-throughput-<device>.json and its
 chart under bench/results/plots/.
 
-    python bench/dory_throughput.py [--layers-fraction 1.0] [--steps 8] [--quick]
+    python bench/dory_throughput.py [--layers-fraction 1.0] [--steps 4] [--rounds 3] [--quick]
 """
 
 from __future__ import annotations
@@ -116,8 +118,34 @@ def read_bandwidth(threads: int, repeats: int = 5) -> float:
     return BANDWIDTH_BYTES / best
 
 
-def engine_worker(path: Path, quantization: str, steps: int, batches, loops_list) -> dict:
-    from depthserve import LLM, DepthParams, SamplingParams
+def time_decode(engine, head: HeadClock, batch: int, loops: int, steps: int, tag: str) -> tuple[list, list, float]:
+    """`batch` greedy sequences at `loops` prefilled, one decode step unmeasured, then `steps` timed
+    steps (their wall times and the LM head's share of each) and the KV bytes per token they hold."""
+    from depthserve import DepthParams, SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 4, ignore_eos=True)
+    ids = [f"{tag}-{i}" for i in range(batch)]
+    for rid, prompt in zip(ids, byte_prompts(batch, PROMPT_TOKENS)):
+        engine.add_request(rid, prompt, params, DepthParams(loops=loops))
+    seqs = [engine._requests[rid].seqs[0] for rid in ids]
+    while any(seq.num_computed_tokens < PROMPT_TOKENS for seq in seqs):
+        engine.step()
+    kv_bytes_per_token = engine.block_manager.pages_held(seqs[0]) * engine.block_manager.page_bytes / PROMPT_TOKENS
+    engine.step()
+    times, head_times = [], []
+    for _ in range(steps):
+        head.seconds = 0.0
+        begin = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - begin)
+        head_times.append(head.seconds)
+    for rid in ids:
+        engine.abort_request(rid)
+    return times, head_times, kv_bytes_per_token
+
+
+def engine_worker(path: Path, quantization: str, steps: int, rounds: int, batches, loops_list) -> dict:
+    from depthserve import LLM
     from depthserve.loading.quantization import resident_bytes
 
     start = time.perf_counter()
@@ -132,25 +160,14 @@ def engine_worker(path: Path, quantization: str, steps: int, batches, loops_list
                "summary": engine.quantization.summary()}
     rows = []
     for batch in batches:
-        for loops in loops_list:
-            params = SamplingParams(temperature=0.0, max_tokens=steps + 4, ignore_eos=True)
-            ids = [f"b{batch}-l{loops}-{i}" for i in range(batch)]
-            for rid, prompt in zip(ids, byte_prompts(batch, PROMPT_TOKENS)):
-                engine.add_request(rid, prompt, params, DepthParams(loops=loops))
-            seqs = [engine._requests[rid].seqs[0] for rid in ids]
-            while any(seq.num_computed_tokens < PROMPT_TOKENS for seq in seqs):
-                engine.step()
-            kv_bytes_per_token = engine.block_manager.pages_held(seqs[0]) * engine.block_manager.page_bytes / PROMPT_TOKENS
-            engine.step()  # one decode step unmeasured
-            times, head_times = [], []
-            for _ in range(steps):
-                head.seconds = 0.0
-                begin = time.perf_counter()
-                engine.step()
-                times.append(time.perf_counter() - begin)
-                head_times.append(head.seconds)
-            for rid in ids:
-                engine.abort_request(rid)
+        samples = {loops: ([], []) for loops in loops_list}  # step and head times over the rounds
+        for round_index in range(rounds):  # the loop counts interleaved: the VM's drift hits each alike
+            for loops in loops_list:
+                times, head_times, kv_bytes_per_token = time_decode(engine, head, batch, loops, steps,
+                                                                    f"b{batch}-l{loops}-r{round_index}")
+                samples[loops][0].extend(times)
+                samples[loops][1].extend(head_times)
+        for loops, (times, head_times) in samples.items():
             step = median(times)
             rows.append({"batch": batch, "loops": loops, "step_seconds": step, "step_seconds_all": times,
                          "head_seconds": median(head_times), "tokens_per_second": batch / step,
@@ -214,7 +231,7 @@ def transformers_worker(path: Path, steps: int, batches, loops_list) -> dict:
 def run_worker(args: argparse.Namespace, role: str) -> dict:
     """One measurement in a fresh process (its JSON on the last line of stdout)."""
     command = [sys.executable, __file__, "--worker", role, "--checkpoint", str(args.checkpoint), "--steps",
-               str(args.steps), "--threads", str(args.threads), "--batches", ",".join(map(str, args.batches)),
+               str(args.steps), "--rounds", str(args.rounds), "--threads", str(args.threads), "--batches", ",".join(map(str, args.batches)),
                "--loops", ",".join(map(str, args.loops))]
     print(f"{role} ...", file=sys.stderr)
     done = subprocess.run(command, check=True, stdout=subprocess.PIPE, text=True)
@@ -229,7 +246,7 @@ def worker_main(args: argparse.Namespace) -> None:
     elif role == "transformers":
         result = transformers_worker(args.checkpoint, args.steps, args.batches, args.loops)
     else:
-        result = engine_worker(args.checkpoint, FORMATS[role], args.steps, args.batches, args.loops)
+        result = engine_worker(args.checkpoint, FORMATS[role], args.steps, args.rounds, args.batches, args.loops)
     print(json.dumps(result))
 
 
@@ -313,7 +330,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers-fraction", type=float, default=1.0,
                    help="prelude, recurrent and coda layer counts times this (widths stay the 4B model's)")
-    p.add_argument("--steps", type=int, default=8, help="decode steps timed per setting")
+    p.add_argument("--steps", type=int, default=4, help="decode steps timed per setting and round")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="rounds over the loop counts (each round times every loop count in turn)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--formats", default=",".join(FORMATS), help="engine weight formats, of " + ", ".join(FORMATS))
     p.add_argument("--batches", type=numbers, default=list(BATCHES))
@@ -325,7 +344,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--checkpoint", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.quick:
-        args.layers_fraction, args.steps = 0.05, 2
+        args.layers_fraction, args.steps, args.rounds = 0.05, 2, 1
     return args
 
 
@@ -361,7 +380,7 @@ def main(argv=None) -> None:
         "setup": {"checkpoint": f"random weights, DoryConfig() widths, {counts[0]} + {counts[1]} + {counts[2]} layers"
                                 f" (the 4B model: {' + '.join(map(str, FULL_LAYERS))})",
                   "layers": counts, "layers_fraction": args.layers_fraction, "prompt_tokens": PROMPT_TOKENS,
-                  "decode_steps": args.steps, "batches": args.batches, "loops": args.loops,
+                  "decode_steps": args.steps, "rounds": args.rounds, "batches": args.batches, "loops": args.loops,
                   "activations": "bfloat16", "engine_formats": formats, "threads": args.threads,
                   "command": "python bench/dory_throughput.py " + " ".join(argv if argv is not None else sys.argv[1:])},
         "read_bandwidth_bytes_per_second": bandwidth, "read_bandwidth_runs": bandwidth_runs,

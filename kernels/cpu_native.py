@@ -1,8 +1,8 @@
 """The native CPU kernels: group-quantized weights times int8-quantized activations with AVX-512
 VNNI dot products, and the same weights dequantized for prefill GEMMs (`csrc/group_gemm.cpp`); the
 decode step's paged attention and KV store (`csrc/paged_attention.cpp`); RMSNorm (`csrc/norm.cpp`)
-and the rotary embedding (`csrc/rotary.cpp`); a Llama decoder layer's decode step made of those
-(`csrc/decode_layer.cpp`: one layer, or a model's layers in one call); SwiGLU's SiLU(gate) * up
+and the rotary embedding (`csrc/rotary.cpp`); a Llama or Dory decoder layer's decode step made of
+those (`csrc/decode_layer.cpp`: one layer, or consecutive layers in one call); SwiGLU's SiLU(gate) * up
 (`csrc/activation.cpp`); nGPT's normalisations, interpolations and gates (`csrc/ngpt.cpp`, Dory's
 layers); greedy sampling's argmax and log-normalizer in one call, and a structured-output token
 bitmask applied to logits (`csrc/sampling.cpp`).
@@ -12,7 +12,7 @@ warning when it starts; the build is cached under `TORCH_EXTENSIONS_DIR` in a fo
 checkout, so two checkouts never rebuild each other's; `make test` and `make serve` build it once at
 install) and loaded as the torch ops `depthserve_cpu::group_gemm`, `group_dequantize`,
 `paged_decode_attention`, `paged_prefill_attention_varlen`, `store_kv`, `rms_norm`, `apply_rope`,
-`silu_and_mul`, `llama_decode_layers`, `l2_normalize`, `ngpt_interpolate`, `gated_l2_normalize`,
+`silu_and_mul`, `llama_decode_layers`, `dory_decode_layers`, `l2_normalize`, `ngpt_interpolate`, `gated_l2_normalize`,
 `swiglu_l2_normalize`, `unit_rope`, `greedy_pick` and `apply_token_bitmask`. Only on CPUs with
 AVX-512 F/BW/VL and AVX-512 VNNI: elsewhere, or where the build fails, `available()` is False and
 the quantized layers use torch's weight-only kernels (the reason is logged once).
@@ -367,3 +367,18 @@ def llama_decode_layers(x: torch.Tensor, norms: list[torch.Tensor], eps: float, 
     return torch.ops.depthserve_cpu.llama_decode_layers(x, norms, eps, weights, bits, out_features, cos, sin,
                                                         num_heads, kv_heads, k_pages, v_pages, slot_index,
                                                         page_table, context_lens, scale, first_columns)
+
+
+def dory_decode_layers(x: torch.Tensor, scales: list[torch.Tensor], eps: float, weights: list[torch.Tensor],
+                       bits: list[int], out_features: list[int], cos: list[torch.Tensor], sin: list[torch.Tensor],
+                       windows: list[int], num_heads: int, kv_heads: int, k_pages: torch.Tensor, v_pages: torch.Tensor,
+                       slot_index: torch.Tensor, page_table: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                       first_columns: list[int]) -> torch.Tensor:
+    """Consecutive Dory decoder layers' decode step (depthserve/archs/dory/native_decode.py): x [rows,
+    hidden] bf16; layer i has the six learned scales from scales[6 i], the four projections' (codes,
+    scale, low) from weights[12 i], the rotary tables cos[i], sin[i] [rows, head_dim / 2], the window
+    windows[i] (0: none) and the cache columns first_columns[i] .. + kv_heads of slot_index and
+    page_table, as llama_decode_layers."""
+    return torch.ops.depthserve_cpu.dory_decode_layers(x, scales, eps, weights, bits, out_features, cos, sin, windows,
+                                                       num_heads, kv_heads, k_pages, v_pages, slot_index, page_table,
+                                                       context_lens, scale, first_columns)

@@ -93,7 +93,8 @@ def test_the_layers_call_refuses_cache_columns_outside_the_tables(tmp_path, smol
     layers = len(llm.engine.model.layers)
     width = stack.kv_heads * layers
     args = dict(x=torch.zeros(1, hidden, dtype=torch.bfloat16), norms=stack.norms, eps=stack.eps,
-                weights=stack.weights, bits=stack.bits, out_features=stack.out_features,
+                weights=stack.projections.weights, bits=stack.projections.bits,
+                out_features=stack.projections.out_features,
                 cos=torch.ones(1, llm.engine.model.head_dim // 2), sin=torch.zeros(1, llm.engine.model.head_dim // 2),
                 num_heads=stack.num_heads, kv_heads=stack.kv_heads, k_pages=pool.k_pages, v_pages=pool.v_pages,
                 slot_index=torch.zeros(1, width, dtype=torch.long), page_table=torch.zeros(1, 2, width, dtype=torch.int32),

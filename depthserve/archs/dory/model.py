@@ -32,6 +32,9 @@ one slot of a recurrent layer holds each token's own last pass, whatever pass th
 that stopped before pass t is read there at its last pass, by earlier forwards and its own alike.
 No confidence exit: the coda layers attend over the earlier tokens' coda states, so a pass's
 output is no readout of the token (as for PUT with suffix layers).
+
+A decode-only step whose projections run on the native CPU kernel runs the prelude, each full pass
+over the recurrent layers and the coda as one native call each (native_decode.py): the same ops.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ from depthserve.archs.dory.format import (
 )
 from depthserve.archs.dory.format import plan as dory_plan
 from depthserve.archs.dory.format import report as dory_report
+from depthserve.archs.dory.native_decode import NativeDoryLayers, Rope
 from depthserve.cache import CacheLayout
 from depthserve.depth import DepthParams, DepthReport, KnobSpec
 from depthserve.errors import CheckpointFormatError
@@ -240,6 +244,8 @@ class DoryForCausalLM(nn.Module, DepthModel):
         _derived(self, "logits_scale")
         self.rope: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # filled by finish_load
         self.base_columns = dict(CacheLayout(base_slots(cfg)).slot_columns())  # alike in every request's table
+        # runs of layers (a section's, or one layer) with a native decode step (finish_load; native_decode.py)
+        self.native_runs: dict[tuple[int, ...], NativeDoryLayers] = {}
 
     @property
     def head_dim(self) -> int:
@@ -248,16 +254,26 @@ class DoryForCausalLM(nn.Module, DepthModel):
     def forward(self, input_ids, positions, pool: KVPool, meta: AttentionMetadata) -> torch.Tensor:
         cfg = self.config
         rope = {kind: (cos[positions], sin[positions]) for kind, (cos, sin) in self.rope.items()}
-        columns = self.base_columns
         x = self.embed_tokens(input_ids)
-        for i in range(cfg.n_input_layers):
-            x = self.layers[i](x, *rope[cfg.layer_types[i]], pool, meta, columns[layer_slot_name(i)])
+        x = self.run_layers(tuple(range(cfg.n_input_layers)), x, rope, pool, meta)
         x = self.recurrent(x, rope, pool, meta)
-        for i in cfg.output_layers:
-            x = self.layers[i](x, *rope[cfg.layer_types[i]], pool, meta, columns[layer_slot_name(i)])
+        x = self.run_layers(tuple(cfg.output_layers), x, rope, pool, meta)
         return unit_norm(x)
 
-    def recurrent(self, x, rope, pool, meta) -> torch.Tensor:
+    def run_layers(self, indices: tuple[int, ...], x, rope: Rope, pool, meta: AttentionMetadata,
+                   columns: list[slice] | None = None) -> torch.Tensor:
+        """Layers `indices` in turn over `meta`, layer indices[j] on the cache columns columns[j]
+        (default: its slot of the base table); as one native call where that applies."""
+        if columns is None:
+            columns = [self.base_columns[layer_slot_name(i)] for i in indices]
+        native = self.native_runs.get(indices)
+        if native is not None and native.applies(x, meta):
+            return native(x, rope, pool, meta, [c.start or 0 for c in columns])
+        for i, layer_columns in zip(indices, columns):
+            x = self.layers[i](x, *rope[self.config.layer_types[i]], pool, meta, layer_columns)
+        return x
+
+    def recurrent(self, x, rope: Rope, pool, meta) -> torch.Tensor:
         """The recurrent section's passes: pass t over the rows whose tokens run at least t loops
         (their request's, or with a range the step's level), each pass restarting from N(x) + N(prelude
         output)."""
@@ -267,14 +283,25 @@ class DoryForCausalLM(nn.Module, DepthModel):
         for t in range(1, rows.deepest(loops, cfg.max_loops) + 1):
             level = rows.narrow(loops, t)
             xs = unit_norm(level.take(x)) + level.take(prelude)
-            for i in cfg.recurrent_layers:
-                cos, sin = rope[cfg.layer_types[i]]
-                slot = recurrent_slot_name(cfg, i, t)
-                sub_meta, columns = level.attend(slot)
-                xs = self.layers[i](xs, level.take(cos), level.take(sin), pool, sub_meta, columns,
-                                    self._routed_window(level, slot, t, i))
-            x = level.merge(x, xs)
+            level_rope = {kind: (level.take(cos), level.take(sin)) for kind, (cos, sin) in rope.items()}
+            x = level.merge(x, self.recurrent_pass(t, level, xs, level_rope, pool))
         return x
+
+    def recurrent_pass(self, t: int, level: StepRows, xs, rope: Rope, pool) -> torch.Tensor:
+        """Pass t of the recurrent layers over the level's rows: one run when every layer attends
+        through the same metadata (every row runs the pass, dense slots), else layer by layer."""
+        cfg, layers = self.config, tuple(self.config.recurrent_layers)
+        slots = [recurrent_slot_name(cfg, i, t) for i in layers]
+        attends = [level.attend(slot) for slot in slots]
+        windows = [self._routed_window(level, slot, t, i) for slot, i in zip(slots, layers)]
+        if all(sub_meta is attends[0][0] for sub_meta, _ in attends) and all(w is None for w in windows):
+            return self.run_layers(layers, xs, rope, pool, attends[0][0], [columns for _, columns in attends])
+        for i, (sub_meta, columns), routed_window in zip(layers, attends, windows):
+            if routed_window is None:
+                xs = self.run_layers((i,), xs, rope, pool, sub_meta, [columns])
+            else:
+                xs = self.layers[i](xs, *rope[cfg.layer_types[i]], pool, sub_meta, columns, routed_window)
+        return xs
 
     def _routed_window(self, level: StepRows, slot: str, t: int, layer: int) -> RoutedWindow | None:
         """A sliding-window layer's pass that some of the rows hold in a routed slot (module doc)."""
@@ -358,13 +385,19 @@ class DoryForCausalLM(nn.Module, DepthModel):
 
     def finish_load(self, device: torch.device) -> None:
         """The rotary tables of each layer type (its own theta), fp32 whatever the model dtype; the
-        learned scales as the forward applies them (each layer's `derive_scales`)."""
+        learned scales as the forward applies them (each layer's `derive_scales`); the native decode
+        steps of the sections and of each layer, where their projections run on the native kernel."""
         self.rope = {kind: tuple(t.to(device) for t in rope_tables(self.config.head_dim, self.max_positions, theta))
                      for kind, theta in self.config.rope_thetas.items()}
         with torch.no_grad():
             self.logits_scale = self.logit_scale.float() * self.logit_factor
             for layer in self.layers:
                 layer.derive_scales()
+        cfg = self.config
+        runs = [tuple(range(cfg.n_input_layers)), tuple(cfg.recurrent_layers), tuple(cfg.output_layers)]
+        runs += [(i,) for i in range(cfg.num_layers)]
+        natives = {run: NativeDoryLayers.of([self.layers[i] for i in run], L2_EPS) for run in runs if run}
+        self.native_runs = {run: native for run, native in natives.items() if native is not None}
 
 
 # checkpoint projections the engine runs as one matrix product: (the engine's packed module, the shard

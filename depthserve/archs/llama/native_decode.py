@@ -17,20 +17,17 @@ import torch
 
 from depthserve.kernels import cpu_native
 from depthserve.layers.attention import AttentionMetadata, KVPool
-from depthserve.layers.quantized import QuantLinear
+from depthserve.layers.native_decode import NativeProjections, native_decode_applies
 
 
 @dataclass(frozen=True)
 class NativeDecodeLayers:
     norms: list[torch.Tensor]  # input and post-attention RMSNorm weights, two per layer
     eps: float
-    weights: list[torch.Tensor]  # (codes, scale, low) of qkv, o, gate_up, down, twelve per layer
-    bits: list[int]
-    out_features: list[int]
+    projections: NativeProjections  # qkv, o, gate_up, down of each layer
     num_heads: int
     kv_heads: int
     scale: float
-    max_rows: int  # the most rows every projection runs on the group GEMM (QuantPolicy.native_max_rows)
 
     @classmethod
     def of(cls, layers: Sequence) -> NativeDecodeLayers | None:
@@ -38,11 +35,9 @@ class NativeDecodeLayers:
         LlamaDecoderLayer, LlamaAttention and LlamaMLP) of one shape whose projections all run on the
         native kernel; None where one does not."""
         attns = [layer.self_attn for layer in layers]
-        projections = [p for layer in layers for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                                                       layer.mlp.gate_up_proj, layer.mlp.down_proj)]
-        if not layers or not all(
-                isinstance(p, QuantLinear) and p.native is not None and p.bias is None and not p.refine_activations
-                and p.padded_out == p.out_features and p.activation_dtype == torch.bfloat16 for p in projections):
+        projections = NativeProjections.of([p for layer in layers for p in (
+            layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)])
+        if projections is None:
             return None
         shape = {(a.head_dim, a.num_heads, a.num_kv_heads, a.scale) for a in attns}
         if len(shape) != 1 or not cpu_native.attention_fits(*next(iter(shape))[:3]):
@@ -50,23 +45,18 @@ class NativeDecodeLayers:
         norms = [norm for layer in layers for norm in (layer.input_layernorm, layer.post_attention_layernorm)]
         if len({norm.eps for norm in norms}) != 1:
             return None
-        return cls(
-            norms=[norm.weight for norm in norms], eps=norms[0].eps,
-            weights=[t for p in projections for t in (p.native.codes, p.native.scale, p.native.low)],
-            bits=[p.native.bits for p in projections], out_features=[p.out_features for p in projections],
-            num_heads=attns[0].num_heads, kv_heads=attns[0].num_kv_heads, scale=attns[0].scale,
-            max_rows=min(p.max_kernel_rows for p in projections))
+        return cls(norms=[norm.weight for norm in norms], eps=norms[0].eps, projections=projections,
+                   num_heads=attns[0].num_heads, kv_heads=attns[0].num_kv_heads, scale=attns[0].scale)
 
     def applies(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
         """A decode-only step of bf16 rows on the engine's default kernels, outside a compiled graph."""
-        return (x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] <= self.max_rows and not meta.prefills
-                and meta.num_decodes == x.shape[0] and meta.kernels.backend == "auto" and not meta.kernels.traceable
-                and not torch.compiler.is_compiling())
+        return native_decode_applies(x, meta, self.projections.max_rows)
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool: KVPool,
                  meta: AttentionMetadata, first_columns: list[int]) -> torch.Tensor:
         """The layers in turn, layer i on the cache columns from first_columns[i] (its kv_heads of them)."""
         return cpu_native.llama_decode_layers(
-            x.contiguous(), self.norms, self.eps, self.weights, self.bits, self.out_features, cos.contiguous(),
+            x.contiguous(), self.norms, self.eps, self.projections.weights, self.projections.bits,
+            self.projections.out_features, cos.contiguous(),
             sin.contiguous(), self.num_heads, self.kv_heads, pool.k_pages, pool.v_pages, meta.slot_index,
             meta.decode_page_table, meta.decode_context_lens, self.scale, first_columns)
