@@ -15,8 +15,9 @@ samples.
 
 Reported per format: decode tok/s and step time; the load's peak RSS and the resident weights;
 the weight bytes one step reads ((prelude + coda + loops x recurrent layers) + the LM head) and
-the floor they set at the read bandwidth measured in the same run (a timed `torch.sum` over a
-1 GiB buffer); the step time that loops = 1 predicts for the other loop counts (the LM head's time,
+the floor they set at the read bandwidth probed in the same process right before each round of
+that row's steps (a timed `torch.sum` over a 1 GiB buffer, the median of the row's probes; the VM's
+rate drifts over minutes, so a run-wide figure would misplace the floors of some processes); the step time that loops = 1 predicts for the other loop counts (the LM head's time,
 measured in each step, held fixed; the rest scaled by the layers run, whose weight bytes and FLOPs
 are proportional to their count); the KV bytes per token of both cache modes. Writes bench/results/dory-throughput-<device>.json and its
 chart under bench/results/plots/.
@@ -106,16 +107,27 @@ def make_checkpoint(out: Path, fraction: float) -> None:
 
 
 # ---- measurements (each in its own process) -------------------------------------------------------
+class BandwidthProbe:
+    """Bytes per second that `torch.sum` streams from memory over a 1 GiB buffer (the best of
+    `repeats` sums), probed again beside each measurement: a shared VM's read rate drifts by tens of
+    percent over minutes, so a step's floor is taken from probes made in the same minute."""
+
+    def __init__(self, repeats: int = 2):
+        self.buffer = torch.ones(BANDWIDTH_BYTES // 4, dtype=torch.float32)
+        self.repeats = repeats
+
+    def __call__(self) -> float:
+        best = math.inf
+        for _ in range(self.repeats):
+            start = time.perf_counter()
+            torch.sum(self.buffer)
+            best = min(best, time.perf_counter() - start)
+        return BANDWIDTH_BYTES / best
+
+
 def read_bandwidth(threads: int, repeats: int = 5) -> float:
-    """Bytes per second that `torch.sum` streams from memory (best of `repeats`)."""
     torch.set_num_threads(threads)
-    buffer = torch.ones(BANDWIDTH_BYTES // 4, dtype=torch.float32)
-    best = math.inf
-    for _ in range(repeats):
-        start = time.perf_counter()
-        torch.sum(buffer)
-        best = min(best, time.perf_counter() - start)
-    return BANDWIDTH_BYTES / best
+    return BandwidthProbe(repeats)()
 
 
 def time_decode(engine, head: HeadClock, batch: int, loops: int, steps: int, tag: str) -> tuple[list, list, float]:
@@ -155,25 +167,39 @@ def engine_worker(path: Path, quantization: str, steps: int, rounds: int, batche
     engine, model = llm.engine, llm.engine.model
     head = HeadClock(model.compute_logits)
     model.compute_logits = head
-    weights = {"resident_bytes": engine.quantization.resident_bytes,
+    weights = {"resident_bytes": engine.quantization.resident_bytes, "huge_page_bytes": anon_huge_page_bytes(),
                "layer_bytes": resident_bytes(model.layers[0]), "head_bytes": resident_bytes(model.lm_head),
                "summary": engine.quantization.summary()}
+    probe = BandwidthProbe()
     rows = []
     for batch in batches:
-        samples = {loops: ([], []) for loops in loops_list}  # step and head times over the rounds
+        samples = {loops: ([], [], []) for loops in loops_list}  # step times, head times, bandwidth probes
         for round_index in range(rounds):  # the loop counts interleaved: the VM's drift hits each alike
             for loops in loops_list:
+                samples[loops][2].append(probe())
                 times, head_times, kv_bytes_per_token = time_decode(engine, head, batch, loops, steps,
                                                                     f"b{batch}-l{loops}-r{round_index}")
                 samples[loops][0].extend(times)
                 samples[loops][1].extend(head_times)
-        for loops, (times, head_times) in samples.items():
+        for loops, (times, head_times, probes) in samples.items():
             step = median(times)
             rows.append({"batch": batch, "loops": loops, "step_seconds": step, "step_seconds_all": times,
                          "head_seconds": median(head_times), "tokens_per_second": batch / step,
-                         "kv_bytes_per_token": kv_bytes_per_token})
+                         "kv_bytes_per_token": kv_bytes_per_token, "bandwidth_bytes_per_second": median(probes),
+                         "bandwidth_probes": probes})
             print(f"  {quantization} batch {batch} loops {loops}: {1000 * step:.0f} ms/step", file=sys.stderr)
     return {"load": load, "weights": weights, "rows": rows}
+
+
+def anon_huge_page_bytes() -> int | None:
+    """The process's anonymous memory on transparent huge pages (Linux; None elsewhere): the packed
+    weights ask for them (depthserve/layers/huge_pages.py), and on 4 KiB pages they stream slower."""
+    try:
+        text = Path("/proc/self/smaps_rollup").read_text()
+    except OSError:
+        return None
+    line = next((line for line in text.splitlines() if line.startswith("AnonHugePages:")), None)
+    return None if line is None else int(line.split()[1]) * 1024
 
 
 class HeadClock:
@@ -201,6 +227,7 @@ def transformers_worker(path: Path, steps: int, batches, loops_list) -> dict:
     model.eval()
     head = HeadClock(model.lm_head.forward)
     model.lm_head.forward = head
+    probe = BandwidthProbe()
     rows = []
     for batch in batches:
         for loops in loops_list:
@@ -217,13 +244,15 @@ def transformers_worker(path: Path, steps: int, batches, loops_list) -> dict:
             generate(2)  # warm-up
             # decode steps alone: generating 1 + steps tokens against 1 (the prompt's forward), the median
             # of TRANSFORMERS_REPEATS such pairs (one pair is one sample; the engine's is a median of steps)
-            samples = []
+            samples, probes = [], []
             for _ in range(TRANSFORMERS_REPEATS):
+                probes.append(probe())
                 (many, many_head), (one, one_head) = generate(1 + steps), generate(1)
                 samples.append(((many - one) / steps, (many_head - one_head) / steps))
             step, head_step = median(sample[0] for sample in samples), median(sample[1] for sample in samples)
             rows.append({"batch": batch, "loops": loops, "step_seconds": step, "step_seconds_all": [s[0] for s in samples],
-                         "head_seconds": head_step, "tokens_per_second": batch / step})
+                         "head_seconds": head_step, "tokens_per_second": batch / step,
+                         "bandwidth_bytes_per_second": median(probes), "bandwidth_probes": probes})
             print(f"  transformers batch {batch} loops {loops}: {1000 * step:.0f} ms/step", file=sys.stderr)
     return {"load": load, "rows": rows}
 
@@ -269,7 +298,7 @@ def step_bytes(counts: tuple[int, int, int], loops: int, weights: dict) -> int:
 
 
 def analyse(counts, engines: dict, hf: dict, bandwidth: float) -> None:
-    """Adds to each row its floor, the prediction from loops = 1 and the ratios the issue asks for."""
+    """Adds to each row its floor, the prediction from loops = 1 and the ratios docs/benchmarks.md reports."""
     for name, result in [*engines.items(), ("transformers", hf)]:
         weights = engines["bf16"]["weights"] if name == "transformers" else result["weights"]
         by_batch = {}
@@ -279,7 +308,7 @@ def analyse(counts, engines: dict, hf: dict, bandwidth: float) -> None:
             base = rows.get(1)
             for loops, row in rows.items():
                 row["weight_bytes_per_step"] = step_bytes(counts, loops, weights)
-                row["floor_seconds"] = row["weight_bytes_per_step"] / bandwidth
+                row["floor_seconds"] = row["weight_bytes_per_step"] / row.get("bandwidth_bytes_per_second", bandwidth)
                 row["step_over_floor"] = row["step_seconds"] / row["floor_seconds"]
                 if base is not None:  # the head's time fixed, the layers' scaled by their count
                     layers = base["step_seconds"] - base["head_seconds"]
