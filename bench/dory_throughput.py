@@ -41,14 +41,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import QUICK_SUFFIX, RESULTS_DIR, byte_prompts, cpu_model, environment, peak_rss_bytes, write_result  # noqa: E402
+from looped_decode import (  # noqa: E402
+    PROMPT_TOKENS, BandwidthProbe, HeadClock, anon_huge_page_bytes, time_decode)
 
 FULL_LAYERS = (8, 20, 8)  # DoryConfig(): prelude, recurrent, coda
 FORMATS = {"bf16": "none", "int8": "int8", "int4": "int4"}  # engine format -> --quantization
 TRANSFORMERS_REPEATS = 3
 BATCHES = (1, 8)
 LOOPS = (1, 2, 4)
-PROMPT_TOKENS = 16
-BANDWIDTH_BYTES = 1 << 30
 DEFAULT_CACHE = Path.home() / ".cache" / "depthserve"
 SHARD_BYTES = 1 << 30
 
@@ -107,57 +107,13 @@ def make_checkpoint(out: Path, fraction: float) -> None:
 
 
 # ---- measurements (each in its own process) -------------------------------------------------------
-class BandwidthProbe:
-    """Bytes per second that `torch.sum` streams from memory over a 1 GiB buffer (the best of
-    `repeats` sums), probed again beside each measurement: a shared VM's read rate drifts by tens of
-    percent over minutes, so a step's floor is taken from probes made in the same minute."""
-
-    def __init__(self, repeats: int = 2):
-        self.buffer = torch.ones(BANDWIDTH_BYTES // 4, dtype=torch.float32)
-        self.repeats = repeats
-
-    def __call__(self) -> float:
-        best = math.inf
-        for _ in range(self.repeats):
-            start = time.perf_counter()
-            torch.sum(self.buffer)
-            best = min(best, time.perf_counter() - start)
-        return BANDWIDTH_BYTES / best
-
-
 def read_bandwidth(threads: int, repeats: int = 5) -> float:
     torch.set_num_threads(threads)
     return BandwidthProbe(repeats)()
 
 
-def time_decode(engine, head: HeadClock, batch: int, loops: int, steps: int, tag: str) -> tuple[list, list, float]:
-    """`batch` greedy sequences at `loops` prefilled, one decode step unmeasured, then `steps` timed
-    steps (their wall times and the LM head's share of each) and the KV bytes per token they hold."""
-    from depthserve import DepthParams, SamplingParams
-
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 4, ignore_eos=True)
-    ids = [f"{tag}-{i}" for i in range(batch)]
-    for rid, prompt in zip(ids, byte_prompts(batch, PROMPT_TOKENS)):
-        engine.add_request(rid, prompt, params, DepthParams(loops=loops))
-    seqs = [engine._requests[rid].seqs[0] for rid in ids]
-    while any(seq.num_computed_tokens < PROMPT_TOKENS for seq in seqs):
-        engine.step()
-    kv_bytes_per_token = engine.block_manager.pages_held(seqs[0]) * engine.block_manager.page_bytes / PROMPT_TOKENS
-    engine.step()
-    times, head_times = [], []
-    for _ in range(steps):
-        head.seconds = 0.0
-        begin = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - begin)
-        head_times.append(head.seconds)
-    for rid in ids:
-        engine.abort_request(rid)
-    return times, head_times, kv_bytes_per_token
-
-
 def engine_worker(path: Path, quantization: str, steps: int, rounds: int, batches, loops_list) -> dict:
-    from depthserve import LLM
+    from depthserve import LLM, DepthParams
     from depthserve.loading.quantization import resident_bytes
 
     start = time.perf_counter()
@@ -177,10 +133,11 @@ def engine_worker(path: Path, quantization: str, steps: int, rounds: int, batche
         for round_index in range(rounds):  # the loop counts interleaved: the VM's drift hits each alike
             for loops in loops_list:
                 samples[loops][2].append(probe())
-                times, head_times, kv_bytes_per_token = time_decode(engine, head, batch, loops, steps,
-                                                                    f"b{batch}-l{loops}-r{round_index}")
-                samples[loops][0].extend(times)
-                samples[loops][1].extend(head_times)
+                timing = time_decode(engine, batch, DepthParams(loops=loops), steps, f"b{batch}-l{loops}-r{round_index}",
+                                     head)
+                samples[loops][0].extend(timing.times)
+                samples[loops][1].extend(timing.head_times)
+                kv_bytes_per_token = timing.kv_bytes_per_token
         for loops, (times, head_times, probes) in samples.items():
             step = median(times)
             rows.append({"batch": batch, "loops": loops, "step_seconds": step, "step_seconds_all": times,
@@ -189,30 +146,6 @@ def engine_worker(path: Path, quantization: str, steps: int, rounds: int, batche
                          "bandwidth_probes": probes})
             print(f"  {quantization} batch {batch} loops {loops}: {1000 * step:.0f} ms/step", file=sys.stderr)
     return {"load": load, "weights": weights, "rows": rows}
-
-
-def anon_huge_page_bytes() -> int | None:
-    """The process's anonymous memory on transparent huge pages (Linux; None elsewhere): the packed
-    weights ask for them (depthserve/layers/huge_pages.py), and on 4 KiB pages they stream slower."""
-    try:
-        text = Path("/proc/self/smaps_rollup").read_text()
-    except OSError:
-        return None
-    line = next((line for line in text.splitlines() if line.startswith("AnonHugePages:")), None)
-    return None if line is None else int(line.split()[1]) * 1024
-
-
-class HeadClock:
-    """A callable standing in for the LM head's forward that adds its wall time to `seconds`."""
-
-    def __init__(self, forward):
-        self.forward, self.seconds = forward, 0.0
-
-    def __call__(self, *args, **kwargs):
-        begin = time.perf_counter()
-        out = self.forward(*args, **kwargs)
-        self.seconds += time.perf_counter() - begin
-        return out
 
 
 @torch.inference_mode()

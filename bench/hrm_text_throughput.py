@@ -35,12 +35,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import QUICK_SUFFIX, RESULTS_DIR, byte_prompts, cpu_model, environment, peak_rss_bytes, write_result  # noqa: E402
+from looped_decode import PROMPT_TOKENS, time_decode  # noqa: E402
 
 FULL_LAYERS_PER_STACK = 16  # HrmTextConfig()
 FORMATS = {"bf16": "none", "int8": "int8", "int4": "int4"}  # engine format -> quantization
 BATCHES = (1, 8)
 CYCLES = ((1, 1), (2, 1), (2, 3))  # (h_cycles, l_cycles); (2, 3) is HrmTextConfig()'s
-PROMPT_TOKENS = 16
 DEFAULT_CACHE = Path.home() / ".cache" / "depthserve"
 SHARD_BYTES = 1 << 30
 
@@ -108,37 +108,22 @@ def make_checkpoint(out: Path, fraction: float) -> None:
 
 # ---- measurements (each in its own process) -------------------------------------------------------
 def engine_worker(path: Path, quantization: str, steps: int, batches, cycles) -> dict:
-    from depthserve import LLM, DepthParams, SamplingParams
+    from depthserve import LLM, DepthParams
 
     start = time.perf_counter()
     llm = LLM(str(path), device="cpu", dtype="bfloat16", quantization=quantization, load_progress=False,
               max_model_len=PROMPT_TOKENS + steps + 8, block_size=16, enable_prefix_caching=False)
     load = {"seconds": time.perf_counter() - start, "peak_rss_bytes": peak_rss_bytes(),
             "resident_weight_bytes": llm.engine.quantization.resident_bytes}
-    engine = llm.engine
     rows = []
     for batch in batches:
         for h, l in cycles:
-            params = SamplingParams(temperature=0.0, max_tokens=steps + 4, ignore_eos=True)
             depth = DepthParams(h_cycles=h, l_cycles=l, prefix_lm=0)
-            ids = [f"b{batch}-h{h}-l{l}-{i}" for i in range(batch)]
-            for rid, prompt in zip(ids, byte_prompts(batch, PROMPT_TOKENS)):
-                engine.add_request(rid, prompt, params, depth)
-            seqs = [engine._requests[rid].seqs[0] for rid in ids]
-            while any(seq.num_computed_tokens < PROMPT_TOKENS for seq in seqs):
-                engine.step()
-            kv = engine.block_manager.pages_held(seqs[0]) * engine.block_manager.page_bytes / PROMPT_TOKENS
-            engine.step()  # one decode step unmeasured
-            times = []
-            for _ in range(steps):
-                begin = time.perf_counter()
-                engine.step()
-                times.append(time.perf_counter() - begin)
-            for rid in ids:
-                engine.abort_request(rid)
-            step = median(times)
+            timing = time_decode(llm.engine, batch, depth, steps, f"b{batch}-h{h}-l{l}")
+            step = median(timing.times)
             rows.append({"batch": batch, "h_cycles": h, "l_cycles": l, "step_seconds": step,
-                         "step_seconds_all": times, "tokens_per_second": batch / step, "kv_bytes_per_token": kv})
+                         "step_seconds_all": timing.times, "tokens_per_second": batch / step,
+                         "kv_bytes_per_token": timing.kv_bytes_per_token})
             print(f"  {quantization} batch {batch} cycles {h}x{l}: {1000 * step:.0f} ms/step", file=sys.stderr)
     return {"load": load, "rows": rows}
 

@@ -154,3 +154,13 @@ def _forget_fastapi_endpoints() -> None:
     for value in vars(models).values() if models is not None else ():
         if isinstance(value, functools._lru_cache_wrapper):
             value.cache_clear()
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module's tests (`pytestmark = pytest.mark.usefixtures("one_thread")`):
+    on the tiny looped models' matrices a second thread only adds synchronisation."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -28,14 +28,7 @@ WINDOW = 8  # the tiny checkpoints' sliding window: every prompt below is longer
 VOCAB = 257  # the byte tokenizer's
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """On matrices this small a second intra-op thread only adds synchronisation: on the shared
-    2-core machine the engine runs below 10x slower with one."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

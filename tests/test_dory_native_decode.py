@@ -26,12 +26,7 @@ MAX_TOKENS = [7, 5, 6, 8]
 KNOBS = [{"loops": 1}, {"loops": 3}, {"loops": {"min": 1, "max": 3}}, None]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _generate(llm: LLM) -> list:

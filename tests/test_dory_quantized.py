@@ -33,12 +33,7 @@ LOOPS = [1, 2, 3]  # one request per loop count, in one batch
 MAX_TOKENS = [6, 4, 5]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

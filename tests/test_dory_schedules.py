@@ -32,12 +32,7 @@ KNOBS = [{"loops": {"min": 1, "max": 3}}, {"loops": 2}, {"loops": {"min": 2, "ma
          {"loops": 1}, {"loops": {"min": 1, "max": 2}}]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -27,13 +27,7 @@ NEAR_TIE = 0.0  # greedy tokens must be the reference's argmax
 VOCAB = 257  # the byte tokenizer's
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """On matrices this small a second intra-op thread only adds synchronisation."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

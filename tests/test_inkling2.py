@@ -30,12 +30,7 @@ WINDOW = 8  # the tiny checkpoint's sliding window: every prompt below is longer
 VOCAB = 257  # the byte tokenizer's
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
