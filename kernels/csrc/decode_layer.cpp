@@ -105,15 +105,33 @@ at::Tensor decode_layer(const NativeOps& native, const at::Tensor& x, const at::
   return at::add(h, project(native.gate.call(gate_up), kDown));
 }
 
+// Runs `layer(i, hidden, slots, table)` for each layer i in turn from x, layer i on the cache columns
+// first_columns[i] .. + kv_heads of slot_index [rows, width] and page_table [rows, blocks, width]
+// (the step's whole tables, sliced here rather than per layer in Python); `op` names the caller in errors.
+template <typename Layer>
+at::Tensor run_layers(const char* op, const at::Tensor& x, int64_t kv_heads, const at::Tensor& slot_index,
+                      const at::Tensor& page_table, at::IntArrayRef first_columns, Layer&& layer) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), op, ": x must be a contiguous [rows, hidden]");
+  TORCH_CHECK(slot_index.dim() == 2 && page_table.dim() == 3 && slot_index.size(1) == page_table.size(2), op,
+              ": slot_index [rows, width] and page_table [rows, blocks, width]");
+  at::Tensor hidden = x;
+  for (int64_t i = 0; i < static_cast<int64_t>(first_columns.size()); ++i) {
+    TORCH_CHECK(first_columns[i] >= 0 && first_columns[i] + kv_heads <= slot_index.size(1), op, ": layer ", i,
+                "'s cache columns are outside the tables");
+    const at::Tensor slots = slot_index.narrow(1, first_columns[i], kv_heads);
+    const at::Tensor table = page_table.narrow(2, first_columns[i], kv_heads).transpose(1, 2);
+    hidden = layer(i, hidden, slots, table);
+  }
+  return hidden;
+}
+
 // Consecutive layers, layer i with norms[2 i] and norms[2 i + 1], the 12 tensors of weights from
-// 12 i and its cache columns first_columns[i] .. + kv_heads of slot_index [rows, width] and page_table
-// [rows, blocks, width] (the step's whole tables: slicing them here, not per layer in Python).
+// 12 i and its cache columns first_columns[i] (run_layers).
 at::Tensor llama_decode_layers(const at::Tensor& x, at::TensorList norms, double eps, at::TensorList weights,
                                at::IntArrayRef bits, at::IntArrayRef out_features, const at::Tensor& cos,
                                const at::Tensor& sin, int64_t num_heads, int64_t kv_heads, at::Tensor& k_pages,
                                at::Tensor& v_pages, const at::Tensor& slot_index, const at::Tensor& page_table,
                                const at::Tensor& context_lens, double scale, at::IntArrayRef first_columns) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "llama_decode_layers: x must be a contiguous [rows, hidden]");
   const int64_t layers = static_cast<int64_t>(first_columns.size());
   TORCH_CHECK(static_cast<int64_t>(norms.size()) == 2 * layers &&
                   static_cast<int64_t>(weights.size()) == kProjections * kTensorsPerProjection * layers &&
@@ -121,21 +139,14 @@ at::Tensor llama_decode_layers(const at::Tensor& x, at::TensorList norms, double
                   static_cast<int64_t>(out_features.size()) == kProjections * layers,
               "llama_decode_layers: per layer two norms and four projections (qkv, o, gate_up, down) of three "
               "tensors each");
-  TORCH_CHECK(slot_index.dim() == 2 && page_table.dim() == 3 && slot_index.size(1) == page_table.size(2),
-              "llama_decode_layers: slot_index [rows, width] and page_table [rows, blocks, width]");
   const NativeOps& native = ops();
-  at::Tensor hidden = x;
-  for (int64_t i = 0; i < layers; ++i) {
-    TORCH_CHECK(first_columns[i] >= 0 && first_columns[i] + kv_heads <= slot_index.size(1),
-                "llama_decode_layers: layer ", i, "'s cache columns are outside the tables");
-    const at::Tensor slots = slot_index.narrow(1, first_columns[i], kv_heads);
-    const at::Tensor table = page_table.narrow(2, first_columns[i], kv_heads).transpose(1, 2);
-    hidden = decode_layer(native, hidden, norms[2 * i], norms[2 * i + 1], eps,
-                          weights.slice(kProjections * kTensorsPerProjection * i, kProjections * kTensorsPerProjection),
-                          bits.slice(kProjections * i, kProjections), out_features.slice(kProjections * i, kProjections),
-                          cos, sin, num_heads, k_pages, v_pages, slots, table, context_lens, scale);
-  }
-  return hidden;
+  return run_layers("llama_decode_layers", x, kv_heads, slot_index, page_table, first_columns,
+                    [&](int64_t i, const at::Tensor& hidden, const at::Tensor& slots, const at::Tensor& table) {
+    return decode_layer(native, hidden, norms[2 * i], norms[2 * i + 1], eps,
+                        weights.slice(kProjections * kTensorsPerProjection * i, kProjections * kTensorsPerProjection),
+                        bits.slice(kProjections * i, kProjections), out_features.slice(kProjections * i, kProjections),
+                        cos, sin, num_heads, k_pages, v_pages, slots, table, context_lens, scale);
+  });
 }
 
 // A Dory layer's learned scales as its forward applies them (model.py's `derive_scales`), in `scales`
@@ -192,7 +203,6 @@ at::Tensor dory_decode_layers(const at::Tensor& x, at::TensorList scales, double
                               at::Tensor& k_pages, at::Tensor& v_pages, const at::Tensor& slot_index,
                               const at::Tensor& page_table, const at::Tensor& context_lens, double scale,
                               at::IntArrayRef first_columns) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "dory_decode_layers: x must be a contiguous [rows, hidden]");
   const int64_t layers = static_cast<int64_t>(first_columns.size());
   TORCH_CHECK(static_cast<int64_t>(scales.size()) == kDoryScales * layers &&
                   static_cast<int64_t>(weights.size()) == kProjections * kTensorsPerProjection * layers &&
@@ -202,22 +212,15 @@ at::Tensor dory_decode_layers(const at::Tensor& x, at::TensorList scales, double
                   static_cast<int64_t>(windows.size()) == layers,
               "dory_decode_layers: per layer six scales, four projections (qkvg, o, gate_up, down) of three tensors "
               "each, a rotary table pair and a window");
-  TORCH_CHECK(slot_index.dim() == 2 && page_table.dim() == 3 && slot_index.size(1) == page_table.size(2),
-              "dory_decode_layers: slot_index [rows, width] and page_table [rows, blocks, width]");
   const NativeOps& native = ops();
-  at::Tensor hidden = x;
-  for (int64_t i = 0; i < layers; ++i) {
-    TORCH_CHECK(first_columns[i] >= 0 && first_columns[i] + kv_heads <= slot_index.size(1),
-                "dory_decode_layers: layer ", i, "'s cache columns are outside the tables");
-    const at::Tensor slots = slot_index.narrow(1, first_columns[i], kv_heads);
-    const at::Tensor table = page_table.narrow(2, first_columns[i], kv_heads).transpose(1, 2);
-    hidden = dory_decode_layer(
+  return run_layers("dory_decode_layers", x, kv_heads, slot_index, page_table, first_columns,
+                    [&](int64_t i, const at::Tensor& hidden, const at::Tensor& slots, const at::Tensor& table) {
+    return dory_decode_layer(
         native, hidden, scales.slice(kDoryScales * i, kDoryScales), eps,
         weights.slice(kProjections * kTensorsPerProjection * i, kProjections * kTensorsPerProjection),
         bits.slice(kProjections * i, kProjections), out_features.slice(kProjections * i, kProjections), cos[i], sin[i],
         windows[i], num_heads, k_pages, v_pages, slots, table, context_lens, scale);
-  }
-  return hidden;
+  });
 }
 
 }  // namespace
