@@ -17,10 +17,11 @@ Reported per format: decode tok/s and step time; the load's peak RSS and the res
 the weight bytes one step reads ((prelude + coda + loops x recurrent layers) + the LM head) and
 the floor they set at the read bandwidth probed in the same process right before each round of
 that row's steps (a timed `torch.sum` over a 1 GiB buffer, the median of the row's probes; the VM's
-rate drifts over minutes, so a run-wide figure would misplace the floors of some processes); the step time that loops = 1 predicts for the other loop counts (the LM head's time,
-measured in each step, held fixed; the rest scaled by the layers run, whose weight bytes and FLOPs
-are proportional to their count); the KV bytes per token of both cache modes. Writes bench/results/dory-throughput-<device>.json and its
-chart under bench/results/plots/.
+rate drifts over minutes, so a run-wide figure would misplace the floors of some processes); the
+step time that loops = 1 predicts for the other loop counts (the LM head's time, measured in each
+step, held fixed; the rest scaled by the layers run, whose weight bytes and FLOPs are proportional
+to their count); the KV bytes per token of both cache modes. Writes
+bench/results/dory-throughput-<device>.json and its chart under bench/results/plots/.
 
     python bench/dory_throughput.py [--layers-fraction 1.0] [--steps 4] [--rounds 3] [--quick]
 """

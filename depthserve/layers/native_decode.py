@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from depthserve.kernels import cpu_native
 from depthserve.layers.attention import AttentionMetadata
 from depthserve.layers.quantized import QuantLinear
 
@@ -41,6 +42,13 @@ class NativeProjections:
         return cls(weights=[t for p in projections for t in (p.native.codes, p.native.scale, p.native.low)],
                    bits=[p.native.bits for p in projections], out_features=[p.out_features for p in projections],
                    max_rows=min(p.max_kernel_rows for p in projections))
+
+
+def one_native_attention_shape(attentions: Sequence[nn.Module]) -> bool:
+    """The layers' attentions share one (head_dim, heads, KV heads, scale), as the native call takes
+    them once, and the native decode attention kernel takes that shape."""
+    shapes = {(a.head_dim, a.num_heads, a.num_kv_heads, a.scale) for a in attentions}
+    return len(shapes) == 1 and cpu_native.attention_fits(*next(iter(shapes))[:3])
 
 
 def native_decode_applies(x: torch.Tensor, meta: AttentionMetadata, max_rows: int) -> bool:

@@ -244,7 +244,7 @@ class DoryForCausalLM(nn.Module, DepthModel):
         _derived(self, "logits_scale")
         self.rope: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # filled by finish_load
         self.base_columns = dict(CacheLayout(base_slots(cfg)).slot_columns())  # alike in every request's table
-        # runs of layers (a section's, or one layer) with a native decode step (finish_load; native_decode.py)
+        # runs of layers (a section's, or one recurrent layer) with a native decode step (finish_load; native_decode.py)
         self.native_runs: dict[tuple[int, ...], NativeDoryLayers] = {}
 
     @property
@@ -386,7 +386,7 @@ class DoryForCausalLM(nn.Module, DepthModel):
     def finish_load(self, device: torch.device) -> None:
         """The rotary tables of each layer type (its own theta), fp32 whatever the model dtype; the
         learned scales as the forward applies them (each layer's `derive_scales`); the native decode
-        steps of the sections and of each layer, where their projections run on the native kernel."""
+        steps of the sections and of each recurrent layer, where their projections run on the native kernel."""
         self.rope = {kind: tuple(t.to(device) for t in rope_tables(self.config.head_dim, self.max_positions, theta))
                      for kind, theta in self.config.rope_thetas.items()}
         with torch.no_grad():
@@ -395,7 +395,7 @@ class DoryForCausalLM(nn.Module, DepthModel):
                 layer.derive_scales()
         cfg = self.config
         runs = [tuple(range(cfg.n_input_layers)), tuple(cfg.recurrent_layers), tuple(cfg.output_layers)]
-        runs += [(i,) for i in range(cfg.num_layers)]
+        runs += [(i,) for i in cfg.recurrent_layers]  # a pass that only some rows run goes layer by layer
         natives = {run: NativeDoryLayers.of([self.layers[i] for i in run], L2_EPS) for run in runs if run}
         self.native_runs = {run: native for run, native in natives.items() if native is not None}
 

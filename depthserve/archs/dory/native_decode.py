@@ -17,7 +17,7 @@ import torch
 
 from depthserve.kernels import cpu_native
 from depthserve.layers.attention import AttentionMetadata, KVPool
-from depthserve.layers.native_decode import NativeProjections, native_decode_applies
+from depthserve.layers.native_decode import NativeProjections, native_decode_applies, one_native_attention_shape
 
 Rope = dict[str, tuple[torch.Tensor, torch.Tensor]]  # a layer type's rotary tables over the step's rows
 
@@ -42,8 +42,7 @@ class NativeDoryLayers:
                                             for p in (a.qkvg_proj, a.o_proj, m.gate_up_proj, m.down_proj)])
         if projections is None:
             return None
-        shape = {(a.head_dim, a.num_heads, a.num_kv_heads, a.scale) for a in attns}
-        if len(shape) != 1 or not cpu_native.attention_fits(*next(iter(shape))[:3]):
+        if not one_native_attention_shape(attns):
             return None
         scales = [s for layer in layers for s in (layer.self_attn.q_scale, layer.self_attn.gate_scale,
                                                   layer.mlp.gate_scale, layer.mlp.up_scale, layer.attention_rate,

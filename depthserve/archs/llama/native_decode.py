@@ -17,7 +17,7 @@ import torch
 
 from depthserve.kernels import cpu_native
 from depthserve.layers.attention import AttentionMetadata, KVPool
-from depthserve.layers.native_decode import NativeProjections, native_decode_applies
+from depthserve.layers.native_decode import NativeProjections, native_decode_applies, one_native_attention_shape
 
 
 @dataclass(frozen=True)
@@ -39,8 +39,7 @@ class NativeDecodeLayers:
             layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)])
         if projections is None:
             return None
-        shape = {(a.head_dim, a.num_heads, a.num_kv_heads, a.scale) for a in attns}
-        if len(shape) != 1 or not cpu_native.attention_fits(*next(iter(shape))[:3]):
+        if not one_native_attention_shape(attns):
             return None
         norms = [norm for layer in layers for norm in (layer.input_layernorm, layer.post_attention_layernorm)]
         if len({norm.eps for norm in norms}) != 1:
