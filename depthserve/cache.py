@@ -31,12 +31,23 @@ class SlotSpec:
     # Keys a query of the slot's layer sees, its own included (a sliding-window layer): its pages of
     # blocks wholly behind every later query's window may be given back (BlockManager). None: all.
     window: int | None = None
+    # A ROUTED slot that holds exactly the positions whose recorded level (Sequence.levels, a depth
+    # range's per-token level) is at least this, in position order (a looped model's pass past the
+    # range's minimum). Its keys' positions are then known to the block manager, so with a window
+    # the pages of its entries behind the window may go back too. None: the slot's tokens are chosen
+    # by the model (ITT's router), and a routed slot keeps every page.
+    from_level: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads < 1:
             raise ValueError(f"slot {self.name!r} must store at least one head")
         if self.window is not None and self.window < 1:
             raise ValueError(f"slot {self.name!r} must see at least one key (window >= 1)")
+        if self.from_level is not None and self.kind is not SlotKind.ROUTED:
+            raise ValueError(f"slot {self.name!r}: only a routed slot holds the positions of a level")
+        if self.kind is SlotKind.ROUTED and self.window is not None and self.from_level is None:
+            raise ValueError(f"routed slot {self.name!r} may have a window only with from_level "
+                             "(else the positions of its keys are unknown)")
 
 
 @dataclass(frozen=True)

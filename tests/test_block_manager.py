@@ -52,6 +52,8 @@ def check_consistent(bm: BlockManager) -> None:
         for i, row in enumerate(entry.table()):
             released = entry.released_from <= i < entry.released_to  # its windowed pages given back
             held.update(int(p) for p in (np.delete(row, entry.layout.windowed_columns) if released else row))
+        for routed in entry.routed.values():  # past its leading rows given back behind a window
+            held.update(int(p) for p in routed.rows.view()[routed.released:].ravel())
     assert len(free) == len(set(free)), "a page is on the free list twice"
     assert len(evictable) == len(set(evictable)), "an evictable page is cached twice"
     assert not set(free) & set(evictable)
@@ -748,3 +750,43 @@ def test_released_rows_stay_out_of_the_prefix_cache(make_bm):
     assert bm.allocate_cached_prefix(b, ()) == 8
     bm.free(a)
     bm.free(b)
+
+
+# A windowed routed slot of the positions at level >= 2 (Dory's pass 2 under a range of loops) beside
+# a full dense slot: its entries behind the window are counted from the sequence's recorded levels.
+LEVEL_ROUTED = CacheLayout((SlotSpec("pass1", SlotKind.DENSE, 1),),
+                           (SlotSpec("pass2", SlotKind.ROUTED, 2, window=5, from_level=2),))
+
+
+def test_a_routed_slot_may_have_a_window_only_with_its_level():
+    with pytest.raises(ValueError, match="from_level"):
+        SlotSpec("r", SlotKind.ROUTED, 1, window=4)
+    with pytest.raises(ValueError, match="routed"):
+        SlotSpec("d", SlotKind.DENSE, 1, from_level=2)
+
+
+def test_windowed_routed_pages_behind_the_window_go_back(make_bm):
+    """Decoding at levels 1/2 in turn: the routed slot's leading rows whose entries all sit before the
+    next query's window (position p >= next - window + 1 is visible) give their pages back before the
+    step, exactly as many as the levels say; the accounting stays exact and `free` returns the rest."""
+    bm = make_bm(256, block_size=4, enable_prefix_caching=False)
+    a = make_seq(range(6), layout=LEVEL_ROUTED, max_tokens=64, rid="a")
+    a.output_token_ids = list(range(100, 160))
+    levels = [2, 2, 1, 2, 2, 2] + [1 + (i % 3 != 0) for i in range(60)]
+    done = 0
+    for n in [6] + list(range(7, 67)):
+        bm.grow(a, n)
+        entry = bm._seqs[a.seq_id].routed["pass2"]
+        behind = sum(level >= 2 for level in levels[: max(done - 5 + 1, 0)])
+        assert entry.released == behind // 4
+        a.levels[done:n] = levels[done:n]
+        bm.commit_routed(a, "pass2", sum(level >= 2 for level in levels[done:n]))
+        a.num_computed_tokens = done = n
+        assert bm.pages_held(a) == bm.num_used_pages == 256 - bm.num_free_pages
+        check_consistent(bm)
+    entry = bm._seqs[a.seq_id].routed["pass2"]
+    assert entry.length == sum(level >= 2 for level in levels) and entry.released >= 9
+    assert entry.pages_held() <= (-(-(5 + 4) // 4) + 1) * 2  # what the window can see, as for a dense slot
+    assert bm.used_pages_by_kind()[SlotKind.ROUTED] == entry.pages_held()
+    bm.free(a)
+    assert bm.num_free_pages == 256

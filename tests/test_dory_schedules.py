@@ -216,8 +216,9 @@ def test_a_range_at_its_maximum_is_the_fixed_knob(path):
 
 def test_a_routed_pass_holds_exactly_the_tokens_that_ran_it(ckpts):
     """per_loop, after every step: the routed slots of pass t hold the tokens with loops >= t and
-    nothing stays reserved; the dense slots (every layer's first pass, and the passes up to the
-    range's minimum) cover every token."""
+    nothing stays reserved, a sliding layer's routed slot without the pages of its leading blocks
+    behind the window; the dense slots (every layer's first pass, and the passes up to the range's
+    minimum) cover every token."""
     llm = tiny_llm(ckpts["per_loop"], max_num_batched_tokens=8)
     engine = llm.engine
     engine.depth_policy = RandomLevels(3)
@@ -226,9 +227,11 @@ def test_a_routed_pass_holds_exactly_the_tokens_that_ran_it(ckpts):
     engine.add_request("s", _ids(17, seed=6), params, DepthParams(loops={"min": 2, "max": 4}))
     seqs = {rid: engine._requests[rid].seqs[0] for rid in ("r", "s")}
     cfg, bm, bs, kv, checked = engine.model.config, engine.block_manager, engine.args.block_size, 2, 0
+    released_routed = 0
     while engine.has_unfinished_requests():
+        starts = {rid: seq.num_computed_tokens for rid, seq in seqs.items()}  # the pages go back before a step
         engine.step()
-        for seq in seqs.values():
+        for rid, seq in seqs.items():
             if seq.finished or not seq.num_computed_tokens:
                 continue
             low, high = seq.plan.elastic.minimum, seq.plan.elastic.maximum
@@ -237,17 +240,53 @@ def test_a_routed_pass_holds_exactly_the_tokens_that_ran_it(ckpts):
             routed = 0
             for t in range(low + 1, high + 1):
                 for i in cfg.recurrent_layers:
-                    pages, length = bm.routed_table(seq, dory_format.recurrent_slot_name(cfg, i, t))
+                    name = dory_format.recurrent_slot_name(cfg, i, t)
+                    pages, length = bm.routed_table(seq, name)
                     assert length == np.count_nonzero(ran >= t)
                     assert len(pages) == -(-length // bs)
-                    routed += len(pages) * kv
+                    window = cfg.window(i)
+                    behind = 0 if window is None else np.count_nonzero(ran[: max(starts[rid] - window + 1, 0)] >= t)
+                    held = bm._seqs[seq.seq_id].routed[name].pages_held()
+                    assert held == (len(pages) - behind // bs) * kv, (name, held, len(pages), behind)
+                    released_routed += behind // bs
+                    routed += held
             dense_slots = cfg.num_layers + (low - 1) * cfg.n_recurrent_layers
             blocks = -(-seq.num_computed_tokens // bs)
             # the sliding-window dense slots give back the pages of blocks behind the window
             assert bm.pages_held(seq) - routed <= blocks * dense_slots * kv
             assert bm.pages_held(seq) - routed >= blocks * (dense_slots // 2) * kv
             checked += 1
-    assert checked >= 10 and bm.num_used_pages == 0
+    assert checked >= 10 and released_routed > 0 and bm.num_used_pages == 0
+
+
+def test_pages_behind_the_window_are_never_read(path):
+    """Two range requests decode 40 tokens each (window 8, block 8) at random levels while every page
+    no sequence holds is filled with NaN after each step: the pages the sliding slots gave back (dense
+    and, per_loop, routed) are never read again, so the tokens and logprobs still equal the reference
+    on the reported schedule; per_loop gives routed pages back."""
+    llm = tiny_llm(path, enable_prefix_caching=False, max_num_batched_tokens=8)  # no cached rows: refs 0 = free
+    engine = llm.engine
+    engine.depth_policy = RandomLevels(5)
+    bm, pool = engine.block_manager, engine.runner.pool
+    prompts, knobs = [_ids(19, seed=81), _ids(12, seed=82)], [{"loops": {"min": 1, "max": 3}}, {"loops": {"min": 2, "max": 4}}]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=2)
+    for i, (prompt, knob) in enumerate(zip(prompts, knobs)):
+        engine.add_request(f"n{i}", prompt, params, DepthParams.from_dict(knob))
+    final, routed_given_back = {}, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+        free = torch.from_numpy(np.flatnonzero(bm._refs == 0))
+        pool.k_pages[free] = float("nan")
+        pool.v_pages[free] = float("nan")
+        routed_given_back = max([routed_given_back] + [r.released for entry in bm._seqs.values()
+                                                       for r in entry.routed.values()])
+    outputs = [final[f"n{i}"] for i in range(len(prompts))]
+    stats = _check_against_reference(path, prompts, knobs, outputs)
+    assert stats["tokens"] == 40 * len(prompts)
+    assert (routed_given_back > 0) == (_mode(path) == "per_loop")
+    print(f"dory {_mode(path)} NaN-poisoned free pages:", stats, "routed rows given back", routed_given_back)
 
 
 def test_last_loop_ranges_never_share_prefix_blocks(ckpts):

@@ -39,6 +39,9 @@ mask every key outside the window, so they never use what such a page holds now)
 chain keep every page, since a hit needs the window's keys before its end: with prefix caching on,
 a layout whose computed blocks all enter the cache (every one but Dory's last_loop) frees nothing.
 The released rows are a contiguous run after the chain; `free` gives back the rest of their pages.
+A routed slot with a window holds the positions of one level (`SlotSpec.from_level`: the tokens of a
+depth range that ran a looped model's pass), so the sequence's recorded levels say how many of its
+entries sit behind the window; its leading rows made only of those give their pages back the same way.
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from depthserve.cache import CacheLayout, SlotKind
+from depthserve.cache import CacheLayout, SlotKind, SlotSpec
 from depthserve.engine.sequence import Sequence
 
 
@@ -88,9 +91,18 @@ class _RoutedPages:
     num_heads: int
     length: int = 0  # selected tokens committed
     rows: _PageRows = field(init=False)  # [reserved blocks, num_heads]
+    # A windowed slot of a level's positions (SlotSpec.from_level): the positions scanned so far
+    # for the entries behind the window, how many of them the slot holds, and the leading rows
+    # whose pages went back (the row keeps the ids; no query reads an entry behind the window).
+    scanned: int = 0
+    behind: int = 0
+    released: int = 0
 
     def __post_init__(self) -> None:
         self.rows = _PageRows(self.num_heads)
+
+    def pages_held(self) -> int:
+        return (len(self.rows) - self.released) * self.num_heads
 
 
 @dataclass
@@ -120,7 +132,7 @@ class _SeqPages:
         return 0 if self.state is None else len(self.state)
 
     def routed_pages(self) -> int:
-        return sum(len(r.rows) * r.num_heads for r in self.routed.values())
+        return sum(r.pages_held() for r in self.routed.values())
 
     def table(self) -> np.ndarray:
         return self.rows.view()
@@ -253,6 +265,7 @@ class BlockManager:
         extra = max(num_tokens - seq.num_computed_tokens, 0)
         for slot in entry.layout.routed_slots:
             routed = entry.routed.setdefault(slot.name, _RoutedPages(slot.num_heads))
+            self._release_routed_behind_window(routed, slot, seq)
             while len(routed.rows) < self.blocks_for(routed.length + extra):
                 routed.rows.append(self._take_pages(slot.num_heads))
 
@@ -338,7 +351,7 @@ class BlockManager:
             self._refs[entry.state] -= 1
             self._free.extend(int(p) for p in entry.state[::-1])
         for routed in entry.routed.values():
-            for pages in routed.rows.view()[::-1]:
+            for pages in routed.rows.view()[routed.released:][::-1]:
                 self._refs[pages] -= 1
                 self._free.extend(int(p) for p in pages[::-1])
         table = entry.table()
@@ -389,6 +402,21 @@ class BlockManager:
         for i in range(entry.released_to, dead_rows):
             self._release(entry.rows[i][list(columns)])
         entry.released_to = max(entry.released_to, dead_rows)
+
+    def _release_routed_behind_window(self, routed: _RoutedPages, slot: SlotSpec, seq: Sequence) -> None:
+        """A windowed slot of a level's positions: give back the pages of its leading rows whose
+        entries all sit before the window of the sequence's next query (routed rows are never
+        shared, so the pages go free)."""
+        if slot.window is None or slot.from_level is None:
+            return
+        cutoff = min(max(seq.num_computed_tokens - slot.window + 1, 0), len(seq.levels))
+        if cutoff > routed.scanned:
+            routed.behind += sum(level >= slot.from_level for level in seq.levels[routed.scanned: cutoff])
+            routed.scanned = cutoff
+        dead_rows = min(routed.behind // self.block_size, len(routed.rows))
+        for i in range(routed.released, dead_rows):
+            self._release(routed.rows[i])
+        routed.released = max(routed.released, dead_rows)
 
     def _release(self, pages: np.ndarray) -> None:
         """One reference fewer on pages of rows outside the prefix cache; those unreferenced go free."""

@@ -288,10 +288,11 @@ def plan(cfg: DoryConfig, depth: DepthParams) -> DoryPlan:
     later = () if last_loop else tuple(
         SlotSpec(recurrent_slot_name(cfg, i, t), SlotKind.DENSE, cfg.num_kv_heads, cfg.window(i))
         for t in range(2, lowest + 1) for i in cfg.recurrent_layers)
-    # a routed slot keeps every key it holds: a sliding-window layer's pass masks by the keys'
-    # positions (model.py, RoutedWindow) and gives no page back
+    # a routed slot of pass t holds the positions that ran at least t loops: a sliding-window layer's
+    # pass masks by the keys' positions (model.py, RoutedWindow), and its entries behind the window
+    # give their pages back (BlockManager)
     routed = () if last_loop else tuple(
-        SlotSpec(recurrent_slot_name(cfg, i, t), SlotKind.ROUTED, cfg.num_kv_heads)
+        SlotSpec(recurrent_slot_name(cfg, i, t), SlotKind.ROUTED, cfg.num_kv_heads, cfg.window(i), from_level=t)
         for t in range(max(2, lowest + 1), loops + 1) for i in cfg.recurrent_layers)
     # last_loop: the cached keys depend on how the tokens were split into forwards, so the prompt
     # runs in fixed chunks and only blocks of whole chunks are shared through the prefix cache

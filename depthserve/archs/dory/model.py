@@ -27,7 +27,8 @@ Per-token loops (docs/depth-semantics.md section 6; "Public looped models: Dory"
 alike), and pass t runs over the rows whose level is at least t. per_loop: passes up to the range's
 minimum have dense slots; each later pass's slots are routed and hold, in order, only the tokens
 that ran the pass. A routed slot stores no positions, so a sliding-window layer's pass masks its
-keys by the positions the sequence's recorded levels give them (`RoutedWindow`). last_loop: the
+keys by the positions the sequence's recorded levels give them (`RoutedWindow`), reading only from
+the first entry inside the window (the block manager gives back the pages behind it). last_loop: the
 one slot of a recurrent layer holds each token's own last pass, whatever pass that was: a token
 that stopped before pass t is read there at its last pass, by earlier forwards and its own alike.
 No confidence exit: the coda layers attend over the earlier tokens' coda states, so a pass's
