@@ -154,6 +154,11 @@ class StaticDecodeSpec:
     # CUDA captures) the step once per level, and runs a batch at its deepest row's level, so a
     # batch of shallow requests does not pay for the model's deepest setting. Empty: no levels.
     levels: tuple[int, ...] = ()
+    # Regional compilation: module classes whose forward is compiled on its own, once for all their
+    # instances, while the rest of the step runs eagerly around them (layers/attention.call_region),
+    # instead of the whole forward as one graph. For a looped model, whose step unrolls the same
+    # layers once per pass and per level cap: the graphs to compile stop growing with the loops.
+    compiled_regions: tuple[type, ...] = ()
 
     @property
     def width(self) -> int:

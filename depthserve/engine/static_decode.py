@@ -35,6 +35,15 @@ graph at start-up (vLLM's design): a step is one host-to-device copy, the table 
 two small device ops) and one graph replay, whatever the batch's depth settings, instead of a
 launch per kernel.
 
+Regional compilation (`StaticDecodeSpec.compiled_regions`, the recipe PyTorch documents for cold
+start): a looped model's step runs its recurrent layers once per pass, so a graph of the whole
+forward grows with the loop count and is compiled again at every level cap (the tiny Dory's four caps
+unroll 36 layers; the 4B one's eight caps would unroll 848). Such a model names its layer class
+instead: each class's forward is compiled once, with every dimension dynamic (so the batch, the
+tables and the pool, whatever their size; a layer's own sizes are constants), and serves each of its
+instances and every pass, while the glue between layers runs eagerly. On CUDA the captured graph
+records the glue's kernels with the regions', so a replay costs the same.
+
 Steps ahead (vLLM's multi-step scheduling): a step's host work (scheduling, the rows, the copy,
 the sampler's launches and its synchronisation, the outputs) keeps the GPU idle for most of a small
 batch's decode step. When every row of a decode-only batch is greedy with nothing to apply, the
@@ -118,6 +127,19 @@ def spec_columns(spec: StaticDecodeSpec, layout: CacheLayout) -> np.ndarray:
     return source
 
 
+def _compiled_region(forward: Callable) -> Callable:
+    """A region's forward compiled with every dimension dynamic, each its own size: with duck sizing
+    (dims of equal size at tracing traced as one) the warm-up's batch of 2 rows and its table of 2
+    blocks would be one size, and every later step would compile again."""
+    compiled = torch.compile(forward, fullgraph=True, dynamic=True)
+
+    def run(*args):
+        with torch.fx.experimental._config.patch(use_duck_shape=False):
+            return compiled(*args)
+
+    return run
+
+
 class StaticDecode:
     """The persistent buffers and the compiled forward of decode-only steps (module docstring)."""
 
@@ -168,7 +190,12 @@ class StaticDecode:
         # engine of a process), past its default limit of 8 per function.
         config = torch._dynamo.config
         config.recompile_limit = max(config.recompile_limit, 16 * len(self.levels))
-        self.forward = torch.compile(forward, fullgraph=True, dynamic=None)
+        if spec.compiled_regions:  # module docstring, "Regional compilation"
+            self.regions = {cls: _compiled_region(cls.forward) for cls in spec.compiled_regions}
+            self.forward = forward
+        else:
+            self.regions = {}
+            self.forward = torch.compile(forward, fullgraph=True, dynamic=None)
         # CUDA: (bucket size, level cap) -> (captured graph, its output), filled by warm_up; one memory pool.
         self._graphs: dict[tuple[int, int | None], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._ahead_graphs: dict[tuple[int, int | None], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]] = {}
@@ -319,7 +346,7 @@ class StaticDecode:
                                  num_prefill_tokens=0, decode_page_table=tables, decode_context_lens=lens,
                                  kernels=self.kernels,
                                  static=StaticRows(settings, states, positions, decisions, routed, self.columns,
-                                                   self.routed_index, cap))
+                                                   self.routed_index, cap, self.regions))
         return ids, positions, self.pool, meta
 
     def _views(self, flat, size: int) -> tuple:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +44,15 @@ class StaticRows:
     # The deepest level any row of the step runs (StaticDecodeSpec.levels): the forward runs no
     # iteration past it. None: the model has no levels (every iteration runs).
     level_cap: int | None = None
+    # StaticDecodeSpec.compiled_regions: module class -> its compiled forward (called with the module)
+    regions: dict[type, Callable] = field(default_factory=dict)
+
+
+def call_region(module: torch.nn.Module, meta: AttentionMetadata, *args: Any) -> Any:
+    """`module(*args)`; in a static decode step that compiles the module's class as a region
+    (StaticDecodeSpec.compiled_regions), through that compiled forward."""
+    compiled = None if meta.static is None else meta.static.regions.get(type(module))
+    return module(*args) if compiled is None else compiled(module, *args)
 
 
 @dataclass

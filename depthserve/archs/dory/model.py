@@ -62,7 +62,7 @@ from depthserve.archs.dory.native_decode import NativeDoryLayers, Rope
 from depthserve.cache import CacheLayout
 from depthserve.depth import DepthParams, DepthReport, KnobSpec
 from depthserve.errors import CheckpointFormatError
-from depthserve.layers.attention import AttentionMetadata, KVPool, paged_attention
+from depthserve.layers.attention import AttentionMetadata, KVPool, call_region, paged_attention
 from depthserve.layers.batch import BatchItem
 from depthserve.layers.ngpt import gated_l2_normalize, interpolate, l2_normalize, swiglu_l2_normalize, unit_rope
 from depthserve.layers.rotary import rope_tables
@@ -271,7 +271,7 @@ class DoryForCausalLM(nn.Module, DepthModel):
         if native is not None and native.applies(x, meta):
             return native(x, rope, pool, meta, [c.start or 0 for c in columns])
         for i, layer_columns in zip(indices, columns):
-            x = self.layers[i](x, *rope[self.config.layer_types[i]], pool, meta, layer_columns)
+            x = call_region(self.layers[i], meta, x, *rope[self.config.layer_types[i]], pool, meta, layer_columns)
         return x
 
     def recurrent(self, x, rope: Rope, pool, meta) -> torch.Tensor:
@@ -326,9 +326,11 @@ class DoryForCausalLM(nn.Module, DepthModel):
     def static_decode_spec(self) -> StaticDecodeSpec:
         """Rows hold the slots of the deepest loop count (per_loop: every pass's; last_loop: one per
         recurrent layer, which a row writes only at the passes it runs); a row's setting is its
-        loops, and a batch runs capped at its deepest row's. A range of loops decodes eagerly."""
+        loops, and a batch runs capped at its deepest row's. A range of loops decodes eagerly. The
+        layer is compiled as a region: one graph per layer kind serves every pass at every cap."""
         deepest = self.plan(DepthParams(loops=self.config.max_loops)).layout
-        return StaticDecodeSpec(deepest, settings=1, levels=tuple(range(1, self.config.max_loops + 1)))
+        return StaticDecodeSpec(deepest, settings=1, levels=tuple(range(1, self.config.max_loops + 1)),
+                                compiled_regions=(DoryDecoderLayer,))
 
     def row_settings(self, plan: DoryPlan, level: int | None) -> np.ndarray:
         return np.array([plan.step_level(level)], dtype=np.float32)
