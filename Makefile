@@ -49,17 +49,22 @@ browser:
 		|| echo "could not install chromium: the playground test will skip"; \
 	fi
 
-# Two processes, the fast tests then the slow ones, each starting from nothing: at most 6.6 GB
+# pytest-xdist workers, each running whole test files (a module's engines and fixtures are built
+# once) with its share of the cores as torch threads (tests/conftest.py): many tests wait on servers,
+# Ray replicas and subprocesses, so two workers on 2 cores finish in about half the time of one.
+TEST_WORKERS ?= 2
+XDIST := -n $(TEST_WORKERS) --dist loadfile
+
+# The whole suite, fast and slow tests: about 18 minutes on 2 CPU cores, each worker at most ~6 GB
 # resident (a test engine commits its KV pool at start-up; tests/conftest.py bounds it).
 # Exit status 5 (no test selected, e.g. by a PYTEST_ARGS filter) is not a failure.
 test: $(STAMP) browser
-	$(BIN)/python -m pytest -q --durations=15 -m "not slow" $(PYTEST_ARGS) || [ $$? -eq 5 ]
-	$(BIN)/python -m pytest -q --durations=15 -m slow $(PYTEST_ARGS) || [ $$? -eq 5 ]
+	$(BIN)/python -m pytest -q $(XDIST) --durations=15 $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 # The tests not marked slow (parity with transformers, the mixed-batch engine = reference runs, the
-# soak and the other long ones are): about 8 minutes on 2 CPU cores.
+# soak and the other long ones are): about 7 minutes on 2 CPU cores.
 test-fast: $(STAMP) browser
-	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q $(XDIST) -m "not slow" $(PYTEST_ARGS)
 
 # Quick versions of every benchmark, then their charts: about 8 minutes on 2 CPU cores (the first run
 # also builds two SmolLM2-shaped SGT/ITT checkpoints, ~0.5 GB each, in ~/.cache/depthserve). Results and

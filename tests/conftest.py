@@ -23,6 +23,11 @@ from depthserve.engine.capacity import CPU_CACHE_ENV  # noqa: E402 (after TRITON
 
 os.environ.setdefault(CPU_CACHE_ENV, "0.5")
 
+# Under pytest-xdist (`make test` runs two workers) each worker gets its share of the cores, so the
+# workers' intra-op threads do not outnumber the cores (more threads than cores spin on each other).
+if workers := os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(workers)))
+
 
 def shared_data_file(name: str) -> Path:
     """A file of the data folder (bench/common.py's `data_dir`: $DEPTHSERVE_DATA_DIR, else
@@ -140,7 +145,8 @@ def pytest_runtest_protocol(item, nextitem):
     if log := os.environ.get(RSS_LOG_ENV):
         status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
         with open(log, "a") as out:
-            out.write(f"{item.module.__name__} rss={status['VmRSS'].strip()} peak={status['VmHWM'].strip()}\n")
+            worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+            out.write(f"{worker} {item.module.__name__} rss={status['VmRSS'].strip()} peak={status['VmHWM'].strip()}\n")
 
 
 def _forget_fastapi_endpoints() -> None:
