@@ -6,7 +6,7 @@ knobs, next to the compute those settings predict.
     python bench/depth_sweep.py --device cuda --concurrency 32 --decode-steps 64
     python bench/depth_sweep.py --threads 2 --compiled --archs itt   # eager and compiled in one run
 
-Checkpoints: random weights with SmolLM2-135M's shapes (`depthserve.tiny.make_tiny(arch, dir,
+Checkpoints: random weights with SmolLM2-135M's shapes (`depthserve.lab.make_tiny.make_tiny(arch, dir,
 like="smollm2-135m-instruct")`), built once into --checkpoint-dir and reused:
     SGT  trained loops=1 on heads 0,1 (one KV group) of 3 layers (10, 15, 20), loops knob 0..max_loops
     ITT  every other layer (1, 3, ..., 29) with T=3 extra steps, calibrated on synthetic streams
@@ -100,7 +100,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # ---- checkpoints ----------------------------------------------------------------------------------
 def checkpoint_options(arch: str, ns: argparse.Namespace, num_layers: int) -> dict[str, Any]:
     """make_tiny keyword arguments of the benchmark's checkpoint (Dreamer and PUT: the --like layout)."""
-    from depthserve.tiny import every_other_layer
+    from depthserve.lab.make_tiny import every_other_layer
 
     if arch == "sgt":
         return {"layers": [int(x) for x in ns.sgt_layers.split(",")], "heads": ns.sgt_heads, "loops": ns.sgt_loops}
@@ -111,7 +111,7 @@ def checkpoint_options(arch: str, ns: argparse.Namespace, num_layers: int) -> di
 
 def ensure_checkpoint(arch: str, ns: argparse.Namespace) -> Path:
     """The checkpoint directory, built with make_tiny unless one with the same options is there."""
-    from depthserve.tiny import make_tiny, num_layers_of, tokenizer_from
+    from depthserve.lab.make_tiny import make_tiny, num_layers_of, tokenizer_from
 
     options = checkpoint_options(arch, ns, num_layers_of(LIKE))
     identity = {"arch": arch, "like": LIKE, "seed": ns.seed, **options,

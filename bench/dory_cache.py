@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import QUICK_SUFFIX, device_slug, environment, write_result  # noqa: E402
 from depthserve import LLM, DepthParams, SamplingParams  # noqa: E402
-from depthserve.archs.dory.tiny import make_tiny  # noqa: E402
+from depthserve.lab.tiny.dory import make_tiny  # noqa: E402
 
 LOOPS = (1, 2, 4, 8)
 PROMPT_TOKENS, GENERATED = 64, 32

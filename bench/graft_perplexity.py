@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     ns = parse_args(argv)
     torch.set_num_threads(ns.threads)
     from depthserve import LLM, DepthParams
-    from depthserve.archs.sgt.graft import GRAFT_FILE, graft
+    from depthserve.lab.sgt_graft import GRAFT_FILE, graft
     from depthserve.loading.registry import resolve_model
     from depthserve.loading.tokenizer import load_tokenizer
 

@@ -150,7 +150,7 @@ def stop(proc: subprocess.Popen, started: dict[int, str]) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from depthserve.tiny import make_tiny
+    from depthserve.lab.make_tiny import make_tiny
 
     model = make_tiny("llama", Path(tempfile.mkdtemp(prefix="hostile-")) / "tiny", seed=1)
     port = common.free_port()

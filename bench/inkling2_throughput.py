@@ -44,7 +44,7 @@ DEFAULT_CACHE = Path.home() / ".cache" / "depthserve"
 def make_checkpoint(out: Path, layers: int, experts: int) -> None:
     from transformers import Inkling2LoopForCausalLM, Inkling2LoopTextConfig
 
-    from depthserve.archs.inkling2.tiny import randomize
+    from depthserve.lab.tiny.inkling2 import randomize
     from depthserve.loading.tokenizer import byte_tokenizer
 
     tokenizer = byte_tokenizer()

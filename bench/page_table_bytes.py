@@ -27,9 +27,9 @@ import torch
 
 from depthserve import LLM, SamplingParams
 from depthserve.archs.llama.format import LlamaSpec, to_section
-from depthserve.archs.llama.tiny import TINY, base_config, llama_weights
+from depthserve.lab.tiny.llama import TINY, base_config, llama_weights
 from depthserve.loading.checkpoint import write_checkpoint
-from depthserve.tiny import load_default_tokenizer
+from depthserve.lab.make_tiny import load_default_tokenizer
 
 LAYOUT = dict(num_hidden_layers=30, hidden_size=48, intermediate_size=96, num_attention_heads=3, num_key_value_heads=3,
               max_position_embeddings=8192)

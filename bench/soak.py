@@ -68,7 +68,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # ---- the server -------------------------------------------------------------------------------------
 @contextlib.contextmanager
 def tiny_server(arch: str, server_args: str) -> Iterator[str]:
-    from depthserve.tiny import make_tiny
+    from depthserve.lab.make_tiny import make_tiny
 
     with tempfile.TemporaryDirectory(prefix="depthserve-soak-") as root:
         path = make_tiny(arch, Path(root) / arch, seed=0)

@@ -83,7 +83,7 @@ def smollm_tokenizer():
     DEPTHSERVE_TEST_TOKENIZER (GPU hosts, where the package is too large to carry: bench/gpu/run.sh)."""
     saved = os.environ.get("DEPTHSERVE_TEST_TOKENIZER")
     if saved:
-        from depthserve.tiny import tokenizer_from
+        from depthserve.lab.make_tiny import tokenizer_from
 
         return tokenizer_from(saved)
     from depthserve.loading.registry import resolve_model

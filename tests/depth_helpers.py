@@ -9,10 +9,10 @@ import torch
 
 from depthserve import LLM, DepthParams
 from depthserve.engine.model_runner import ModelRunner
-from depthserve.tiny import synthetic_streams
+from depthserve.lab.make_tiny import synthetic_streams
 
 BLOCK_SIZE = 8
-TINY_HEAD_DIM = 16  # depthserve.tiny.TINY
+TINY_HEAD_DIM = 16  # depthserve.lab.make_tiny.TINY
 
 
 # A tiny engine's KV budget unless a test sets one: 64 MiB, room for hundreds of the tests' longest

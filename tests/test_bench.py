@@ -76,8 +76,8 @@ def test_server_arg():
 def test_make_tiny_depth_layout_options():
     import argparse
 
-    from depthserve.archs.itt.tiny import tiny_spec as itt_spec
-    from depthserve.archs.sgt.tiny import tiny_spec as sgt_spec
+    from depthserve.lab.tiny.itt import tiny_spec as itt_spec
+    from depthserve.lab.tiny.sgt import tiny_spec as sgt_spec
 
     sgt = sgt_spec(30, 9, [10, 15, 20], 2, 1)
     assert [(s.layer, s.heads, s.loops) for s in sgt.layers] == [(10, (0, 1), 1), (15, (0, 1), 1), (20, (0, 1), 1)]

@@ -20,7 +20,7 @@ from depthserve.config import EngineArgs  # noqa: E402
 from depthserve.engine.async_llm import AsyncLLM  # noqa: E402
 from depthserve.engine.llm_engine import LLMEngine  # noqa: E402
 from depthserve.server.app import build_app  # noqa: E402
-from depthserve.tiny import make_tiny  # noqa: E402
+from depthserve.lab.make_tiny import make_tiny  # noqa: E402
 from tests.live_server import free_port, live_server, metric_value, wait_for_log_lines, wait_idle  # noqa: E402
 
 

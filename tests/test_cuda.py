@@ -19,7 +19,7 @@ import torch
 
 from depthserve import SamplingParams
 from depthserve.kernels.dispatch import Kernels
-from depthserve.tiny import make_tiny
+from depthserve.lab.make_tiny import make_tiny
 from tests.depth_helpers import assert_same_generations, depth_params, tiny_llm
 from tests.test_kernels import make_pool, random_tables
 from tests.test_static_decode import (

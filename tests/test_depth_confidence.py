@@ -18,15 +18,15 @@ import torch
 
 from depthserve import LLM, DepthParams, SamplingParams
 from depthserve.archs.dreamer import format as dreamer_format
-from depthserve.archs.dreamer import reference as dreamer_reference
+from depthserve.oracles import dreamer as dreamer_reference
 from depthserve.archs.put import format as put_format
-from depthserve.archs.put import reference as put_reference
+from depthserve.oracles import put as put_reference
 from depthserve.config import EngineArgs
 from depthserve.demo.task import problems
 from depthserve.errors import ConfigurationError
 from depthserve.loading.registry import resolve_model
 from depthserve.loading.tokenizer import load_tokenizer
-from depthserve.tiny import make_tiny
+from depthserve.lab.make_tiny import make_tiny
 from tests.depth_helpers import costliest_pages, tiny_llm
 from tests.test_depth_elastic_put import check_against_reference as put_check_against_reference
 from tests.test_dreamer import check_against_reference as dreamer_check_against_reference

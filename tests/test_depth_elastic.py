@@ -15,7 +15,7 @@ import pytest
 from depthserve import DepthParams, SamplingParams
 from depthserve.archs.dreamer.format import ran_depths, slot_name
 from depthserve.errors import InvalidDepthError
-from depthserve.tiny import make_tiny
+from depthserve.lab.make_tiny import make_tiny
 from tests.depth_helpers import assert_runs_like_the_fixed_knob, costliest_pages, stream_prompts, tiny_llm
 from tests.test_dreamer import check_against_reference
 

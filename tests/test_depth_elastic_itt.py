@@ -12,9 +12,9 @@ import torch
 
 from depthserve import DepthParams, SamplingParams, reference
 from depthserve.archs.itt.format import routed_slot_name
-from depthserve.archs.itt.reference import itt_ratios, load_itt
+from depthserve.oracles.itt import itt_ratios, load_itt
 from depthserve.errors import InvalidDepthError
-from depthserve.tiny import make_tiny
+from depthserve.lab.make_tiny import make_tiny
 from tests.depth_helpers import (assert_runs_like_the_fixed_knob, check_logprobs, costliest_pages, stream_prompts,
                                   tiny_llm)
 from tests.test_depth_elastic import RandomLevels

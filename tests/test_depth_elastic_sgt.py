@@ -16,7 +16,7 @@ import torch
 from depthserve import DepthParams, SamplingParams, reference
 from depthserve.archs.sgt.format import kv_heads_of, loop_slot_name
 from depthserve.errors import InvalidDepthError
-from depthserve.tiny import make_tiny
+from depthserve.lab.make_tiny import make_tiny
 from tests.depth_helpers import assert_runs_like_the_fixed_knob, cache_layout, check_logprobs, stream_prompts, tiny_llm
 from tests.test_depth_elastic import RandomLevels
 from tests.test_sgt_itt_engine import NEAR_TIE, TOL

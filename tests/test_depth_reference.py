@@ -14,16 +14,16 @@ import pytest
 import torch
 
 from depthserve import reference
-from depthserve.archs.itt import reference as itt_reference
+from depthserve.oracles import itt as itt_reference
 from depthserve.archs import read_depth_spec
 from depthserve.archs.itt.format import CALIBRATION_FILE, threshold
 from depthserve.errors import CheckpointFormatError, MissingCalibrationError
-from depthserve.tiny import make_tiny, synthetic_streams
+from depthserve.lab.make_tiny import make_tiny, synthetic_streams
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from depthserve.tiny import load_default_tokenizer
+    from depthserve.lab.make_tiny import load_default_tokenizer
 
     return load_default_tokenizer()
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from depthserve import reference
-from depthserve.archs.dreamer import reference as dreamer_reference
-from depthserve.archs.put import reference as put_reference
-from depthserve.tiny import make_tiny, synthetic_streams
+from depthserve.oracles import dreamer as dreamer_reference
+from depthserve.oracles import put as put_reference
+from depthserve.lab.make_tiny import make_tiny, synthetic_streams
 
 N = 14
 SETTINGS = {  # the knob settings a schedule draws from

@@ -10,7 +10,7 @@ import torch
 pytest.importorskip("triton", reason="triton is not installed (pip install '.[test]')")
 
 from depthserve import DepthParams, SamplingParams  # noqa: E402
-from depthserve.tiny import make_tiny, synthetic_streams  # noqa: E402
+from depthserve.lab.make_tiny import make_tiny, synthetic_streams  # noqa: E402
 from tests.depth_helpers import assert_same_generations, generate_on_both_backends  # noqa: E402
 
 pytestmark = pytest.mark.slow  # part of make test, left out of make test-fast

@@ -16,8 +16,8 @@ from safetensors.torch import load_file, save_file
 from depthserve import DepthParams, SamplingParams
 from depthserve.archs import read_depth_spec
 from depthserve.archs.dory import format as dory_format
-from depthserve.archs.dory import reference as dory_reference
-from depthserve.archs.dory.tiny import make_tiny
+from depthserve.oracles import dory as dory_reference
+from depthserve.lab.tiny.dory import make_tiny
 from depthserve.errors import CheckpointFormatError, InvalidDepthError
 from tests.depth_helpers import cache_layout, check_logprobs, tiny_llm
 from tests.looped_serving import check_loops_served_with_the_openai_sdk

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from depthserve import LLM, SamplingParams
-from depthserve.archs.dory.tiny import make_tiny
+from depthserve.lab.tiny.dory import make_tiny
 from depthserve.kernels import cpu_native
 from tests.depth_helpers import BLOCK_SIZE, depth_params
 from tests.test_depth_elastic import RandomLevels

@@ -19,9 +19,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from depthserve import LLM, DepthParams, SamplingParams
-from depthserve.archs.dory import reference as dory_reference
+from depthserve.oracles import dory as dory_reference
 from depthserve.archs.dory.model import _target as engine_parameter
-from depthserve.archs.dory.tiny import make_tiny
+from depthserve.lab.tiny.dory import make_tiny
 from depthserve.layers.quantized import QuantLinear, quantize_rtn
 from depthserve.loading.hf_loader import LazyWeights, read_weights
 from tests.depth_helpers import BLOCK_SIZE, check_logprobs

@@ -1,6 +1,6 @@
 """Per-token loops for Dory (docs/depth-semantics.md section 6 and "Public looped models: Dory"): a
 request whose `loops` is a range runs each step's tokens at the depth policy's level. The schedule
-reference (depthserve/archs/dory/reference.py, float64 from the checkpoint's weights) equals
+reference (depthserve/oracles/dory.py, float64 from the checkpoint's weights) equals
 transformers' DoryForCausalLM at every constant schedule, in both cache modes; the engine equals
 that reference on the schedule it reports: random levels going down and up in mixed batches of
 fixed and range requests, with chunked prefill (last_loop: the fixed prompt chunks), preemption
@@ -17,8 +17,8 @@ import torch
 
 from depthserve import DepthParams, SamplingParams
 from depthserve.archs.dory import format as dory_format
-from depthserve.archs.dory import reference as dory_reference
-from depthserve.archs.dory.tiny import make_tiny
+from depthserve.oracles import dory as dory_reference
+from depthserve.lab.tiny.dory import make_tiny
 from tests.depth_helpers import assert_runs_like_the_fixed_knob, check_logprobs, costliest_pages, tiny_llm
 from tests.test_depth_elastic import RandomLevels
 

@@ -23,7 +23,7 @@ from depthserve.archs import read_depth_spec
 from depthserve.archs.dreamer import format as dreamer
 from depthserve.archs.dreamer import model as dreamer_model
 from depthserve.errors import CacheCapacityError, CheckpointFormatError, InvalidDepthError
-from depthserve.tiny import make_tiny, synthetic_streams
+from depthserve.lab.make_tiny import make_tiny, synthetic_streams
 from tests.depth_helpers import cache_layout, check_logprobs, depth_params, stream_prompts, tiny_llm
 
 TOL = 1e-4

@@ -16,7 +16,7 @@ from depthserve.config import EngineArgs  # noqa: E402
 from depthserve.engine.async_llm import AsyncLLM  # noqa: E402
 from depthserve.engine.llm_engine import LLMEngine  # noqa: E402
 from depthserve.server.app import build_app  # noqa: E402
-from depthserve.tiny import make_tiny  # noqa: E402
+from depthserve.lab.make_tiny import make_tiny  # noqa: E402
 from tests.live_server import live_server, wait_idle  # noqa: E402
 
 

@@ -99,7 +99,7 @@ except ImportError:
 
 
 def run():
-    from depthserve.tiny import make_tiny
+    from depthserve.lab.make_tiny import make_tiny
     import no_such_optional_baseline
 
 
@@ -111,7 +111,7 @@ if __name__ == "__main__":
 def test_the_import_check_reaches_lazy_imports_and_leaves_out_optional_ones(tmp_path):
     script = tmp_path / "bench_script.py"
     script.write_text(SCRIPT)
-    assert kit.imported_modules(script) == ["argparse", "json", "depthserve.tiny.make_tiny",
+    assert kit.imported_modules(script) == ["argparse", "json", "depthserve.lab.make_tiny.make_tiny",
                                             "no_such_optional_baseline"]
     failures = kit.check_imports([script], optional=set())
     assert len(failures) == 1 and "no_such_optional_baseline: ModuleNotFoundError" in failures[0]

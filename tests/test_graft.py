@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from depthserve import LLM, DepthParams, reference
-from depthserve.archs.llama import reference as llama_reference
+from depthserve.oracles import llama as llama_reference
 from depthserve.tools.cli import main
-from depthserve.archs.sgt.graft import (
+from depthserve.lab.sgt_graft import (
     GRAFT_FILE,
     GraftError,
     attention_entropies,
@@ -27,7 +27,7 @@ from depthserve.archs.sgt.graft import (
 )
 from depthserve.archs import read_depth_spec
 from depthserve.archs.sgt.format import SGTSpec
-from depthserve.tiny import make_tiny
+from depthserve.lab.make_tiny import make_tiny
 
 DOCS = [
     "The river rose overnight, and by morning the old mill stood in water up to its windows. "

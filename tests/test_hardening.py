@@ -25,7 +25,7 @@ from depthserve.engine.async_llm import AsyncLLM  # noqa: E402
 from depthserve.engine.llm_engine import LLMEngine  # noqa: E402
 from depthserve.server.app import build_app  # noqa: E402
 from depthserve.server.serving_engine import OpenAIServing  # noqa: E402
-from depthserve.tiny import make_tiny  # noqa: E402
+from depthserve.lab.make_tiny import make_tiny  # noqa: E402
 from tests.live_server import live_server, metric_value, wait_idle  # noqa: E402
 
 API_KEY = "k"

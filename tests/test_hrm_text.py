@@ -17,8 +17,8 @@ from safetensors.torch import load_file, save_file
 from depthserve import DepthParams, SamplingParams
 from depthserve.archs import read_depth_spec
 from depthserve.archs.hrm_text import format as hrm_format
-from depthserve.archs.hrm_text import reference as hrm_reference
-from depthserve.archs.hrm_text.tiny import LAYERS_PER_STACK, make_tiny
+from depthserve.oracles import hrm_text as hrm_reference
+from depthserve.lab.tiny.hrm_text import LAYERS_PER_STACK, make_tiny
 from depthserve.errors import CheckpointFormatError, InvalidDepthError
 from tests.depth_helpers import cache_layout, check_logprobs, tiny_llm
 

@@ -24,7 +24,7 @@ from depthserve.errors import ConfigurationError, HubModelError, UnknownModelErr
 from depthserve.loading.hub import hub_snapshot, is_hub_id
 from depthserve.loading.registry import resolve_model
 from depthserve.loading.tokenizer import byte_tokenizer
-from depthserve.tiny import make_tiny
+from depthserve.lab.make_tiny import make_tiny
 from depthserve.tools.cli import main as cli_main
 from tests.fake_hub import FakeHub, checkpoint_files, serve_fake_hub
 

@@ -91,7 +91,7 @@ def test_native_weights_move_whole_and_keep_their_fp16_scales():
 @needs_huge_pages
 def test_the_cpu_engine_keeps_its_kv_pages_on_huge_pages(tmp_path, smollm_tokenizer):
     from depthserve import LLM, SamplingParams
-    from depthserve.tiny import make_tiny
+    from depthserve.lab.make_tiny import make_tiny
 
     path = make_tiny("llama", tmp_path / "llama", seed=3, tokenizer=smollm_tokenizer)
     llm = LLM(str(path), device="cpu", load_progress=False, max_model_len=64)

@@ -27,7 +27,7 @@ from depthserve import LLM, DepthParams, SamplingParams, reference
 from depthserve.errors import DepthServeError
 from depthserve.loading.tokenizer import byte_tokenizer
 from depthserve.tools.cli import main
-from depthserve.archs.sgt.import_checkpoint import UnsupportedCheckpointError, import_sgt
+from depthserve.lab.sgt_import import UnsupportedCheckpointError, import_sgt
 
 D, H, L, FF = 64, 4, 3, 96  # d_model, heads, blocks, SwiGLU width (fused ff_proj: 2 * FF rows)
 HD = D // H

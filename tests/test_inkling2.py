@@ -17,8 +17,8 @@ import torch
 from depthserve import DepthParams, SamplingParams
 from depthserve.archs import read_depth_spec
 from depthserve.archs.inkling2 import format as inkling2_format
-from depthserve.archs.inkling2 import reference as inkling2_reference
-from depthserve.archs.inkling2.tiny import make_tiny
+from depthserve.oracles import inkling2 as inkling2_reference
+from depthserve.lab.tiny.inkling2 import make_tiny
 from depthserve.errors import CheckpointFormatError, InvalidDepthError
 from tests.depth_helpers import cache_layout, check_logprobs, tiny_llm
 from tests.looped_serving import check_loops_served_with_the_openai_sdk

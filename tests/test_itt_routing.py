@@ -17,8 +17,8 @@ import json
 import pytest
 
 from depthserve import LLM, DepthParams, SamplingParams
-from depthserve.tiny import make_tiny
-from depthserve.archs.itt.calibrate import calibrate
+from depthserve.lab.make_tiny import make_tiny
+from depthserve.lab.itt_calibrate import calibrate
 from tests.conftest import shared_data_file
 
 TRAINED = [0.5, 0.3]

@@ -12,7 +12,7 @@ import pytest
 from depthserve import LLM, SamplingParams
 from depthserve.archs.llama.native_decode import NativeDecodeLayers
 from depthserve.kernels import cpu_native
-from depthserve.tiny import make_tiny
+from depthserve.lab.make_tiny import make_tiny
 from tests.depth_helpers import depth_params, stream_prompts
 
 if cpu_native.unavailable_reason() is not None:

@@ -24,3 +24,12 @@ def test_the_wheel_builds_without_warnings_and_ships_sources_data_and_license(tm
                    "depthserve/server/static/playground.js", "depthserve/kernels/triton/paged.py"):
         assert needed in names, needed
     assert any(name.endswith(".dist-info/licenses/LICENSE") for name in names)
+    # every Python source of the installed folders ships (a package left out of pyproject's list is not)
+    folders = {"depthserve": ROOT / "depthserve", "depthserve/kernels": ROOT / "kernels",
+               "depthserve/server": ROOT / "server", "depthserve/clients": ROOT / "clients"}
+    for prefix, folder in folders.items():
+        for source in folder.rglob("*.py"):
+            relative = source.relative_to(folder).as_posix()
+            if prefix == "depthserve" and relative.split("/")[0] in {"kernels", "server", "clients"}:
+                continue
+            assert f"{prefix}/{relative}" in names, f"{prefix}/{relative} is not in the wheel"

@@ -19,12 +19,12 @@ from safetensors.torch import load_file
 from depthserve import LLM, DepthParams, SamplingParams, reference
 from depthserve.archs import read_depth_spec
 from depthserve.archs.put import format as put_format
-from depthserve.archs.put import reference as put_reference
-from depthserve.archs.put.tiny import make_tiny as make_tiny_put
+from depthserve.oracles import put as put_reference
+from depthserve.lab.tiny.put import make_tiny as make_tiny_put
 from depthserve.cache import SlotKind
 from depthserve.engine.model_runner import ModelRunner
 from depthserve.errors import CheckpointFormatError, InvalidDepthError
-from depthserve.tiny import make_tiny, synthetic_streams
+from depthserve.lab.make_tiny import make_tiny, synthetic_streams
 from tests.depth_helpers import cache_layout, check_logprobs, depth_params, tiny_llm
 
 TOL = 1e-4

@@ -32,7 +32,7 @@ from depthserve import LLM, SamplingParams, reference
 from depthserve.layers.quantized import (QuantEmbedding, QuantLinear, QuantPolicy,
                                          quantize_rtn)
 from depthserve.loading.weights import parameter_name
-from depthserve.tiny import make_tiny
+from depthserve.lab.make_tiny import make_tiny
 from tests.depth_helpers import BLOCK_SIZE, check_logprobs, depth_params, stream_prompts
 
 

@@ -39,7 +39,7 @@ from depthserve.deploy.ray_serve import (APP_NAME, ENGINE_DEPLOYMENT, REPLICA_HE
                                          application, build, descendants, still_running)
 from depthserve.errors import ConfigurationError  # noqa: E402
 from depthserve.server.connections import ConnectionLimits  # noqa: E402
-from depthserve.tiny import make_tiny  # noqa: E402
+from depthserve.lab.make_tiny import make_tiny  # noqa: E402
 from tests.live_server import free_port  # noqa: E402
 from tests.test_server import API_KEY, BAD_REQUESTS, MODEL  # noqa: E402
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from depthserve import DepthParams, SamplingParams
-from depthserve.tiny import make_tiny
+from depthserve.lab.make_tiny import make_tiny
 from tests.depth_helpers import stream_prompts, tiny_llm
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
@@ -17,7 +17,7 @@ SETTINGS = {
     "itt": ({"thinking_steps": 0}, None),
     "dreamer": ({"depth": 1}, None),
     "put": ({"loops": 1}, None),
-    "dory": ({"loops": 1}, {"loops": 3}),  # trained with 2 passes (depthserve/archs/dory/tiny.py)
+    "dory": ({"loops": 1}, {"loops": 3}),  # trained with 2 passes (depthserve/lab/tiny/dory.py)
 }
 
 

@@ -1,6 +1,6 @@
 """SAOBP (docs/depth-semantics.md section 5): the format, the reference and the engine = reference.
 
-The reference (depthserve.archs.saobp.reference.forward) computes the refined attention from each
+The reference (depthserve.oracles.saobp.forward) computes the refined attention from each
 head's materialised [n, n] attention matrix in float64; here it is itself checked against a literal
 double loop over rows and keys. The engine keeps the running per-key bias in the paged cache and
 must give the same logprobs (1e-4, fp32) and greedy tokens for mixed batches of 13 requests with
@@ -19,14 +19,14 @@ import torch
 
 from depthserve import DepthParams, SamplingParams, reference
 from depthserve.archs import read_depth_spec
-from depthserve.archs.llama.reference import norm, rope
+from depthserve.oracles.llama import norm, rope
 from depthserve.archs.saobp import format as saobp_format
-from depthserve.archs.saobp import reference as saobp_reference
-from depthserve.archs.saobp.tiny import make_tiny as make_tiny_saobp
+from depthserve.oracles import saobp as saobp_reference
+from depthserve.lab.tiny.saobp import make_tiny as make_tiny_saobp
 from depthserve.cache import SlotKind
 from depthserve.engine.model_runner import ModelRunner
 from depthserve.errors import CheckpointFormatError, InvalidDepthError
-from depthserve.tiny import make_tiny, synthetic_streams
+from depthserve.lab.make_tiny import make_tiny, synthetic_streams
 from tests.depth_helpers import cache_layout, check_logprobs, stream_prompts, tiny_llm
 
 TOL = 1e-4  # logprobs, fp32 engine vs the float64 reference

@@ -159,8 +159,8 @@ def test_engine_through_triton_matches_torch_path(triton_ops, tmp_path, smollm_t
     """The engine with every op that has a kernel forced through Triton (decode attention with the
     bias and the bias update included) gives the torch path's tokens and logprobs."""
     from depthserve import SamplingParams
-    from depthserve.archs.saobp.tiny import make_tiny
-    from depthserve.tiny import synthetic_streams
+    from depthserve.lab.tiny.saobp import make_tiny
+    from depthserve.lab.make_tiny import synthetic_streams
     from tests.depth_helpers import assert_same_generations, generate_on_both_backends
 
     path = make_tiny(tmp_path / "m", 2, None, None, smollm_tokenizer, lam=1.0, **opts)

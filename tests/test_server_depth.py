@@ -17,7 +17,7 @@ from depthserve import LLM, DepthParams, SamplingParams  # noqa: E402
 from depthserve.engine.async_llm import AsyncLLM  # noqa: E402
 from depthserve.engine.llm_engine import LLMEngine  # noqa: E402
 from depthserve.server.app import build_app  # noqa: E402
-from depthserve.tiny import make_tiny  # noqa: E402
+from depthserve.lab.make_tiny import make_tiny  # noqa: E402
 from tests.live_server import live_server, metric_value, wait_idle  # noqa: E402
 
 ENGINE = dict(device="cpu", dtype="float32", load_progress=False, max_model_len=512, block_size=8,

@@ -17,7 +17,7 @@ import torch
 from depthserve import LLM, DepthParams, SamplingParams, reference
 from depthserve.engine.model_runner import ModelRunner
 from depthserve.errors import InvalidDepthError
-from depthserve.tiny import make_tiny
+from depthserve.lab.make_tiny import make_tiny
 from tests.depth_helpers import cache_layout, check_logprobs, depth_params, stream_prompts, tiny_llm
 
 TOL = 1e-4  # logprobs, fp32 engine vs the float64 reference

@@ -15,7 +15,7 @@ import torch
 from depthserve import SamplingParams
 from depthserve.engine.page_tables import RowTable
 from depthserve.engine.static_decode import DecodeRow, decode_buckets
-from depthserve.tiny import make_tiny
+from depthserve.lab.make_tiny import make_tiny
 from tests.depth_helpers import assert_same_generations, depth_params, stream_prompts, tiny_llm
 
 LENGTHS = [3, 17, 9, 30, 5, 12, 41]

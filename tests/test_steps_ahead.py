@@ -13,7 +13,7 @@ import torch
 from depthserve import SamplingParams
 from depthserve.config import EngineArgs
 from depthserve.errors import ConfigurationError
-from depthserve.tiny import make_tiny
+from depthserve.lab.make_tiny import make_tiny
 from tests.depth_helpers import depth_params, stream_prompts, tiny_llm
 
 LENGTHS = [3, 17, 9, 30, 5, 12, 41]

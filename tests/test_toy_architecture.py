@@ -21,12 +21,12 @@ from depthserve import LLM, DepthParams, SamplingParams
 from depthserve.archs import Architecture, BuildOptions, register
 from depthserve.archs.llama.format import LlamaConfig, dense_slots, layer_weight_flops
 from depthserve.archs.llama.model import LlamaForCausalLM
-from depthserve.archs.llama.reference import full_layer, knob_values, load, run_layers
-from depthserve.archs.llama.tiny import base_config, llama_weights, model_shapes
+from depthserve.oracles.llama import full_layer, knob_values, load, run_layers
+from depthserve.lab.tiny.llama import base_config, llama_weights, model_shapes
 from depthserve.cache import CacheLayout, SlotKind, SlotSpec
 from depthserve.depth import DepthPlan, DepthReport, KnobInfo, KnobSpec
 from depthserve.loading.checkpoint import FORMAT_VERSION, CheckpointFormatError, write_checkpoint
-from depthserve.tiny import synthetic_streams
+from depthserve.lab.make_tiny import synthetic_streams
 from tests.depth_helpers import cache_layout, check_logprobs, tiny_llm
 
 NAME = "mid-loop"
@@ -125,7 +125,10 @@ def reference_forward(model_dir, token_ids, depth=None, *, return_decisions=Fals
     return (logits, {}) if return_decisions else logits
 
 
-# ---- tiny ----------------------------------------------------------------------------------------
+# ---- tiny (this module is the architecture's TinyCheckpoints) ----------------------------------------
+CLI_FLAGS = ()
+
+
 def make_tiny(out: Path, seed: int = 0, like=None, num_kv_heads=None, tokenizer=None) -> Path:
     cfg = base_config(tokenizer, model_shapes(like, num_kv_heads), tied=False)
     cfg["depth"] = {"format_version": FORMAT_VERSION, "architecture": NAME, "mid_loop": {"middle": 1, "max_loops": 3}}
@@ -136,8 +139,8 @@ def make_tiny(out: Path, seed: int = 0, like=None, num_kv_heads=None, tokenizer=
 @pytest.fixture(scope="module")
 def toy(tmp_path_factory, smollm_tokenizer):
     register(Architecture(name=NAME, read_spec=read_spec, build=build, reference_forward=reference_forward,
-                          make_tiny=make_tiny, knobs=(KnobInfo(KNOB, "passes of the middle layer"),)))
-    from depthserve.tiny import make_tiny as make_any
+                          tiny=__name__, knobs=(KnobInfo(KNOB, "passes of the middle layer"),)))
+    from depthserve.lab.make_tiny import make_tiny as make_any
 
     return make_any(NAME, tmp_path_factory.mktemp("toy") / NAME, seed=4, tokenizer=smollm_tokenizer)
 

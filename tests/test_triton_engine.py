@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("triton", reason="triton is not installed (pip install '.[test]')")
 
 from depthserve import LLM, SamplingParams  # noqa: E402
-from depthserve.tiny import make_tiny  # noqa: E402
+from depthserve.lab.make_tiny import make_tiny  # noqa: E402
 from tests.depth_helpers import assert_same_generations, kernel_test_device  # noqa: E402
 
 pytestmark = pytest.mark.slow  # part of make test, left out of make test-fast

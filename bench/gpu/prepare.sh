@@ -40,7 +40,7 @@ fi
 "$PY" - "$KIT/tokenizer" <<'PY'
 import sys
 
-from depthserve.tiny import load_default_tokenizer
+from depthserve.lab.make_tiny import load_default_tokenizer
 
 tokenizer = load_default_tokenizer()
 assert len(tokenizer) > 1000, "SmolLM2's package is not installed here (make install)"

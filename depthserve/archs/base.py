@@ -1,12 +1,13 @@
 """The seam where an architecture plugs into the engine: the `DepthModel` protocol the engine calls
 (the `Architecture` record that registers one, and the one registry: registry.py).
 
-An architecture lives in its own folder (`depthserve/archs/<name>/`): `format.py` (its config
-section, weight names, knobs, plan and FLOP accounting), `model.py` (the engine's model: only
-the modules and their forward, read like the paper), `reference.py` (the plain full-sequence
-oracle the tests compare against), `tiny.py` (random-weight test checkpoints) and what else it
-brings (a demo recipe, checkpoint tools). It registers itself with one `register(Architecture(...))`
-call in its `__init__.py`; nothing else in the engine names it.
+An architecture's serving code lives in its own folder (`depthserve/archs/<name>/`): `format.py`
+(its config section, weight names, knobs, plan and FLOP accounting) and `model.py` (the engine's
+model: only the modules and their forward, read like the paper). Its plain full-sequence oracle,
+which the tests compare against, is `depthserve/oracles/<name>.py`; its random-weight test
+checkpoints and offline tools (a demo recipe, checkpoint converters) are in `depthserve/lab/`. It
+registers itself with one `register(Architecture(...))` call in its `__init__.py`, naming those by
+dotted path; nothing else in the engine names it.
 
 The engine never probes a model with hasattr: every optional hook has its default here, and a
 model class states what it is by subclassing `DepthModel` next to `nn.Module`.

@@ -3,8 +3,9 @@ rest of depthserve makes through it (knob names, make-tiny flags, checkpoint com
 recipes), so that nothing outside an architecture's folder names it.
 
 The registry loads without torch: a built-in architecture's `__init__.py` imports only its format
-and tiny modules and names its model, reference, commands and demo by dotted path (`imported`), so
-`depthserve --help` lists every command without loading a model's code.
+module and names its model, reference, tiny checkpoints, commands and demo by dotted path
+(`imported`, `Architecture.tiny`), so `depthserve --help` lists every command without loading a
+model's code, and the offline tools (depthserve/lab) may import the registry without a cycle.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from depthserve.depth import KnobInfo
 from depthserve.errors import UnknownArchitectureError
@@ -53,6 +54,16 @@ class TinyFlag:
         return self.flag.removeprefix("--").replace("-", "_")
 
 
+class TinyCheckpoints(Protocol):
+    """An architecture's tiny random checkpoints (a module of depthserve/lab/tiny/)."""
+
+    CLI_FLAGS: tuple[TinyFlag, ...]  # make-tiny's flags for its own options (beyond --option)
+
+    def make_tiny(self, out: Path, seed: int, like: str | None, num_kv_heads: int | None, tokenizer: Any,
+                  **options: Any) -> Path:
+        """Write a random-weight checkpoint to `out` (options: its keyword-only parameters)."""
+
+
 @dataclass(frozen=True)
 class Command:
     """A `depthserve` subcommand an architecture brings (a checkpoint tool): the module that adds
@@ -74,14 +85,17 @@ class Architecture:
     build: Callable[[dict[str, Any], Any, BuildOptions], DepthModel]
     # reference: logits [n, V] of the plain full-sequence forward (the test oracle)
     reference_forward: Callable[..., Any]
-    # tiny: write a random-weight checkpoint (out, seed, like, num_kv_heads, tokenizer, **options) -> out
-    make_tiny: Callable[..., Path] | None = None
+    # its tiny random checkpoints: the dotted name of a TinyCheckpoints module (depthserve/lab/tiny/),
+    # imported when make-tiny runs (the offline tools import the registry, never the other way)
+    tiny: str | None = None
     description: str = ""
     knobs: tuple[KnobInfo, ...] = ()  # the knobs its models accept (each checkpoint sets their ranges)
-    tiny_flags: tuple[TinyFlag, ...] = ()  # make-tiny's flags for its own options (beyond --option)
     commands: tuple[Command, ...] = ()  # its checkpoint tools
     # its demo recipe (depthserve train-demo): () -> depthserve.demo.recipe.DemoArch
     demo: Callable[[], Any] | None = None
+
+    def tiny_checkpoints(self) -> TinyCheckpoints | None:
+        return None if self.tiny is None else importlib.import_module(self.tiny)
 
 
 REGISTRY: dict[str, Architecture] = {}

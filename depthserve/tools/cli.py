@@ -440,9 +440,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 
 # The tools of every architecture: each module adds its own subcommand, imported only when that one runs.
 GENERAL_TOOLS = (
-    Command("make-tiny", "depthserve.tiny",
+    Command("make-tiny", "depthserve.lab.make_tiny",
             "write a small random checkpoint of any served architecture in the native format"),
-    Command("train-demo", "depthserve.tools.train_demo", "train a small depth model on variable chasing"),
+    Command("train-demo", "depthserve.lab.demo.cli", "train a small depth model on variable chasing"),
 )
 
 

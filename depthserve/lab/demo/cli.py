@@ -1,4 +1,4 @@
-"""`depthserve train-demo`: the command line of depthserve/demo/train.py, for every registered
+"""`depthserve train-demo`: the command line of depthserve/lab/demo/train.py, for every registered
 architecture with a demo recipe (`Architecture.demo`)."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from dataclasses import fields
 from pathlib import Path
 
 from depthserve.archs import demo_arches
-from depthserve.demo.kit import Shape
-from depthserve.demo.train import Recipe
+from depthserve.lab.demo.kit import Shape
+from depthserve.lab.demo.train import Recipe
 
 HELP = "train a small depth model on variable chasing"
 
@@ -43,7 +43,7 @@ def add_subcommands(sub) -> None:
 
 
 def _cmd_train_demo(ns: argparse.Namespace) -> int:
-    from depthserve.demo.train import train
+    from depthserve.lab.demo.train import train
 
     for name in ("steps", "max_hops"):
         if getattr(ns, name) < 0:

@@ -1,7 +1,7 @@
 """PUT's demo: a shared core run `loops` times with step embeddings, trained on variable chasing.
 
-The recipe of `depthserve train-demo --arch put` (depthserve/demo/kit.py has what every recipe
-is built from, depthserve/demo/train.py the training loop); the built-in `demo-put` is its result."""
+The recipe of `depthserve train-demo --arch put` (depthserve/lab/demo/kit.py has what every recipe
+is built from, depthserve/lab/demo/train.py the training loop); the built-in `demo-put` is its result."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from typing import Any
 
 import torch
 
-from depthserve.archs.llama.reference import Reference
-from depthserve.archs.llama.tiny import base_config
+from depthserve.oracles.llama import Reference
+from depthserve.lab.tiny.llama import base_config
 from depthserve.archs.put import format as put_format
-from depthserve.demo.kit import DemoArch, Readout, Shape, Trainable, detached, embeddings, leaves, llama_layer
+from depthserve.lab.demo.kit import DemoArch, Readout, Shape, Trainable, detached, embeddings, leaves, llama_layer
 
 PUT_LAYOUT = put_format.PUTSpec(n_prefix=0, n_core=1, n_suffix=0, steps=6, conv_kernel=2)
 
@@ -39,7 +39,7 @@ def _put_initial(shape: Shape, tokenizer) -> tuple[dict[str, Any], dict[str, tor
 
 
 def _put_trainable(path: Path) -> Trainable:
-    from depthserve.archs.put.reference import load_put, put_loops, run, run_each_loop
+    from depthserve.oracles.put import load_put, put_loops, run, run_each_loop
 
     loaded = load_put(path, torch.float32)
     params = leaves(loaded.w)

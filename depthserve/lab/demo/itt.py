@@ -1,7 +1,7 @@
 """ITT's demo: layers that think again on the tokens their routers select, trained on variable chasing.
 
-The recipe of `depthserve train-demo --arch itt` (depthserve/demo/kit.py has what every recipe
-is built from, depthserve/demo/train.py the training loop); the built-in `demo-itt` is its result."""
+The recipe of `depthserve train-demo --arch itt` (depthserve/lab/demo/kit.py has what every recipe
+is built from, depthserve/lab/demo/train.py the training loop); the built-in `demo-itt` is its result."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from typing import Any
 import torch
 
 from depthserve.archs.itt import format as itt_format
-from depthserve.archs.llama.reference import Reference
-from depthserve.archs.llama.tiny import base_config
-from depthserve.demo.kit import ROUTER_STD, DemoArch, Readout, Shape, Trainable, detached, embeddings, leaves, llama_layer, matrix
+from depthserve.oracles.llama import Reference
+from depthserve.lab.tiny.llama import base_config
+from depthserve.lab.demo.kit import ROUTER_STD, DemoArch, Readout, Shape, Trainable, detached, embeddings, leaves, llama_layer, matrix
 
 # One layer thinking up to five more times: with two plain layers the model learns to follow up
 # to four hops without thinking (pointer doubling across layers), and thinking barely matters.
@@ -42,7 +42,7 @@ def _itt_initial(shape: Shape, tokenizer) -> tuple[dict[str, Any], dict[str, tor
 
 
 def _itt_trainable(path: Path) -> Trainable:
-    from depthserve.archs.itt.reference import load_itt, run
+    from depthserve.oracles.itt import load_itt, run
 
     loaded = load_itt(path, torch.float32)
     spec: itt_format.ITTSpec = loaded.spec
@@ -88,7 +88,7 @@ def _itt_settings(cfg: dict[str, Any]) -> list[dict[str, Any]]:
 
 def _itt_calibrate(out: Path, prompts: list[list[int]]) -> None:
     """The router-score quantile table, on training prompts (the distribution requests come from)."""
-    from depthserve.archs.itt.tiny import calibrate_tokens
+    from depthserve.lab.tiny.itt import calibrate_tokens
 
     calibrate_tokens(out, prompts, {"source": "variable-chasing training prompts (train-demo)"})
 

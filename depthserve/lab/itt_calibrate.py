@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from depthserve.archs.itt.tiny import calibrate_tokens
+from depthserve.lab.tiny.itt import calibrate_tokens
 from depthserve.loading.tokenizer import text_sequences
 
 if TYPE_CHECKING:

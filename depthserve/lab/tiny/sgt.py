@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from depthserve.archs.llama.tiny import base_config, int_list, llama_weights, model_shapes
+from depthserve.lab.tiny.llama import base_config, int_list, llama_weights, model_shapes
 from depthserve.archs.registry import TinyFlag
 from depthserve.archs.sgt.format import SGTLayer, SGTSpec, to_section
 from depthserve.loading.checkpoint import write_checkpoint

@@ -35,8 +35,8 @@ import numpy as np
 import torch
 
 from depthserve.archs.dreamer.format import P, read_spec, read_weights
-from depthserve.archs.llama.reference import knob_values, level_mask, rms_norm
-from depthserve.archs.llama.reference import load as load_reference
+from depthserve.oracles.llama import knob_values, level_mask, rms_norm
+from depthserve.oracles.llama import load as load_reference
 
 NO_MARGIN = float("inf")
 

@@ -28,7 +28,7 @@ import torch
 from tqdm import tqdm
 
 from depthserve.errors import DepthServeError
-from depthserve.archs.llama import reference
+from depthserve.oracles import llama as reference
 from depthserve.archs.sgt.format import SGTLayer, SGTSpec, to_section
 from depthserve.loading.checkpoint import depth_section, write_checkpoint
 

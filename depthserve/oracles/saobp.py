@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from depthserve.archs.llama.reference import (
+from depthserve.oracles.llama import (
     Reference,
     attention_dims,
     full_layer,

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from depthserve.archs.llama.tiny import base_config, llama_weights, model_shapes, normal_sampler
+from depthserve.lab.tiny.llama import base_config, llama_weights, model_shapes, normal_sampler
 from depthserve.archs.put.format import PUTSpec, conv_weight, layer_prefixes, read_spec, step_embedding, to_section
 from depthserve.loading.checkpoint import write_checkpoint
 from depthserve.loading.tokenizer import default_tokenizer
@@ -15,6 +15,9 @@ TINY_LAYOUT = PUTSpec(n_prefix=1, n_core=2, n_suffix=1, steps=3, conv_kernel=2)
 LIKE_LAYOUT = {"smollm2-135m-instruct": PUTSpec(n_prefix=3, n_core=8, n_suffix=3, steps=3, conv_kernel=2)}
 STEP_EMBED_STD = 0.5  # P(t): shifts the ReLU gate enough that the steps compute different functions
 CONV_STD = 0.5
+
+
+CLI_FLAGS = ()  # make-tiny flags of its own (registry.TinyCheckpoints): none
 
 
 def make_tiny(out: Path, seed: int = 0, like: str | None = None, num_kv_heads: int | None = None, tokenizer=None,

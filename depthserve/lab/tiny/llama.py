@@ -129,6 +129,9 @@ def llama_weights(cfg: dict[str, Any], gen: torch.Generator, layer_prefixes: Seq
     return w
 
 
+CLI_FLAGS = ()  # make-tiny flags of its own (registry.TinyCheckpoints): none
+
+
 def make_tiny(out: Path, seed: int = 0, like: str | None = None, num_kv_heads: int | None = None,
               tokenizer=None) -> Path:
     """A random plain Llama checkpoint (untied head unless `like`)."""

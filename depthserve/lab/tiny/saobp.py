@@ -7,12 +7,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from depthserve.archs.llama.tiny import base_config, llama_weights, model_shapes
+from depthserve.lab.tiny.llama import base_config, llama_weights, model_shapes
 from depthserve.archs.saobp.format import SAOBPSpec, read_spec, to_section
 from depthserve.loading.checkpoint import write_checkpoint
 from depthserve.loading.tokenizer import default_tokenizer
 
 TINY_CONTEXT = 8192
+
+
+CLI_FLAGS = ()  # make-tiny flags of its own (registry.TinyCheckpoints): none
 
 
 def make_tiny(out: Path, seed: int = 0, like: str | None = None, num_kv_heads: int | None = None, tokenizer=None,

@@ -16,6 +16,9 @@ TINY_LAYER_TYPES = ["sliding_attention", "full_attention"] * 3
 LOGIT_SHARPNESS = 60.0  # logit_scale as a multiple of its initial value
 
 
+CLI_FLAGS = ()  # make-tiny flags of its own (registry.TinyCheckpoints): none
+
+
 def make_tiny(out: Path, seed: int = 0, like: str | None = None, num_kv_heads: int | None = None, tokenizer=None,
               *, loops: int = 2, cache_mode: str = "per_loop", sliding_window: int = 8) -> Path:
     """A random Dory checkpoint with the tiny shapes, `loops` trained recurrent passes and the

@@ -1,7 +1,7 @@
 """Dreamer's demo: one shared block (DA, SA, EA) run `depth` times, trained on variable chasing.
 
-The recipe of `depthserve train-demo --arch dreamer` (depthserve/demo/kit.py has what every recipe
-is built from, depthserve/demo/train.py the training loop); the built-in `demo-dreamer` is its result."""
+The recipe of `depthserve train-demo --arch dreamer` (depthserve/lab/demo/kit.py has what every recipe
+is built from, depthserve/lab/demo/train.py the training loop); the built-in `demo-dreamer` is its result."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from typing import Any
 import torch
 
 from depthserve.archs.dreamer import format as dreamer_format
-from depthserve.archs.llama.tiny import base_config
-from depthserve.demo.kit import ROUTER_STD, DemoArch, Readout, Shape, Trainable, detached, leaves, matrix, word_embeddings
+from depthserve.lab.tiny.llama import base_config
+from depthserve.lab.demo.kit import ROUTER_STD, DemoArch, Readout, Shape, Trainable, detached, leaves, matrix, word_embeddings
 
 DREAMER_LAYOUT = dreamer_format.DreamerSpec(depth=6, da_dim=32, da_heads=1, num_experts=4, top_k=2, expert_rank=16,
                                             expert_intermediate_size=128, attn_experts=0,
@@ -43,7 +43,7 @@ def _dreamer_initial(shape: Shape, tokenizer) -> tuple[dict[str, Any], dict[str,
 
 
 def _dreamer_trainable(path: Path) -> Trainable:
-    from depthserve.archs.dreamer.reference import knob_depth, load, run
+    from depthserve.oracles.dreamer import knob_depth, load, run
 
     cfg, spec, weights = load(path, torch.float32)
     params = leaves(weights)

@@ -26,6 +26,9 @@ MESSAGE_GAIN = 0.3
 QUERY_STD = 0.3
 
 
+CLI_FLAGS = ()  # make-tiny flags of its own (registry.TinyCheckpoints): none
+
+
 def make_tiny(out: Path, seed: int = 0, like: str | None = None, num_kv_heads: int | None = None, tokenizer=None,
               *, loops: int = 2, sliding_window: int = 8, rel_extent: int = 12, log_scaling_n_floor: int = 16) -> Path:
     """A random Inkling-2 loop text checkpoint with the tiny shapes and `loops` trained passes of the

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from depthserve.archs.itt.format import ITTSpec, router_bias, router_weight, step_encoding, to_section, write_calibration
-from depthserve.archs.llama.tiny import (base_config, every_other_layer, int_list, llama_weights, model_shapes,
+from depthserve.lab.tiny.llama import (base_config, every_other_layer, int_list, llama_weights, model_shapes,
                                          normal_sampler, num_layers_of, synthetic_streams)
 from depthserve.archs.registry import TinyFlag
 from depthserve.loading.checkpoint import write_checkpoint
@@ -55,7 +55,7 @@ def itt_weights(cfg: dict[str, Any], spec: ITTSpec, gen: torch.Generator) -> dic
 
 def calibrate_tokens(model_dir: Path, sequences, metadata: dict[str, Any]) -> dict[int, torch.Tensor]:
     """Compute and write the ITT calibration table from token sequences (a [B, n] tensor or lists)."""
-    from depthserve.archs.itt.reference import calibrate
+    from depthserve.oracles.itt import calibrate
 
     tables = calibrate(model_dir, sequences)
     lengths = [len(s) for s in sequences]

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from depthserve.archs.dreamer.format import P, DreamerSpec, read_spec, tensor_shapes, to_section
-from depthserve.archs.llama.tiny import EMBED_STD, LOGIT_STD, QK_STD, base_config, model_shapes
+from depthserve.lab.tiny.llama import EMBED_STD, LOGIT_STD, QK_STD, base_config, model_shapes
 from depthserve.loading.checkpoint import write_checkpoint
 from depthserve.loading.tokenizer import default_tokenizer
 
@@ -53,6 +53,9 @@ def random_weights(cfg: dict, spec: DreamerSpec, gen: torch.Generator) -> dict[s
             tensor = 1 + torch.randn(*shape, generator=gen) * 0.1
         w[name] = tensor.contiguous()
     return w
+
+
+CLI_FLAGS = ()  # make-tiny flags of its own (registry.TinyCheckpoints): none
 
 
 def make_tiny(out: Path, seed: int = 0, like: str | None = None, num_kv_heads: int | None = None, tokenizer=None,

@@ -1,7 +1,7 @@
 """What every demo recipe is built from: a small checkpoint in the native format, trained through
 the architecture's own reference equations (so what is trained is exactly what the engine must
 equal), with every depth setting trained so every setting is a usable model. Each architecture
-with a demo declares its recipe (`DemoArch`) in its own folder (`depthserve/archs/<name>/demo.py`)
+with a demo declares its recipe (`DemoArch`) in its own module (`depthserve/lab/demo/<name>.py`)
 and registers it (`Architecture.demo`); `depthserve.archs.demo_arches()` gathers them.
 
     demo = demo_arches()["put"]

@@ -14,6 +14,9 @@ LAYERS_PER_STACK = 2
 HEAD_GAIN = 6.0  # the LM head's weights as a multiple of a unit-gain draw
 
 
+CLI_FLAGS = ()  # make-tiny flags of its own (registry.TinyCheckpoints): none
+
+
 def make_tiny(out: Path, seed: int = 0, like: str | None = None, num_kv_heads: int | None = None, tokenizer=None,
               *, h_cycles: int = 2, l_cycles: int = 2, prefix_lm: bool = True) -> Path:
     """A random HRM-Text checkpoint with the tiny shapes and the given trained cycle counts; `like`

@@ -21,7 +21,7 @@ import torch
 from tqdm import tqdm
 
 from depthserve.archs.itt.format import NUM_QUANTILES, ITTSpec, pop_itt_weights, read_spec
-from depthserve.archs.llama.reference import Reference, full_layer, knob_values, level_mask, load, run_layers
+from depthserve.oracles.llama import Reference, full_layer, knob_values, level_mask, load, run_layers
 
 
 def _take_itt(spec: ITTSpec, weights: dict, path: str) -> dict:

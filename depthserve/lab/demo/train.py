@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from depthserve.demo.kit import DemoArch, Shape, Trainable
+from depthserve.lab.demo.kit import DemoArch, Shape, Trainable
 from depthserve.demo.task import Problem, chase, definitions, draw, problems
 from depthserve.demo.tokenizer import question, save_tokenizer
 

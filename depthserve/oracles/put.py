@@ -14,7 +14,7 @@ paging, no batching, nothing of the engine's model code.
 
 The checkpoint's layers are read as the Llama layers of one unrolled pass (prefix i at layer i,
 core j at n_prefix + j, suffix i after the core), so the plain layers are section 0's as written
-in depthserve/archs/llama/reference.py.
+in depthserve/oracles/llama.py.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from depthserve.archs.llama.reference import (
+from depthserve.oracles.llama import (
     Reference,
     causal_mask,
     full_layer,

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from depthserve.archs.llama.reference import (
+from depthserve.oracles.llama import (
     Reference,
     attention,
     full_layer,

@@ -1,0 +1,1 @@
+"""Each architecture's tiny random checkpoint (`depthserve make-tiny`, depthserve/lab/make_tiny.py)."""
