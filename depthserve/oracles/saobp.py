@@ -17,6 +17,7 @@ from depthserve.oracles.llama import (
     knob_values,
     load,
     mlp,
+    logits_of,
     norm,
     rope,
     run_layers,
@@ -73,6 +74,16 @@ def forward(model_dir: str | Path, token_ids: list[int], depth: Any = None, *, r
     knobs = knob_values(depth)
     if knobs:
         raise InvalidDepthError(f"SAOBP has no depth knobs (lambda is trained); got {sorted(knobs)}")
+    ref, states = final_states(model_dir, token_ids, dtype)
+    logits = logits_of(ref, states)
+    return (logits, {}) if return_decisions else logits
+
+
+@torch.no_grad()
+def final_states(model_dir: str | Path, token_ids: list[int],
+                 dtype: torch.dtype = torch.float64) -> tuple[Reference, torch.Tensor]:
+    """The reference and its last layer's states [n_tokens, hidden] (before the final norm): a long
+    sequence's logits can then be taken a block of rows at a time (`logits_of`)."""
     ref = load_saobp(model_dir, dtype)
     spec: SAOBPSpec = ref.spec
     saobp_layers = set(spec.layer_indices(ref.num_layers))
@@ -83,5 +94,4 @@ def forward(model_dir: str | Path, token_ids: list[int], depth: Any = None, *, r
         h = x + saobp_attention(ref, layer, norm(ref, layer, "a", x[0]), spec)[None]
         return h + mlp(ref, layer, norm(ref, layer, "m", h))
 
-    logits = run_layers(ref, torch.as_tensor(list(token_ids), dtype=torch.long)[None], layer_fn)[0]
-    return (logits, {}) if return_decisions else logits
+    return ref, run_layers(ref, torch.as_tensor(list(token_ids), dtype=torch.long)[None], layer_fn, with_logits=False)[0]
