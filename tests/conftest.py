@@ -119,19 +119,6 @@ def _shared_llm_left_clean(request):
         assert engine.block_manager.num_used_pages == 0, "a finished or failed request kept cache pages"
 
 
-# The files that take minutes on 2 cores (compiling the decode step of every architecture from a cold
-# torch.compile cache, Ray clusters, servers), longest first. They run before the others: pytest-xdist
-# hands out whole files in collection order, so a long file started last would leave the other
-# worker idle while it runs (longest-first is the classic remedy for that).
-LONG_FILES = ("test_static_decode.py", "test_ray_serve.py", "test_structured_engine.py", "test_batch_invariance.py",
-              "test_server_structured.py", "test_hf_parity.py", "test_saobp.py", "test_server.py")
-
-
-def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(LONG_FILES)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file's tests stay in order
-
-
 RSS_LOG_ENV = "DEPTHSERVE_TEST_RSS_LOG"
 
 
