@@ -55,8 +55,9 @@ browser:
 TEST_WORKERS ?= 2
 XDIST := -n $(TEST_WORKERS) --dist loadfile
 
-# The whole suite, fast and slow tests: about 18 minutes on 2 CPU cores, each worker at most ~6 GB
-# resident (a test engine commits its KV pool at start-up; tests/conftest.py bounds it).
+# The whole suite, fast and slow tests: 20 to 24 minutes on 2 CPU cores with a cold torch.compile
+# cache, each worker at most 6.4 GB resident (a test engine commits its KV pool at start-up;
+# tests/conftest.py bounds it).
 # Exit status 5 (no test selected, e.g. by a PYTEST_ARGS filter) is not a failure.
 test: $(STAMP) browser
 	$(BIN)/python -m pytest -q $(XDIST) --durations=15 $(PYTEST_ARGS) || [ $$? -eq 5 ]
