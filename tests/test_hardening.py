@@ -280,10 +280,11 @@ def test_python_dash_m_runs_the_cli():
 
 
 # ---- the event loop stays free ----------------------------------------------------------------
-def _health_times_while(base: str, work: threading.Thread) -> list[float]:
-    """Time /health calls (each alone) while `work` runs on another thread."""
+def _health_times_while(base: str, work: threading.Thread) -> tuple[list[float], float]:
+    """Time /health calls (each alone) while `work` runs on another thread; also how long `work` took."""
     times = []
     with httpx.Client(timeout=30) as http:
+        start_work = time.perf_counter()
         work.start()
         while work.is_alive() or not times:
             start = time.perf_counter()
@@ -291,7 +292,17 @@ def _health_times_while(base: str, work: threading.Thread) -> list[float]:
             times.append(time.perf_counter() - start)
             time.sleep(0.01)
     work.join()
-    return times
+    return times, time.perf_counter() - start_work
+
+
+def _assert_the_loop_kept_answering(times: list[float], work_seconds: float) -> None:
+    """Work done on the event loop would hold one /health for about all of it. Every /health
+    answered within a quarter of the work's time (and more than one was answered) shows the loop
+    stayed free. Relative, not a fixed 100 ms: on 2 cores shared with another test worker an unblocked
+    /health has taken 120 ms (GIL hand-offs with the tokenizer thread), while the work takes 0.6-2 s."""
+    assert len(times) > 2, f"only {len(times)} /health answers during {work_seconds:.2f} s of work"
+    assert max(times) < work_seconds / 4, (
+        f"slowest /health: {max(times) * 1000:.0f} ms while the work took {work_seconds * 1000:.0f} ms")
 
 
 def test_health_answers_within_100_ms_while_a_20_mb_body_is_refused(server):
@@ -303,7 +314,7 @@ def test_health_answers_within_100_ms_while_a_20_mb_body_is_refused(server):
         statuses.append(httpx.post(f"{base}/v1/completions", content=body, headers={**AUTH, **JSON},
                                    timeout=60).status_code)
 
-    times = _health_times_while(base, threading.Thread(target=upload))
+    times, _ = _health_times_while(base, threading.Thread(target=upload))
     assert statuses == [413]
     assert max(times) < 0.1, f"slowest /health: {max(times) * 1000:.0f} ms"
 
@@ -323,9 +334,9 @@ def test_a_long_prompt_is_tokenized_off_the_event_loop(smollm_tokenizer, tmp_pat
             statuses.append(httpx.post(f"{base}/v1/completions", json={"model": "x", "prompt": text},
                                        timeout=60).json()["error"]["message"])
 
-        times = _health_times_while(base, threading.Thread(target=send))
+        times, seconds = _health_times_while(base, threading.Thread(target=send))
         assert "maximum context length is 8192 tokens" in statuses[0], statuses
-        assert max(times) < 0.1, f"slowest /health: {max(times) * 1000:.0f} ms"
+        _assert_the_loop_kept_answering(times, seconds)
         refused = httpx.post(f"{base}/tokenize", json={"prompt": "y" * 700_000}, timeout=60)
         assert refused.status_code == 400 and "more than 8192 tokens" in refused.json()["error"]["message"]
 
