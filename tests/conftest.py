@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -104,10 +105,13 @@ def alone_outputs(smollm_tokenizer):
 @pytest.fixture(scope="session")
 def smollm_llm():
     """The offline API on SmolLM2 in fp32, shared by the modules that only run requests on it
-    (each test must leave it idle and holding no page: `_shared_llm_left_clean`)."""
+    (each test must leave it idle and holding no page: `_shared_llm_left_clean`). It stays resident all
+    session, so its cache is no larger than they need: ~2,300 tokens (0.1 GiB at 46 KB a token), more
+    than any of them has in flight."""
     from depthserve import LLM
 
-    return LLM("smollm2-135m-instruct", device="cpu", dtype="float32", load_progress=False, max_model_len=1024)
+    return LLM("smollm2-135m-instruct", device="cpu", dtype="float32", load_progress=False, max_model_len=1024,
+               kv_cache_memory_gib=0.1)
 
 
 @pytest.fixture(autouse=True)
@@ -137,6 +141,7 @@ def pytest_runtest_protocol(item, nextitem):
 
     torch._dynamo.reset()
     _forget_fastapi_endpoints()
+    _forget_oracle_models()
     gc.collect()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
@@ -147,6 +152,18 @@ def pytest_runtest_protocol(item, nextitem):
         with open(log, "a") as out:
             worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
             out.write(f"{worker} {item.module.__name__} rss={status['VmRSS'].strip()} peak={status['VmHWM'].strip()}\n")
+
+
+def _forget_oracle_models() -> None:
+    """The test oracles keep the models they load (transformers' SmolLM2 is 540 MB in fp32) for the
+    next test of the module; a module that needs one again reloads it rather than every later
+    module carrying it."""
+    import sys
+
+    for name in [name for name in sys.modules if name.startswith(("depthserve.oracles.", "tests.hf_oracle"))]:
+        for value in vars(sys.modules[name]).values():
+            if isinstance(value, functools._lru_cache_wrapper):
+                value.cache_clear()
 
 
 def _forget_fastapi_endpoints() -> None:
