@@ -105,14 +105,14 @@ def part_targets(arch: str, kernels: list[Any]) -> dict[str, list[tuple[Any, str
         from depthserve.archs.dreamer import model as dreamer
         from depthserve.layers.rows import GatheredRows
 
-        targets["Dreamer experts"] = [(dreamer.DepthRouter, "__call__"), (dreamer, "_grouped"),
+        targets["Dreamer experts"] = [(dreamer.DepthRouter, "__call__"), (dreamer, "mix_experts"),
                                       (dreamer.ExpertAttention, "forward")]
         targets["Dreamer depth attention"] = [(dreamer.DepthAttention, "forward")]
         targets["Dreamer bookkeeping"] = [(StepBatch, "level_meta"), (GatheredRows, "emit")]
     elif arch == "put":
-        from depthserve.archs.put.model import ConvContext
+        from depthserve.archs.put.model import ConvState
 
-        targets["PUT conv state"] = [(ConvContext, "__init__"), (ConvContext, "window"), (ConvContext, "write_back")]
+        targets["PUT conv state"] = [(ConvState, "__init__"), (ConvState, "apply"), (ConvState, "write_back")]
     return targets
 
 

@@ -21,9 +21,9 @@ from depthserve.cache import SlotKind
 from depthserve.engine.model_runner import ModelRunner
 from depthserve.archs import read_depth_spec
 from depthserve.archs.dreamer import format as dreamer
-from depthserve.archs.dreamer import model as dreamer_model
 from depthserve.errors import CacheCapacityError, CheckpointFormatError, InvalidDepthError
 from depthserve.lab.make_tiny import make_tiny, synthetic_streams
+from depthserve.layers import experts as experts_layer
 from tests.depth_helpers import cache_layout, check_logprobs, depth_params, stream_prompts, tiny_llm
 
 TOL = 1e-4
@@ -279,15 +279,17 @@ def test_reference_basics(ckpts):
         assert float((changed - logits[3]).abs().max()) > 0.1
 
 
-@pytest.mark.parametrize("padded", [False, True])
-def test_moe_runs_grouped_by_expert(ckpts, monkeypatch, padded):
-    """Expert attention never loops over tokens nor runs every expert on every token: either one matmul
-    per active expert on its tokens, or (decode-sized batches) all experts in one batched matmul on
-    their tokens padded to the busiest expert's count. Both equal each token run through its experts."""
+@pytest.mark.parametrize("form", ["looped", "padded", "static"])
+def test_moe_runs_grouped_by_expert(ckpts, monkeypatch, form):
+    """Expert attention never loops over tokens: either one matmul per active expert on its tokens, or
+    (decode-sized batches) all experts in one batched matmul on their tokens padded to the busiest
+    expert's count, or at static shapes padded to the token count. All equal each token run through
+    its experts."""
     llm = _invalid_llm(ckpts)
     model = llm.engine.model
     h = torch.randn(37, model.config.hidden_size)
-    monkeypatch.setattr(dreamer_model, "PADDED_EXPERTS_MAX_ROWS_PER_PAIR", 10**6 if padded else 0)
+    padded = form != "looped"
+    monkeypatch.setattr(experts_layer, "PADDED_EXPERTS_MAX_ROWS_PER_PAIR", 10**6 if form == "padded" else 0)
     calls = []
     real = torch.Tensor.index_select
 
@@ -297,7 +299,7 @@ def test_moe_runs_grouped_by_expert(ckpts, monkeypatch, padded):
         return real(self, dim, index)
 
     monkeypatch.setattr(torch.Tensor, "index_select", spy)
-    out, top = model.block.ea.grouped(h, 2)
+    out, top = model.block.ea(h, 2, static_shapes=form == "static")
     monkeypatch.undo()
     active = torch.unique(top).numel()
     assert sum(calls) == 37 * model.spec.top_k and len(calls) == (1 if padded else active)

@@ -82,6 +82,15 @@ class AttentionMetadata:
     def num_decodes(self) -> int:
         return 0 if self.decode_context_lens is None else int(self.decode_context_lens.shape[0])
 
+    def sequence_tables(self, columns: slice) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Columns `columns` of the full page tables of the step's prefill sequences and of its decode
+        sequences ([seqs, blocks, width] each; None: no such sequence), for a slot the step's own tables
+        leave out (a per-key bias slot): an eager step's come from its StepBatch, a static decode
+        step's tables are full already."""
+        if self.static is not None:
+            return None, self.decode_page_table[:, :, columns]
+        return self.batch.sequence_tables(columns)
+
     def packed_prefills(self) -> PackedPrefills:
         if self._packed is None:
             device = self.slot_index.device

@@ -192,6 +192,22 @@ class StepBatch:
             self._item_of_row = np.repeat(np.arange(len(self.items)), [i.num_tokens for i in self.items])
         return self._item_of_row
 
+    def sequence_tables(self, columns: slice) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """AttentionMetadata.sequence_tables from the items' full page tables: each part's blocks up to
+        its longest sequence's end, padded with page 0."""
+        num_prefills = sum(1 for item in self.items if not item.decode)
+
+        def stack(part: list[BatchItem]) -> torch.Tensor | None:
+            if not part:
+                return None
+            tables = [item.table[: -(-item.end // self.block_size), columns] for item in part]
+            padded = np.zeros((len(tables), max(len(t) for t in tables), tables[0].shape[1]), dtype=np.int64)
+            for i, table in enumerate(tables):
+                padded[i, : len(table)] = table
+            return torch.from_numpy(padded).to(self.device)
+
+        return stack(self.items[:num_prefills]), stack(self.items[num_prefills:])
+
     # ---- metadata for a token-covering slot used by some items --------------------------------------
     def slot_meta(self, items: list[BatchItem], columns: list[slice],
                   read_heads: np.ndarray | None = None) -> AttentionMetadata:

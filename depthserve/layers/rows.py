@@ -99,6 +99,29 @@ class StepRows(ABC):
         """Each row's level (its setting `setting`), lowered where a token exits early
         (layers/early_exit.py): gathered rows only; masked rows never exit."""
 
+    # ---- per-sequence tensors: [the step's sequences, ...] (a masked step has one row per sequence) ----
+    @abstractmethod
+    def sequence_state_pages(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each of the step's sequences' per-sequence state pages [sequences, pages] int64 (-1: none),
+        and whether it carries state from earlier steps [sequences] bool (a sequence whose first
+        row is at position 0 starts from zeros)."""
+
+    @abstractmethod
+    def of_sequences(self, values: torch.Tensor) -> torch.Tensor:
+        """The entries of `values` (over the step's sequences) of the sequences with rows in this set."""
+
+    @abstractmethod
+    def merge_sequences(self, parent: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """`parent` (over the step's sequences) with this set's sequences' entries replaced by `values`."""
+
+    @abstractmethod
+    def causal_window(self, size: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """A causal window of `size` rows per sequence over this set's rows, each sequence carrying
+        its last size-1 values from before. Over cat(carried [set's sequences * (size-1)], this set's
+        rows), oldest carried value first: per tap j, the index of each row's value j rows back
+        (counting only this set's rows of its sequence), and the indices of each sequence's last
+        size-1 values afterwards (its new carry, [set's sequences * (size-1)])."""
+
     rows: np.ndarray | None = None  # gathered: the step's packed rows in this set (None: all)
     static_shapes: bool = False  # masked: no host synchronisation, no data-dependent shape
 
@@ -127,6 +150,7 @@ class GatheredRows(StepRows):
         self.rows = rows  # packed rows of the step in this set, ascending (None: all)
         self.index = index  # their positions among the parent's rows (None: the same rows)
         self.of_step = of_step  # the parent is the whole step: `index` holds the packed rows themselves
+        self._windows: dict[int, tuple[list[torch.Tensor], torch.Tensor]] = {}  # causal_window by size
 
     def setting(self, index: int) -> np.ndarray:
         return self.step.settings()[:, index]
@@ -190,6 +214,53 @@ class GatheredRows(StepRows):
     @property
     def item_row_counts(self) -> list[int]:
         return self._items_and_counts[1]
+
+    def sequence_state_pages(self) -> tuple[torch.Tensor, torch.Tensor]:
+        items = self.step.items
+        pages = np.full((len(items), max((len(item.state) for item in items if item.state is not None), default=0)),
+                        -1, dtype=np.int64)
+        for i, item in enumerate(items):
+            if item.state is not None:
+                pages[i, : len(item.state)] = item.state
+        carried = np.array([item.start > 0 for item in items], dtype=bool)
+        device = self.step.device
+        return torch.from_numpy(pages).to(device), torch.from_numpy(carried).to(device)
+
+    @functools.cached_property
+    def _sequence_index(self) -> torch.Tensor | None:
+        if self.rows is None:
+            return None
+        return self.step.index_tensor(np.array(self.item_indices, dtype=np.int64))
+
+    def of_sequences(self, values: torch.Tensor) -> torch.Tensor:
+        index = self._sequence_index
+        return values if index is None else values.index_select(0, index)
+
+    def merge_sequences(self, parent: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        index = self._sequence_index
+        return values if index is None else parent.index_copy(0, index, values)
+
+    def causal_window(self, size: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+        if size not in self._windows:
+            self._windows[size] = self._causal_window(size)
+        return self._windows[size]
+
+    def _causal_window(self, size: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+        carry, m = size - 1, len(self.item_indices)
+        taps: list[list[np.ndarray]] = [[] for _ in range(size)]
+        new = []
+        row = 0
+        for i, n in enumerate(self.item_row_counts):
+            local = np.arange(n)
+            for j in range(size):
+                own = m * carry + row + local - j  # a row of this set
+                carried = i * carry + carry + local - j  # from the carry (local - j in [-carry, -1])
+                taps[j].append(np.where(local >= j, own, carried))
+            last = np.arange(n - carry, n)
+            new.append(np.where(last >= 0, m * carry + row + last, i * carry + carry + last))
+            row += n
+        as_tensor = lambda parts: self.step.index_tensor(np.concatenate(parts).astype(np.int64))  # noqa: E731
+        return [as_tensor(tap) for tap in taps], as_tensor(new)
 
     def attend(self, slot: str, read_heads: tuple[int, ...] | None = None) -> tuple[AttentionMetadata, slice]:
         step = self.step
@@ -258,6 +329,23 @@ class MaskedRows(StepRows):
 
     def spread(self, values: torch.Tensor, fill: float) -> torch.Tensor:
         return values if self.mask is None else torch.where(self._keep(values), values, fill)
+
+    def sequence_state_pages(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.static.state_pages, self.static.positions > 0
+
+    def of_sequences(self, values: torch.Tensor) -> torch.Tensor:
+        return values
+
+    def merge_sequences(self, parent: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        return self.merge(parent, values)
+
+    def causal_window(self, size: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """One row per sequence: tap j of row r is its own value (j = 0) or its carry's value j back."""
+        carry, m = size - 1, self.static.positions.shape[0]
+        row = torch.arange(m, device=self.static.positions.device)
+        taps = [m * carry + row] + [row * carry + carry - j for j in range(1, size)]
+        kept = [row[:, None] * carry + torch.arange(1, carry, device=row.device), (m * carry + row)[:, None]]
+        return taps, torch.cat(kept, dim=1).reshape(-1)
 
     def attend(self, slot: str, read_heads: tuple[int, ...] | None = None) -> tuple[AttentionMetadata, slice]:
         static, meta = self.static, self.meta

@@ -18,11 +18,11 @@ depth index d = 0..depth-1:
   of the step. It never grows with the sequence (SlotKind.TOKEN_DEPTH, not in the page pool).
 - EA: sigmoid-gated top-k MoE of SwiGLU experts; logits q.k_e / sqrt(r) with q = RoPE_d(W_q h)
   (rank r, rotated by the depth index, keys unrotated); top-k on logit + b (the checkpoint's
-  selection bias); weights g_e / sum_topk g. Runs grouped by expert (tokens sorted by expert, one
-  matmul per active expert).
+  selection bias); weights g_e / sum_topk g. Runs grouped by expert (layers/experts.py: each
+  expert once on its (token, expert) pairs, in eager and static-shape steps alike).
 - attn_experts = A > 0: the QKV and output projections are top-1 MoEs of linear experts; one
   router (same form as EA's) per token and depth picks e for both; projection = sigma_e x (W_e +
-  W_shared) with the shared expert folded in at load time (Eq. 8).
+  W_shared) with the shared expert folded in at load time (Eq. 8); grouped by expert as EA.
 """
 
 from __future__ import annotations
@@ -53,13 +53,10 @@ from depthserve.cache import SlotKind
 from depthserve.depth import DepthParams, DepthReport, KnobSpec
 from depthserve.kernels.dispatch import Kernels
 from depthserve.layers.attention import AttentionMetadata, KVPool, paged_attention
+from depthserve.layers.experts import Expert, group_by_expert, mix_experts
 from depthserve.layers.norm import RMSNorm
 from depthserve.layers.rotary import apply_rope, rope_tables
 from depthserve.layers.rows import step_rows
-
-# Expert attention runs all experts as one batched matmul (rows padded to the busiest expert's
-# count) when that computes at most this many rows per (token, expert) pair; else one per expert.
-PADDED_EXPERTS_MAX_ROWS_PER_PAIR = 4
 
 
 def depth_rope_angles(dim: int, depth_index: int, trained_depth: int, theta: float, mode: str,
@@ -114,21 +111,16 @@ class SelfAttention(nn.Module):
 
     def forward(self, x, cos, sin, pool: KVPool, meta: AttentionMetadata, columns: slice, depth_index: int,
                 static_shapes: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The attention output and each row's attention expert (None without experts)."""
+        """The attention output and each row's attention expert (None without experts). The QKV and
+        output projections run grouped by the row's expert (the same groups for both)."""
         n = x.shape[0]
         h = self.norm(x)
-        choice = None
         if self.num_experts:
             logits = self.router(h, depth_index)
-            choice = (logits + self.router.bias).argmax(-1)
-            sigma = torch.sigmoid(logits.gather(1, choice[:, None]))[:, 0].to(x.dtype)[:, None]
-            if static_shapes:  # every expert on every row, each row keeping its own
-                expert = lambda rows, weight: _chosen(rows, weight, choice)  # noqa: E731
-            else:
-                order = torch.argsort(choice, stable=True)
-                counts = torch.bincount(choice, minlength=self.num_experts).tolist()
-                expert = lambda rows, weight: _grouped(rows, weight, order, counts)  # noqa: E731
-            qkv = expert(h, self.qkv) * sigma
+            choice = (logits + self.router.bias).argmax(-1, keepdim=True)  # [n, 1]
+            sigma = torch.sigmoid(logits.gather(1, choice)).to(x.dtype)
+            groups = group_by_expert(choice, self.num_experts, static_shapes)
+            qkv = mix_experts(groups, h, _linear_experts(self.qkv), sigma)
         else:
             qkv = h @ self.qkv.t()
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -137,27 +129,14 @@ class SelfAttention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = v.reshape(n, self.num_kv_heads, self.head_dim)
         out = paged_attention(q, k, v, pool, meta, columns, self.scale).reshape(n, self.q_size)
-        if choice is not None:
-            return expert(out, self.o) * sigma, choice
+        if self.num_experts:
+            return mix_experts(groups, out, _linear_experts(self.o), sigma), choice[:, 0]
         return out @ self.o.t(), None
 
 
-def _grouped(x: torch.Tensor, weight: torch.Tensor, order: torch.Tensor, counts: list[int]) -> torch.Tensor:
-    """x[i] @ weight[e_i]^T, grouped by expert: rows sorted by expert, one matmul per active expert."""
-    out = x.new_empty(x.shape[0], weight.shape[1])
-    start = 0
-    for e, count in enumerate(counts):
-        if count:
-            rows = order[start : start + count]
-            out[rows] = x.index_select(0, rows) @ weight[e].t()
-            start += count
-    return out
-
-
-def _chosen(x: torch.Tensor, weight: torch.Tensor, choice: torch.Tensor) -> torch.Tensor:
-    """x[i] @ weight[e_i]^T at static shapes: every expert on every row, then each row's own."""
-    every = torch.einsum("nd,aod->nao", x, weight)
-    return every.gather(1, choice[:, None, None].expand(-1, 1, every.shape[2]))[:, 0]
+def _linear_experts(weight: torch.Tensor) -> Expert:
+    """Linear experts x @ weight[e]^T over a stack of expert weights [experts, out, in]."""
+    return lambda rows, e: rows @ weight[e].transpose(-1, -2)
 
 
 class DepthAttention(nn.Module):
@@ -201,8 +180,12 @@ class ExpertAttention(nn.Module):
         self.router: DepthRouter | None = None  # set by finish_load
 
     def forward(self, y, depth_index: int, static_shapes: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """The EA output and each row's top-k experts [rows, k]."""
-        return self.every(y, depth_index) if static_shapes else self.grouped(y, depth_index)
+        """The EA output and each row's top-k experts [rows, k]: each (row, expert) pair through its
+        expert, grouped by expert, weighted and summed per row."""
+        h = self.norm(y)
+        top, weights = self.route(h, depth_index, y.dtype)
+        groups = group_by_expert(top, self.num_experts, static_shapes)
+        return mix_experts(groups, h, self._expert, weights), top
 
     def route(self, h, depth_index: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The top-k experts [n, k] on logit + b and their weights g_e / sum_topk g."""
@@ -211,58 +194,10 @@ class ExpertAttention(nn.Module):
         gates = torch.sigmoid(logits.gather(1, top))
         return top, (gates / gates.sum(-1, keepdim=True)).to(dtype)
 
-    def grouped(self, y, depth_index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Grouped by expert: each (token, expert) pair through its expert, one matmul per active
-        expert, or all experts in one batched matmul over rows padded to the busiest expert's."""
-        h = self.norm(y)
-        top, weights = self.route(h, depth_index, y.dtype)
-        flat = top.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        experts = flat[order]  # each (token, expert) pair's expert, sorted
-        tokens = torch.arange(h.shape[0], device=h.device).repeat_interleave(self.top_k)[order]
-        counts = torch.bincount(flat, minlength=self.num_experts)
-        width = int(counts.max())
-        if self.num_experts * width <= PADDED_EXPERTS_MAX_ROWS_PER_PAIR * len(flat):
-            expert_out = self._experts_padded(h, tokens, experts, counts, width)
-        else:
-            expert_out = self._experts_looped(h, tokens, counts.tolist())
-        out = torch.zeros_like(y)
-        out.index_add_(0, tokens, expert_out * weights.reshape(-1)[order][:, None])
-        return out, top
-
-    def every(self, y, depth_index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """At static shapes: every expert on every row, weighted by the row's gates (zero for the
-        experts it did not select)."""
-        h = self.norm(y)
-        top, weights = self.route(h, depth_index, y.dtype)
-        every = self._expert_mlp(h.expand(self.num_experts, -1, -1), self.gate_up, self.down)
-        gates = torch.zeros(h.shape[0], self.num_experts, dtype=y.dtype, device=y.device).scatter(1, top, weights)
-        return torch.einsum("ne,end->nd", gates, every), top
-
-    def _expert_mlp(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-        """SwiGLU expert MLP; weights [..., 2f, d] and [..., d, f] (one expert, or a stack of experts)."""
-        gate, up = (x @ gate_up.transpose(-1, -2)).split([self.width, self.width], dim=-1)
-        return (F.silu(gate) * up) @ down.transpose(-1, -2)
-
-    def _experts_looped(self, h, tokens, counts: list[int]) -> torch.Tensor:
-        """Each (token, expert) pair's expert output, in pair order: one matmul per active expert."""
-        outs, start = [], 0
-        for e, count in enumerate(counts):
-            if count:
-                rows = tokens[start : start + count]
-                outs.append(self._expert_mlp(h.index_select(0, rows), self.gate_up[e], self.down[e]))
-                start += count
-        return torch.cat(outs)
-
-    def _experts_padded(self, h, tokens, experts, counts, width: int) -> torch.Tensor:
-        """The same in two batched matmuls over all experts, each expert's rows padded to `width`: for
-        decode batches, where the pairs spread over most experts a few rows each and one small matmul
-        per expert costs more in calls than in arithmetic."""
-        slot = torch.arange(len(tokens), device=h.device) - (torch.cumsum(counts, 0) - counts)[experts]
-        position = experts * width + slot
-        x = h.new_zeros(self.num_experts * width, h.shape[1]).index_copy_(0, position, h.index_select(0, tokens))
-        out = self._expert_mlp(x.view(self.num_experts, width, -1), self.gate_up, self.down)
-        return out.reshape(-1, h.shape[1]).index_select(0, position)
+    def _expert(self, x: torch.Tensor, e: int | slice) -> torch.Tensor:
+        """SwiGLU expert e on its rows [n, d], or (a slice) those experts on theirs [experts, n, d]."""
+        gate, up = (x @ self.gate_up[e].transpose(-1, -2)).split([self.width, self.width], dim=-1)
+        return (F.silu(gate) * up) @ self.down[e].transpose(-1, -2)
 
 
 class DreamerBlock(nn.Module):

@@ -33,7 +33,6 @@ those tokens have run all their passes, so such a model declares no readout.
 
 from __future__ import annotations
 
-import itertools
 import math
 
 import numpy as np
@@ -57,163 +56,65 @@ from depthserve.archs.put.format import (
 from depthserve.archs.put.format import plan as put_plan
 from depthserve.archs.put.format import report as put_report
 from depthserve.depth import DepthParams, DepthReport, KnobSpec
-from depthserve.layers.attention import AttentionMetadata, KVPool, StaticRows, paged_attention
-from depthserve.layers.batch import StepBatch
+from depthserve.layers.attention import AttentionMetadata, KVPool, paged_attention
 from depthserve.layers.norm import RMSNorm
 from depthserve.layers.rotary import rope_tables
 from depthserve.layers.rows import StepRows, step_rows
 
 
-class ConvContext:
-    """The conv states of one step's items and, for a set of items running a core step, where each
-    row's k taps come from: its own chunk's Z rows or the state carried from earlier chunks.
+class ConvState:
+    """The conv states of one step's sequences, [sequences, T, n_core, k-1, d_ff] (the last k-1 rows
+    of Z per pass and core layer, oldest first): read from each sequence's state pages (zeros for a
+    sequence starting at position 0), carried from row to row through the step, and written back.
 
-    `states` is [items, T, n_core, k-1, d_ff]: zeros for a chunk starting at position 0, else read
-    from the sequence's state pages; written back after the forward.
+    A pass's rows (`StepRows`) run the conv over cat(their sequences' states, their Z rows) through
+    the window the rows give (`causal_window`: a prefill chunk's rows read their own chunk's Z, its
+    first rows the state; a decode row reads its state); a sequence none of whose rows run the pass
+    keeps its state as it was. Pages of -1 hold nothing: a sequence with fewer passes than T has
+    state pages for its own passes only.
     """
 
-    def __init__(self, step: StepBatch, spec: PUTSpec, d_ff: int, pool: KVPool, dtype: torch.dtype,
-                 device: torch.device):
-        self.step, self.k, self.k1 = step, spec.conv_kernel, spec.conv_kernel - 1
-        self.pool = pool
-        self.states = torch.zeros(len(step.items), spec.steps, spec.n_core, self.k1, d_ff, dtype=dtype, device=device)
-        self._taps: dict[tuple[int, ...], tuple[list[torch.Tensor], torch.Tensor | None]] = {}
-        carried = [i for i, item in enumerate(step.items) if item.start > 0] if self.k1 else []
-        if carried:
-            page_lists = [step.items[i].state for i in carried]
-            values = _gather_state_pages(pool, page_lists)
-            for i, offset in zip(carried, _state_offsets(pool, page_lists)):
-                own = self.states[i, : step.items[i].plan.loops]
-                own.copy_(values[offset : offset + own.numel()].view_as(own))
+    def __init__(self, rows: StepRows, spec: PUTSpec, d_ff: int, pool: KVPool, x: torch.Tensor):
+        self.pool, self.kernels, self.k1 = pool, rows.meta.kernels, spec.conv_kernel - 1
+        self.pages, carried = rows.sequence_state_pages()
+        self.shape = (self.pages.shape[0], spec.steps, spec.n_core, self.k1, d_ff)
+        if not self.k1:
+            self.stored = self.states = x.new_zeros(self.shape)
+            return
+        values = _read_pages(pool, self.pages.clamp(min=0)).reshape(self.pages.shape[0], -1).to(x.dtype)
+        self.stored = torch.where(carried[:, None], values, torch.zeros_like(values))
+        size = math.prod(self.shape[1:])
+        self.states = F.pad(self.stored, (0, max(0, size - self.stored.shape[1])))[:, :size].reshape(self.shape)
 
     def apply(self, level: StepRows, t: int, layer: int, z: torch.Tensor, conv: CausalDWConv) -> torch.Tensor:
-        """DWConv_k(Z) of core layer `layer` at step t for the rows of `level` (Z [rows, d_ff])."""
-        history, taps = self.window(level.item_indices, level.item_row_counts, t, layer, z)  # Z_{n-j}
+        """DWConv_k(Z) of core layer `layer` at pass t for the rows of `level` (Z [rows, d_ff])."""
+        every = self.states[:, t - 1, layer]  # [sequences, k-1, d_ff]
+        own = level.of_sequences(every)
+        history = torch.cat([own.reshape(-1, z.shape[1]), z])  # Z_{n-j}: carried, then this pass's rows
+        taps, kept = level.causal_window(self.k1 + 1)
+        if self.k1:
+            self.states[:, t - 1, layer] = level.merge_sequences(every, history.index_select(0, kept).view_as(own))
         return conv(history, taps)
 
-    def window(self, indices: list[int], counts: list[int], t: int, layer: int,
-               z: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """For Z [rows, d_ff] of core layer `layer` at step t over the items `indices`, `counts[i]`
-        rows each (packed in this order; an item's tokens that stopped before t are not among them):
-        the rows the taps read (the items' carried states, then Z) and, per tap j, the index of
-        Z_{n-j} in them, n-j counting only the tokens that ran t (section 6). Keeps the last k-1 of
-        each item's rows as its new state."""
-        taps, new = self.taps(indices, counts)
-        if not self.k1:
-            return z, taps
-        states = self.states[indices, t - 1, layer]  # [m, k-1, d_ff]
-        history = torch.cat([states.reshape(-1, z.shape[1]), z])
-        self.states[indices, t - 1, layer] = history.index_select(0, new).view_as(states)
-        return history, taps
-
-    def taps(self, indices: list[int], counts: list[int]) -> tuple[list[torch.Tensor], torch.Tensor | None]:
-        """For the items `indices` (`counts` rows each, packed in this order): per tap j, the index of
-        Z_{n-j} in cat(states of the items [m*(k-1) rows], Z [rows]); and the indices of the new states."""
-        key = (tuple(indices), tuple(counts))
-        if key not in self._taps:
-            k1, m = self.k1, len(indices)
-            taps = [[] for _ in range(self.k)]
-            new = []
-            row = 0
-            for i, n in enumerate(counts):
-                local = np.arange(n)
-                for j in range(self.k):
-                    own = m * k1 + row + local - j  # Z_{n-j} of this chunk
-                    carried = i * k1 + k1 + local - j  # from the state (local - j in [-k1, -1])
-                    taps[j].append(np.where(local >= j, own, carried))
-                last = np.arange(n - k1, n)
-                new.append(np.where(last >= 0, m * k1 + row + last, i * k1 + k1 + last))
-                row += n
-            device = self.states.device
-            as_tensor = lambda parts: torch.from_numpy(np.concatenate(parts).astype(np.int64)).to(device)  # noqa: E731
-            self._taps[key] = ([as_tensor(t) for t in taps], as_tensor(new) if k1 else None)
-        return self._taps[key]
-
     def write_back(self) -> None:
+        """Every sequence's states into its state pages (the values past them in its last page as read)."""
         if not self.k1:
             return
-        page_lists = [item.state for item in self.step.items]
-        values = self.states.new_zeros(sum(len(pages) for pages in page_lists) * _page_values(self.pool))
-        for i, (item, offset) in enumerate(zip(self.step.items, _state_offsets(self.pool, page_lists))):
-            own = self.states[i, : item.plan.loops].reshape(-1)
-            values[offset : offset + own.numel()] = own
-        _scatter_state_pages(self.pool, page_lists, values)
-
-
-# A sequence's state lives in its state pages in order, each page holding its K half, then its V half.
-# Reads and writes move whole pages, all sequences' at once (the unused tail of a last page is zeroed).
-def _page_values(pool: KVPool) -> int:
-    return 2 * pool.k_pages[0].numel()
-
-
-def _state_offsets(pool: KVPool, page_lists: list[np.ndarray]) -> list[int]:
-    """Where each sequence's state starts in the concatenation of the sequences' state pages."""
-    return list(itertools.accumulate((len(pages) * _page_values(pool) for pages in page_lists), initial=0))[:-1]
-
-
-def _page_index(pool: KVPool, page_lists: list[np.ndarray]) -> torch.Tensor:
-    return torch.from_numpy(np.concatenate(page_lists).astype(np.int64)).to(pool.k_pages.device)
-
-
-def _read_pages(pool: KVPool, pages: torch.Tensor) -> torch.Tensor:
-    """[*pages.shape, 2, block_size, head_dim] the values of these pages, each its K half then its V half."""
-    return torch.stack([pool.k_pages[pages], pool.v_pages[pages]], dim=pages.dim())
-
-
-def _gather_state_pages(pool: KVPool, page_lists: list[np.ndarray]) -> torch.Tensor:
-    """The values of these pages in state order, flat."""
-    return _read_pages(pool, _page_index(pool, page_lists)).view(-1)
-
-
-def _scatter_state_pages(pool: KVPool, page_lists: list[np.ndarray], values: torch.Tensor) -> None:
-    index = _page_index(pool, page_lists)
-    halves = values.to(pool.k_pages.dtype).view(len(index), 2, *pool.k_pages.shape[1:])
-    pool.k_pages.index_copy_(0, index, halves[:, 0])
-    pool.v_pages.index_copy_(0, index, halves[:, 1])
-
-
-class DecodeConv:
-    """The conv states of a decode step at static shapes (one token per row): read from every row's
-    state pages (zeros for a row at position 0), and a pass's new state kept where the row runs it."""
-
-    def __init__(self, spec: PUTSpec, d_ff: int, pool: KVPool, static: StaticRows, kernels, x: torch.Tensor):
-        self.spec, self.pool, self.static, self.kernels = spec, pool, static, kernels
-        self.shape = (x.shape[0], spec.steps, spec.n_core, spec.conv_kernel - 1, d_ff)
-        if spec.conv_kernel > 1:
-            values = _read_pages(pool, static.state_pages.clamp(min=0)).reshape(static.state_pages.shape[0], -1)
-            self.stored = torch.where((static.positions > 0)[:, None], values, torch.zeros_like(values))
-            self.states = self.stored[:, : math.prod(self.shape[1:])].view(self.shape)
-        else:
-            self.states = x.new_zeros(self.shape)
-        self.new: dict[tuple[int, int], torch.Tensor] = {}  # (step, layer) -> the states after it
-
-    def apply(self, level: StepRows, t: int, layer: int, z: torch.Tensor, conv: CausalDWConv) -> torch.Tensor:
-        state = self.states[:, t - 1, layer]  # [rows, k-1, d_ff], oldest first
-        k1 = state.shape[1]
-        history = torch.cat([state, z[:, None]], dim=1)  # Z_{n-k+1} .. Z_n
-        out = conv.weight[0] * z
-        for j in range(1, k1 + 1):
-            out = out + conv.weight[j] * history[:, k1 - j]
-        self.new[t, layer] = level.merge(state, history[:, 1:])
-        return out
-
-    def write_back(self) -> None:
-        """Store every row's states (those of passes no row ran as they were) into its state pages
-        (pages of -1: nothing)."""
-        if self.spec.conv_kernel == 1:
-            return
-        rows = self.shape[0]
-        kept = torch.stack([self.new.get((t, j), self.states[:, t - 1, j]) for t in range(1, self.spec.steps + 1)
-                            for j in range(self.spec.n_core)], dim=1).reshape(rows, -1)
-        values = torch.cat([kept, self.stored[:, kept.shape[1]:]], dim=1)
-        pages = self.static.state_pages
-        (num_pages, bs, hd) = pages.shape[1:] + self.pool.k_pages.shape[1:]
-        halves = values.view(rows, num_pages, 2, bs, hd)
+        rows, have = self.pages.shape[0], self.stored.shape[1]
+        values = torch.cat([self.states.reshape(rows, -1), self.stored[:, math.prod(self.shape[1:]):]], dim=1)
+        num_pages, (bs, hd) = self.pages.shape[1], self.pool.k_pages.shape[1:]
+        halves = values[:, :have].to(self.pool.k_pages.dtype).view(rows, num_pages, 2, bs, hd)
         offsets = torch.arange(bs, device=values.device)
-        index = torch.where(pages[:, :, None] >= 0, pages[:, :, None] * bs + offsets, -1)
+        index = torch.where(self.pages[:, :, None] >= 0, self.pages[:, :, None] * bs + offsets, -1)
         self.kernels.store_kv(halves[:, :, 0].reshape(rows, num_pages * bs, hd),
                               halves[:, :, 1].reshape(rows, num_pages * bs, hd),
                               self.pool.k_pages, self.pool.v_pages, index.reshape(rows, num_pages * bs))
+
+
+def _read_pages(pool: KVPool, pages: torch.Tensor) -> torch.Tensor:
+    """[*pages.shape, 2, block_size, head_dim] the values of these pages, each its K half then its V half
+    (a sequence's state lives in its state pages in order)."""
+    return torch.stack([pool.k_pages[pages], pool.v_pages[pages]], dim=pages.dim())
 
 
 # ==== the modules ===================================================================================
@@ -252,7 +153,7 @@ class PUTMLP(nn.Module):
         self.step_embedding = nn.Parameter(torch.zeros(spec.steps, ffn), requires_grad=False)  # P(1..T)
         self.conv = CausalDWConv(spec.conv_kernel, ffn)
 
-    def forward(self, H: torch.Tensor, t: int, conv: ConvContext | DecodeConv, level: StepRows) -> torch.Tensor:
+    def forward(self, H: torch.Tensor, t: int, conv: ConvState, level: StepRows) -> torch.Tensor:
         z = self.z(H, t)
         return self.down_proj(F.silu(z + conv.apply(level, t, self.index, z, self.conv)))  # Eq. 8
 
@@ -269,7 +170,7 @@ class PUTCoreLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = PUTMLP(cfg, spec, index)
 
-    def forward(self, x, t: int, cos, sin, pool, meta, columns, conv: ConvContext | DecodeConv, level: StepRows):
+    def forward(self, x, t: int, cos, sin, pool, meta, columns, conv: ConvState, level: StepRows):
         h = x + self.self_attn(self.input_layernorm(x), cos, sin, pool, meta, columns)
         return h + self.mlp(self.post_attention_layernorm(h), t, conv, level)
 
@@ -323,10 +224,7 @@ class PUTForCausalLM(nn.Module, DepthModel):
         before t leaves its pass-t conv state as it was: the state is that of the tokens that ran t."""
         rows, spec = step_rows(meta), self.spec
         loops = rows.confidence_exit(0)  # each row's loops, lowered as tokens exit (eager steps)
-        if rows.static_shapes:
-            conv = DecodeConv(spec, self.config.intermediate_size, pool, meta.static, meta.kernels, x)
-        else:
-            conv = ConvContext(meta.batch, spec, self.config.intermediate_size, pool, x.dtype, x.device)
+        conv = ConvState(rows, spec, self.config.intermediate_size, pool, x)
         for t in range(1, rows.deepest(loops.levels, spec.steps) + 1):
             level = rows.narrow(loops.levels, t)
             if level.empty:  # every token stopped early

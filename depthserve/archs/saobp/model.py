@@ -25,7 +25,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from depthserve.archs.base import BuildOptions, StaticDecodeSpec
@@ -35,7 +34,6 @@ from depthserve.archs.saobp.format import SAOBPPlan, SAOBPSpec, head_rows, rows_
 from depthserve.archs.saobp.format import plan as saobp_plan
 from depthserve.depth import DepthParams
 from depthserve.layers.attention import AttentionMetadata, KVPool
-from depthserve.layers.batch import BatchItem, StepBatch
 
 
 @dataclass
@@ -48,26 +46,10 @@ class BiasTables:
     rows_per_page: int
 
     @classmethod
-    def of_step(cls, pool: KVPool, step: StepBatch, num_prefills: int, rows: int) -> "BiasTables":
-        bs = pool.k_pages.shape[1]
-
-        def stack(part: list[BatchItem]) -> torch.Tensor | None:
-            if not part:
-                return None
-            tables = [item.table[: -(-item.end // bs), item.plan.bias_columns] for item in part]
-            padded = np.zeros((len(tables), max(len(t) for t in tables), tables[0].shape[1]), dtype=np.int64)
-            for i, t in enumerate(tables):
-                padded[i, : len(t)] = t
-            return torch.from_numpy(padded).to(pool.k_pages.device)
-
-        return cls(pool_bias_rows(pool, rows), stack(step.items[:num_prefills]), stack(step.items[num_prefills:]),
-                   rows)
-
-    @classmethod
-    def of_static(cls, pool: KVPool, meta: AttentionMetadata, plan: SAOBPPlan) -> "BiasTables":
-        """A decode step at static shapes: the bias columns of its rows' page tables."""
-        return cls(pool_bias_rows(pool, plan.rows_per_page), None,
-                   meta.decode_page_table[:, :, plan.bias_columns], plan.rows_per_page)
+    def of(cls, pool: KVPool, meta: AttentionMetadata, plan: SAOBPPlan) -> "BiasTables":
+        """The bias columns of the step's sequences' page tables."""
+        prefill, decode = meta.sequence_tables(plan.bias_columns)
+        return cls(pool_bias_rows(pool, plan.rows_per_page), prefill, decode, plan.rows_per_page)
 
     def tables(self, base: torch.Tensor | None, column: torch.Tensor, sub: torch.Tensor) -> torch.Tensor | None:
         """[seqs, H, blocks] bias row ids of one layer's heads."""
@@ -135,26 +117,27 @@ class SAOBPForCausalLM(LlamaForCausalLM):
     def __init__(self, cfg: LlamaConfig, spec: SAOBPSpec, max_positions: int):
         super().__init__(cfg, max_positions)
         self.spec = spec
-        self._static_plan: SAOBPPlan | None = None  # set by static_decode_spec (after the cast)
+        self._fixed_plan: SAOBPPlan | None = None  # every request's plan, made at the first use (after the cast)
         for position, index in enumerate(spec.layer_indices(cfg.num_layers)):
             self.layers[index] = SAOBPDecoderLayer(cfg, index, position, spec)
 
     def plan(self, depth: DepthParams) -> SAOBPPlan:
         return saobp_plan(self.config, self.spec, depth, self.norm.weight.element_size())
 
+    def fixed_plan(self) -> SAOBPPlan:
+        """The plan of every request (SAOBP has no knobs), for the model's dtype."""
+        if self._fixed_plan is None:
+            self._fixed_plan = self.plan(DepthParams())
+        return self._fixed_plan
+
     def static_decode_spec(self) -> StaticDecodeSpec:
-        self._static_plan = self.plan(DepthParams())  # no knobs: every request has this layout
-        return StaticDecodeSpec(self._static_plan.layout)
+        return StaticDecodeSpec(self.fixed_plan().layout)
 
     def forward(self, input_ids, positions, pool: KVPool, meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
-        if meta.static is None:
-            plan: SAOBPPlan = meta.batch.items[0].plan  # no knobs: every request has the same layout
-            bias = BiasTables.of_step(pool, meta.batch, len(meta.prefills), plan.rows_per_page)
-        else:
-            plan = self._static_plan
-            bias = BiasTables.of_static(pool, meta, plan)
+        plan = self.fixed_plan()
+        bias = BiasTables.of(pool, meta, plan)
         for i, layer in enumerate(self.layers):
             extra = (bias,) if isinstance(layer, SAOBPDecoderLayer) else ()
             x = layer(x, cos, sin, pool, meta, plan.layout.columns(i), *extra)
