@@ -15,8 +15,11 @@ from dataclasses import dataclass
 import torch
 
 # Eager steps run all experts as one batched matmul (rows padded to the busiest expert's count) when
-# that computes at most this many rows per (token, expert) pair; else one matmul per active expert.
+# that computes at most this many rows per (token, expert) pair, and at least this share of the
+# experts have pairs (the batched matmul reads every expert's weights: where few are hit, as for one
+# decoding sequence, one matmul per hit expert reads less); else one matmul per active expert.
 PADDED_EXPERTS_MAX_ROWS_PER_PAIR = 4
+PADDED_EXPERTS_MIN_ACTIVE_SHARE = 0.75
 
 # expert(rows, e): expert e on its rows [n, d] (e an int), or every expert on its padded rows
 # [num_experts, width, d] (e = slice(None)); `weight[e]` selects the weights for either.
@@ -34,25 +37,31 @@ class ExpertGroups:
     counts: torch.Tensor  # [num_experts] pairs per expert
     num_tokens: int
     width: int | None  # rows per expert in the padded form; None: one matmul per active expert (eager)
+    per_expert: list[int] | None  # `counts` on the host (eager steps; None at static shapes)
 
 
 def group_by_expert(top: torch.Tensor, num_experts: int, static_shapes: bool) -> ExpertGroups:
     """The pairs of `top` [tokens, k] (each token's k distinct experts) grouped by expert. At static
     shapes they run padded to the token count (a shape, not a value: no host synchronisation); in
     eager steps padded to the busiest expert's count where that computes at most
-    PADDED_EXPERTS_MAX_ROWS_PER_PAIR rows per pair (decode-sized batches, where one small matmul per
-    expert costs more in calls than in arithmetic), else one matmul per active expert."""
+    PADDED_EXPERTS_MAX_ROWS_PER_PAIR rows per pair and most experts are hit (decode-sized batches,
+    where one small matmul per expert costs more in calls than in arithmetic), else one matmul per
+    active expert."""
     num_tokens, k = top.shape
     flat = top.reshape(-1)
     order = torch.argsort(flat, stable=True)
     # index_add_ rather than bincount: its output's shape does not depend on the values (torch.compile)
     counts = flat.new_zeros(num_experts).index_add_(0, flat, torch.ones_like(flat))
     width: int | None = num_tokens
+    per_expert = None
     if not static_shapes:
-        width = int(counts.max())
-        if num_experts * width > PADDED_EXPERTS_MAX_ROWS_PER_PAIR * flat.shape[0]:
+        per_expert = counts.tolist()
+        width = max(per_expert)
+        active = sum(1 for count in per_expert if count)
+        if (num_experts * width > PADDED_EXPERTS_MAX_ROWS_PER_PAIR * flat.shape[0]
+                or active < PADDED_EXPERTS_MIN_ACTIVE_SHARE * num_experts):
             width = None
-    return ExpertGroups(order, order // k, flat[order], counts, num_tokens, width)
+    return ExpertGroups(order, order // k, flat[order], counts, num_tokens, width, per_expert)
 
 
 def run_experts(groups: ExpertGroups, x: torch.Tensor, expert: Expert) -> torch.Tensor:
@@ -73,7 +82,7 @@ def mix_experts(groups: ExpertGroups, x: torch.Tensor, expert: Expert, weights: 
 def _looped(groups: ExpertGroups, x: torch.Tensor, expert: Expert) -> torch.Tensor:
     """One matmul per active expert on its rows (reads the counts on the host: eager steps only)."""
     outs, start = [], 0
-    for e, count in enumerate(groups.counts.tolist()):
+    for e, count in enumerate(groups.per_expert):
         if count:
             outs.append(expert(x.index_select(0, groups.tokens[start : start + count]), e))
             start += count
