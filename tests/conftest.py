@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -124,6 +125,7 @@ def _shared_llm_left_clean(request):
 
 
 RSS_LOG_ENV = "DEPTHSERVE_TEST_RSS_LOG"
+_STARTED = time.monotonic()
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -132,7 +134,8 @@ def pytest_runtest_protocol(item, nextitem):
     torch.compile's graphs (whose guards keep the compiled models alive), collect, and hand freed heap
     back to the OS (glibc keeps it otherwise), so that the suite's resident memory is that of the session's fixtures and the
     module running, not the sum of the modules. With $DEPTHSERVE_TEST_RSS_LOG set, each module's
-    resident memory after it and the peak so far are appended there."""
+    resident memory after it, the peak so far and the seconds since the worker started are appended
+    there (a timeline per worker: which files keep the suite waiting)."""
     yield
     if nextitem is not None and nextitem.module is item.module:
         return
@@ -151,7 +154,8 @@ def pytest_runtest_protocol(item, nextitem):
         status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
         with open(log, "a") as out:
             worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
-            out.write(f"{worker} {item.module.__name__} rss={status['VmRSS'].strip()} peak={status['VmHWM'].strip()}\n")
+            out.write(f"{worker} {item.module.__name__} rss={status['VmRSS'].strip()} peak={status['VmHWM'].strip()} "
+                      f"t={time.monotonic() - _STARTED:.0f}s\n")
 
 
 def _forget_oracle_models() -> None:
