@@ -2,11 +2,13 @@
 equal to the eager engine (greedy tokens identical, logprobs within 1e-4, the same depth reports)
 on mixed batches with mixed depth, chunked prefill and preemption, for every architecture with a
 static decode spec; compiled with fullgraph=True once at start-up and never again while serving;
-padding rows writing nothing to the cache; and the enforce_eager switch."""
+padding rows writing nothing to the cache; and the enforce_eager switch. The depth architectures'
+cases run in tests/test_static_decode_loops.py and tests/test_static_decode_routers.py."""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -128,12 +130,10 @@ def test_compiled_decode_equals_eager_on_a_mixed_batch_with_preemption(path):
     compiled_equals_eager(path, pages=96)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("arch", sorted(DEPTH_CASES))
-def test_compiled_depth_decode_equals_eager_on_a_mixed_depth_batch(arch, tmp_path, smollm_tokenizer):
-    """The same for the depth architectures, every request of the batch at its own depth."""
-    options, depths, pages = DEPTH_CASES[arch]
-    path = make_tiny(case_arch(arch), tmp_path / arch, seed=11, tokenizer=smollm_tokenizer, **options)
+def depth_case_equals_eager(case: str, tmp_path, tokenizer) -> None:
+    """A DEPTH_CASES checkpoint: compiled_equals_eager with every request of the batch at its own depth."""
+    options, depths, pages = DEPTH_CASES[case]
+    path = make_tiny(case_arch(case), tmp_path / case, seed=11, tokenizer=tokenizer, **options)
     compiled_equals_eager(path, pages=pages, depths=depths)
 
 
@@ -147,16 +147,41 @@ SHALLOW = {
 }
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("arch", sorted(SHALLOW))
-def test_a_shallow_batch_runs_capped_below_the_deepest_level_and_equals_eager(arch, tmp_path, smollm_tokenizer):
+def shallow_case_runs_capped(case: str, tmp_path, tokenizer) -> None:
     """Every request below the model's deepest setting: the compiled steps run capped at the batch's
     deepest level (iterations past it are not computed), with the eager engine's results."""
-    options, _, pages = DEPTH_CASES[arch]
-    path = make_tiny(case_arch(arch), tmp_path / arch, seed=11, tokenizer=smollm_tokenizer, **options)
-    static = compiled_equals_eager(path, pages=pages, depths=SHALLOW[arch]).engine.runner.static
+    options, _, pages = DEPTH_CASES[case]
+    path = make_tiny(case_arch(case), tmp_path / case, seed=11, tokenizer=tokenizer, **options)
+    static = compiled_equals_eager(path, pages=pages, depths=SHALLOW[case]).engine.runner.static
     assert static.level_steps and max(static.level_steps) < static.spec.levels[-1], (static.level_steps,
                                                                                      static.spec.levels)
+
+
+def depth_case_tests(cases: list[str]) -> tuple[Callable[..., None], Callable[..., None]]:
+    """The two tests of a depth file (mixed depths, shallow batches), over its DEPTH_CASES keys."""
+
+    @pytest.mark.slow
+    @pytest.mark.parametrize("case", cases)
+    def test_compiled_depth_decode_equals_eager_on_a_mixed_depth_batch(case, tmp_path, smollm_tokenizer):
+        depth_case_equals_eager(case, tmp_path, smollm_tokenizer)
+
+    @pytest.mark.slow
+    @pytest.mark.parametrize("case", [case for case in cases if case in SHALLOW])
+    def test_a_shallow_batch_runs_capped_below_the_deepest_level_and_equals_eager(case, tmp_path, smollm_tokenizer):
+        shallow_case_runs_capped(case, tmp_path, smollm_tokenizer)
+
+    return test_compiled_depth_decode_equals_eager_on_a_mixed_depth_batch, \
+        test_a_shallow_batch_runs_capped_below_the_deepest_level_and_equals_eager
+
+
+def test_every_depth_case_runs_in_one_of_the_depth_files():
+    """The depth cases are split over two files (tests/test_static_decode_loops.py and
+    _routers.py), so that the two test workers compile them side by side: none is left out."""
+    from tests import test_static_decode_loops as loops
+    from tests import test_static_decode_routers as routers
+
+    assert sorted(loops.CASES + routers.CASES) == sorted(DEPTH_CASES)
+    assert set(SHALLOW) <= set(loops.CASES + routers.CASES)
 
 
 def test_padding_rows_write_nothing_and_leave_real_rows_alone(compiled):
