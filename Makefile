@@ -55,8 +55,8 @@ browser:
 TEST_WORKERS ?= 2
 XDIST := -n $(TEST_WORKERS) --dist loadfile
 
-# The whole suite, fast and slow tests: 20 to 24 minutes on 2 CPU cores with a cold torch.compile
-# cache, each worker at most 6.4 GB resident (a test engine commits its KV pool at start-up;
+# The whole suite, fast and slow tests: 17 to 25 minutes on 2 CPU cores with a cold torch.compile
+# cache, each worker at most 5.5 GB resident (a test engine commits its KV pool at start-up;
 # tests/conftest.py bounds it).
 # Exit status 5 (no test selected, e.g. by a PYTEST_ARGS filter) is not a failure.
 test: $(STAMP) browser
