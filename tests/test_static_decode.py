@@ -96,8 +96,11 @@ def compiled_equals_eager(path, pages: int, depths=None, device: str = "cpu", pr
     prompts = prompts or _prompts()
     expected = eager.generate(prompts, params, depth)
     graphs, warm_up_steps = counters["stats"]["unique_graphs"], llm.engine.runner.static.steps
+    region_calls = count_region_calls(llm.engine.runner.static)
     got = llm.generate(prompts, params, depth)
-    assert llm.engine.runner.static.steps > warm_up_steps + 10, "decode steps were meant to run at static shapes"
+    static_steps = llm.engine.runner.static.steps - warm_up_steps
+    assert static_steps > 10, "decode steps were meant to run at static shapes"
+    assert all(calls >= static_steps for calls in region_calls.values()), (region_calls, static_steps)
     assert llm.engine.scheduler.num_preemptions > 0, "the page budget was meant to force preemption"
     assert counters["stats"]["unique_graphs"] == graphs, "a decode step compiled after start-up"
     assert_same_generations(expected, got)
@@ -105,6 +108,20 @@ def compiled_equals_eager(path, pages: int, depths=None, device: str = "cpu", pr
         assert_same_report(e.depth, g.depth)
     assert llm.engine.block_manager.num_used_pages == 0
     return llm
+
+
+def count_region_calls(static) -> dict[type, int]:
+    """From now on, how many times each compiled region (StaticDecodeSpec.compiled_regions) of `static`
+    runs: a model that names a region runs it in every static step, never its eager forward."""
+    calls = dict.fromkeys(static.regions, 0)
+    for cls, compiled in list(static.regions.items()):
+        def counted(*args, _cls=cls, _compiled=compiled):
+            calls[_cls] += 1
+            return _compiled(*args)
+
+        static.regions[cls] = counted
+    assert set(calls) == set(static.spec.compiled_regions)
+    return calls
 
 
 def check_page_tables_each_step(static) -> None:
