@@ -112,7 +112,10 @@ def compiled_equals_eager(path, pages: int, depths=None, device: str = "cpu", pr
 
 def count_region_calls(static) -> dict[type, int]:
     """From now on, how many times each compiled region (StaticDecodeSpec.compiled_regions) of `static`
-    runs: a model that names a region runs it in every static step, never its eager forward."""
+    runs: a model that names a region runs it in every static step, never its eager forward. Steps
+    replayed as CUDA graphs run no Python: nothing is counted there."""
+    if static.cuda_graphs:
+        return {}
     calls = dict.fromkeys(static.regions, 0)
     for cls, compiled in list(static.regions.items()):
         def counted(*args, _cls=cls, _compiled=compiled):
