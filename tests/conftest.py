@@ -143,8 +143,11 @@ def pytest_runtest_protocol(item, nextitem):
     import gc
 
     torch._dynamo.reset()
-    _forget_fastapi_endpoints()
-    _forget_oracle_models()
+    # FastAPI (0.16x) classifies endpoints through module-level lru_caches keyed by the endpoint
+    # function, so every app a test builds would stay alive with its engine (the endpoints are closures
+    # over it); the test oracles keep the models they load (transformers' SmolLM2: 540 MB in fp32), which
+    # a later module that needs one reloads rather than every module carrying it.
+    _clear_lru_caches("fastapi.dependencies.models", "depthserve.oracles.", "tests.hf_oracle")
     gc.collect()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
@@ -158,29 +161,14 @@ def pytest_runtest_protocol(item, nextitem):
                       f"t={time.monotonic() - _STARTED:.0f}s\n")
 
 
-def _forget_oracle_models() -> None:
-    """The test oracles keep the models they load (transformers' SmolLM2 is 540 MB in fp32) for the
-    next test of the module; a module that needs one again reloads it rather than every later
-    module carrying it."""
+def _clear_lru_caches(*module_prefixes: str) -> None:
+    """Clear the module-level lru_caches of the loaded modules whose names start with one of these."""
     import sys
 
-    for name in [name for name in sys.modules if name.startswith(("depthserve.oracles.", "tests.hf_oracle"))]:
+    for name in [name for name in sys.modules if name.startswith(module_prefixes)]:
         for value in vars(sys.modules[name]).values():
             if isinstance(value, functools._lru_cache_wrapper):
                 value.cache_clear()
-
-
-def _forget_fastapi_endpoints() -> None:
-    """FastAPI (0.16x) classifies endpoints through module-level lru_caches keyed by the endpoint
-    function, so every app a test builds stays alive with its engine (the endpoints are closures over
-    it) until those caches are cleared. A server process builds one app; the suite builds dozens."""
-    import functools
-    import sys
-
-    models = sys.modules.get("fastapi.dependencies.models")
-    for value in vars(models).values() if models is not None else ():
-        if isinstance(value, functools._lru_cache_wrapper):
-            value.cache_clear()
 
 
 @pytest.fixture(scope="module")

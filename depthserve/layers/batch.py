@@ -114,10 +114,15 @@ def decode_tables_tensors(tables: list[np.ndarray], context_lens: list[int],
     context lengths; (None, None) without decode rows."""
     if not tables:
         return None, None
-    padded = np.zeros((len(tables), max(len(t) for t in tables), tables[0].shape[1]), dtype=np.int32)
-    for i, t in enumerate(tables):
-        padded[i, : len(t)] = t
-    return page_table_tensor(padded, device), _tensor(np.asarray(context_lens), device)
+    return page_table_tensor(stack_padded(tables, np.int32), device), _tensor(np.asarray(context_lens), device)
+
+
+def stack_padded(arrays: list[np.ndarray], dtype: type, fill: int = 0) -> np.ndarray:
+    """Arrays of different lengths (the same trailing shape) stacked, each padded to the longest with `fill`."""
+    padded = np.full((len(arrays), max(len(a) for a in arrays), *arrays[0].shape[1:]), fill, dtype=dtype)
+    for i, array in enumerate(arrays):
+        padded[i, : len(array)] = array
+    return padded
 
 
 def _tensor(array: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -201,10 +206,7 @@ class StepBatch:
             if not part:
                 return None
             tables = [item.table[: -(-item.end // self.block_size), columns] for item in part]
-            padded = np.zeros((len(tables), max(len(t) for t in tables), tables[0].shape[1]), dtype=np.int64)
-            for i, table in enumerate(tables):
-                padded[i, : len(table)] = table
-            return torch.from_numpy(padded).to(self.device)
+            return torch.from_numpy(stack_padded(tables, np.int64)).to(self.device)
 
         return stack(self.items[:num_prefills]), stack(self.items[num_prefills:])
 

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from depthserve.layers.attention import AttentionMetadata, StaticRows, decode_slot_meta
-from depthserve.layers.batch import StepBatch
+from depthserve.layers.batch import StepBatch, stack_padded
 from depthserve.layers.early_exit import ConfidenceExit, LevelExit, NoExit
 
 
@@ -217,11 +217,8 @@ class GatheredRows(StepRows):
 
     def sequence_state_pages(self) -> tuple[torch.Tensor, torch.Tensor]:
         items = self.step.items
-        pages = np.full((len(items), max((len(item.state) for item in items if item.state is not None), default=0)),
-                        -1, dtype=np.int64)
-        for i, item in enumerate(items):
-            if item.state is not None:
-                pages[i, : len(item.state)] = item.state
+        no_pages = np.zeros(0, np.int64)
+        pages = stack_padded([no_pages if item.state is None else item.state for item in items], np.int64, fill=-1)
         carried = np.array([item.start > 0 for item in items], dtype=bool)
         device = self.step.device
         return torch.from_numpy(pages).to(device), torch.from_numpy(carried).to(device)
