@@ -1,11 +1,12 @@
-"""depthserve/layers/experts.py: mixture-of-experts maths grouped by expert, in each of its forms."""
+"""depthserve/layers/experts.py: mixture-of-experts maths in each of its forms (grouped by expert in
+eager steps, every expert on every token at static shapes)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from depthserve.layers.experts import group_by_expert, mix_experts
+from depthserve.layers.experts import EveryExpert, ExpertGroups, mix_experts, plan_experts
 
 
 def _linear(weight: torch.Tensor):
@@ -14,14 +15,14 @@ def _linear(weight: torch.Tensor):
 
 def test_the_eager_form_reads_only_the_experts_hit_when_few_are():
     """One decoding sequence hits one of two experts: one matmul on that expert, not a batched matmul
-    over both experts' weights; with both hit, the batched matmul; at static shapes, padded to the
-    token count whatever the choices."""
-    assert group_by_expert(torch.tensor([[0]]), 2, static_shapes=False).width is None
-    assert group_by_expert(torch.tensor([[0], [1]]), 2, static_shapes=False).width == 1
-    assert group_by_expert(torch.tensor([[1], [1], [1]]), 2, static_shapes=True).width == 3
+    over both experts' weights; with both hit, the batched matmul; at static shapes, every expert on
+    every token whatever the choices."""
+    assert plan_experts(torch.tensor([[0]]), 2, static_shapes=False).width is None
+    assert plan_experts(torch.tensor([[0], [1]]), 2, static_shapes=False).width == 1
+    assert isinstance(plan_experts(torch.tensor([[1], [1], [1]]), 2, static_shapes=True), EveryExpert)
     many = torch.tensor([[e % 8, (e + 1) % 8] for e in range(40)])  # 10 pairs per expert, rows: 8 x 10 <= 4 x 80
-    assert group_by_expert(many, 8, static_shapes=False).width == 10
-    assert group_by_expert(many, 64, static_shapes=False).width is None  # 64 x 10 rows for 80 pairs
+    assert plan_experts(many, 8, static_shapes=False).width == 10
+    assert plan_experts(many, 64, static_shapes=False).width is None  # 64 x 10 rows for 80 pairs
 
 
 @pytest.mark.parametrize("form", ["looped", "padded", "static"])
@@ -35,9 +36,10 @@ def test_every_form_equals_each_token_through_its_experts(monkeypatch, form):
     from depthserve.layers import experts as experts_layer
 
     monkeypatch.setattr(experts_layer, "PADDED_EXPERTS_MAX_ROWS_PER_PAIR", 10**6 if form == "padded" else 0)
-    groups = group_by_expert(top, experts, static_shapes=form == "static")
-    assert (groups.width is None) == (form == "looped")
-    mixed = mix_experts(groups, x, _linear(weight), weights)
+    plan = plan_experts(top, experts, static_shapes=form == "static")
+    assert isinstance(plan, EveryExpert if form == "static" else ExpertGroups)
+    assert form == "static" or (plan.width is None) == (form == "looped")
+    mixed = mix_experts(plan, x, _linear(weight), weights)
     expected = torch.stack([sum(weights[i, j] * (weight[top[i, j]] @ x[i]) for j in range(k))
                             for i in range(tokens)])
     torch.testing.assert_close(mixed, expected, rtol=1e-12, atol=1e-12)

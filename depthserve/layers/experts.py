@@ -1,10 +1,12 @@
-"""Mixture-of-experts maths grouped by expert: a step's (token, expert) pairs are sorted by expert and
-each expert runs once on its own rows, either one matmul per active expert or all experts in one
-batched matmul over their rows padded to a common width. The padded form needs no host-known value
-when its width is a bound rather than the busiest expert's count: a token picks an expert at most
-once, so no expert has more pairs than the step has tokens. So one form serves both step kinds: eager
-steps choose the width (or the loop) from the counts, static-shape steps (torch.compile, no host
-synchronisation) pad to the token count, the rows that running every expert on every token costs.
+"""Mixture-of-experts maths, one entry point (`plan_experts`, then `mix_experts`) for both step kinds.
+
+Eager steps group the (token, expert) pairs by expert and run each expert once on its own rows: one
+matmul per active expert, or all experts in one batched matmul over their rows padded to the busiest
+expert's count (the counts are read on the host). Static-shape steps (torch.compile, no host
+synchronisation, no shape that depends on values) run every expert on every token and weight each
+token's outputs by its gates scattered over the experts (zero for the experts it did not pick): the
+same rows a grouped form padded to the token count would compute, without the sort and the row
+gathers around the matmul, which a compiled step pays for in launches.
 """
 
 from __future__ import annotations
@@ -21,9 +23,17 @@ import torch
 PADDED_EXPERTS_MAX_ROWS_PER_PAIR = 4
 PADDED_EXPERTS_MIN_ACTIVE_SHARE = 0.75
 
-# expert(rows, e): expert e on its rows [n, d] (e an int), or every expert on its padded rows
-# [num_experts, width, d] (e = slice(None)); `weight[e]` selects the weights for either.
+# expert(rows, e): expert e on its rows [n, d] (e an int), or every expert on its own rows
+# [num_experts, n, d] (e = slice(None)); `weight[e]` selects the weights for either.
 Expert = Callable[[torch.Tensor, int | slice], torch.Tensor]
+
+
+@dataclass
+class EveryExpert:
+    """Static shapes: every expert on every token, weighted by the tokens' choices `top` [tokens, k]."""
+
+    top: torch.Tensor
+    num_experts: int
 
 
 @dataclass
@@ -36,47 +46,45 @@ class ExpertGroups:
     experts: torch.Tensor  # [pairs] each pair's expert, ascending
     counts: torch.Tensor  # [num_experts] pairs per expert
     num_tokens: int
-    width: int | None  # rows per expert in the padded form; None: one matmul per active expert (eager)
-    per_expert: list[int] | None  # `counts` on the host (eager steps; None at static shapes)
+    width: int | None  # rows per expert in the padded form; None: one matmul per active expert
+    per_expert: list[int]  # `counts` on the host
 
 
-def group_by_expert(top: torch.Tensor, num_experts: int, static_shapes: bool) -> ExpertGroups:
-    """The pairs of `top` [tokens, k] (each token's k distinct experts) grouped by expert. At static
-    shapes they run padded to the token count (a shape, not a value: no host synchronisation); in
-    eager steps padded to the busiest expert's count where that computes at most
-    PADDED_EXPERTS_MAX_ROWS_PER_PAIR rows per pair and most experts are hit (decode-sized batches,
-    where one small matmul per expert costs more in calls than in arithmetic), else one matmul per
-    active expert."""
+def plan_experts(top: torch.Tensor, num_experts: int, static_shapes: bool) -> ExpertGroups | EveryExpert:
+    """How the experts of `top` [tokens, k] (each token's k distinct experts) run. At static shapes,
+    every expert on every token; in eager steps grouped by expert, padded to the busiest expert's count
+    where that computes at most PADDED_EXPERTS_MAX_ROWS_PER_PAIR rows per pair and most experts are hit
+    (decode-sized batches, where one small matmul per expert costs more in calls than in arithmetic),
+    else one matmul per active expert."""
+    if static_shapes:
+        return EveryExpert(top, num_experts)
     num_tokens, k = top.shape
     flat = top.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    # index_add_ rather than bincount: its output's shape does not depend on the values (torch.compile)
-    counts = flat.new_zeros(num_experts).index_add_(0, flat, torch.ones_like(flat))
-    width: int | None = num_tokens
-    per_expert = None
-    if not static_shapes:
-        per_expert = counts.tolist()
-        width = max(per_expert)
-        active = sum(1 for count in per_expert if count)
-        if (num_experts * width > PADDED_EXPERTS_MAX_ROWS_PER_PAIR * flat.shape[0]
-                or active < PADDED_EXPERTS_MIN_ACTIVE_SHARE * num_experts):
-            width = None
+    counts = torch.bincount(flat, minlength=num_experts)
+    per_expert = counts.tolist()
+    width: int | None = max(per_expert)
+    active = sum(1 for count in per_expert if count)
+    if (num_experts * width > PADDED_EXPERTS_MAX_ROWS_PER_PAIR * flat.shape[0]
+            or active < PADDED_EXPERTS_MIN_ACTIVE_SHARE * num_experts):
+        width = None
     return ExpertGroups(order, order // k, flat[order], counts, num_tokens, width, per_expert)
 
 
-def run_experts(groups: ExpertGroups, x: torch.Tensor, expert: Expert) -> torch.Tensor:
-    """Each pair's expert output [pairs, out], in pair order: its token's row of x [tokens, d] through
-    its expert."""
-    if groups.width is None:
-        return _looped(groups, x, expert)
-    return _padded(groups, x, expert, groups.width)
-
-
-def mix_experts(groups: ExpertGroups, x: torch.Tensor, expert: Expert, weights: torch.Tensor) -> torch.Tensor:
+def mix_experts(plan: ExpertGroups | EveryExpert, x: torch.Tensor, expert: Expert,
+                weights: torch.Tensor) -> torch.Tensor:
     """Each token's experts' outputs [tokens, out] weighted by `weights` [tokens, k] (in the order of
-    the `top` the groups came from) and summed."""
-    pair_out = run_experts(groups, x, expert) * weights.reshape(-1)[groups.order][:, None]
-    return pair_out.new_zeros(groups.num_tokens, pair_out.shape[1]).index_add_(0, groups.tokens, pair_out)
+    the `top` the plan came from) and summed."""
+    if isinstance(plan, EveryExpert):
+        every = expert(x.expand(plan.num_experts, -1, -1), slice(None))  # [experts, tokens, out]
+        gates = weights.new_zeros(x.shape[0], plan.num_experts).scatter(1, plan.top, weights)
+        return torch.einsum("ne,eno->no", gates, every)
+    if plan.width is None:
+        pair_out = _looped(plan, x, expert)
+    else:
+        pair_out = _padded(plan, x, expert, plan.width)
+    pair_out = pair_out * weights.reshape(-1)[plan.order][:, None]
+    return pair_out.new_zeros(plan.num_tokens, pair_out.shape[1]).index_add_(0, plan.tokens, pair_out)
 
 
 def _looped(groups: ExpertGroups, x: torch.Tensor, expert: Expert) -> torch.Tensor:

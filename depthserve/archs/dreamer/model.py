@@ -53,7 +53,7 @@ from depthserve.cache import SlotKind
 from depthserve.depth import DepthParams, DepthReport, KnobSpec
 from depthserve.kernels.dispatch import Kernels
 from depthserve.layers.attention import AttentionMetadata, KVPool, paged_attention
-from depthserve.layers.experts import Expert, group_by_expert, mix_experts
+from depthserve.layers.experts import Expert, mix_experts, plan_experts
 from depthserve.layers.norm import RMSNorm
 from depthserve.layers.rotary import apply_rope, rope_tables
 from depthserve.layers.rows import step_rows
@@ -112,15 +112,15 @@ class SelfAttention(nn.Module):
     def forward(self, x, cos, sin, pool: KVPool, meta: AttentionMetadata, columns: slice, depth_index: int,
                 static_shapes: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The attention output and each row's attention expert (None without experts). The QKV and
-        output projections run grouped by the row's expert (the same groups for both)."""
+        output projections run each row through its expert (the same plan for both: layers/experts.py)."""
         n = x.shape[0]
         h = self.norm(x)
         if self.num_experts:
             logits = self.router(h, depth_index)
             choice = (logits + self.router.bias).argmax(-1, keepdim=True)  # [n, 1]
             sigma = torch.sigmoid(logits.gather(1, choice)).to(x.dtype)
-            groups = group_by_expert(choice, self.num_experts, static_shapes)
-            qkv = mix_experts(groups, h, _linear_experts(self.qkv), sigma)
+            experts = plan_experts(choice, self.num_experts, static_shapes)
+            qkv = mix_experts(experts, h, _linear_experts(self.qkv), sigma)
         else:
             qkv = h @ self.qkv.t()
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -130,7 +130,7 @@ class SelfAttention(nn.Module):
         v = v.reshape(n, self.num_kv_heads, self.head_dim)
         out = paged_attention(q, k, v, pool, meta, columns, self.scale).reshape(n, self.q_size)
         if self.num_experts:
-            return mix_experts(groups, out, _linear_experts(self.o), sigma), choice[:, 0]
+            return mix_experts(experts, out, _linear_experts(self.o), sigma), choice[:, 0]
         return out @ self.o.t(), None
 
 
@@ -181,11 +181,10 @@ class ExpertAttention(nn.Module):
 
     def forward(self, y, depth_index: int, static_shapes: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """The EA output and each row's top-k experts [rows, k]: each (row, expert) pair through its
-        expert, grouped by expert, weighted and summed per row."""
+        expert (layers/experts.py), weighted and summed per row."""
         h = self.norm(y)
         top, weights = self.route(h, depth_index, y.dtype)
-        groups = group_by_expert(top, self.num_experts, static_shapes)
-        return mix_experts(groups, h, self._expert, weights), top
+        return mix_experts(plan_experts(top, self.num_experts, static_shapes), h, self._expert, weights), top
 
     def route(self, h, depth_index: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The top-k experts [n, k] on logit + b and their weights g_e / sum_topk g."""
