@@ -18,11 +18,12 @@ depth index d = 0..depth-1:
   of the step. It never grows with the sequence (SlotKind.TOKEN_DEPTH, not in the page pool).
 - EA: sigmoid-gated top-k MoE of SwiGLU experts; logits q.k_e / sqrt(r) with q = RoPE_d(W_q h)
   (rank r, rotated by the depth index, keys unrotated); top-k on logit + b (the checkpoint's
-  selection bias); weights g_e / sum_topk g. Runs grouped by expert (layers/experts.py: each
-  expert once on its (token, expert) pairs, in eager and static-shape steps alike).
+  selection bias); weights g_e / sum_topk g. Runs through layers/experts.py: grouped by expert in
+  eager steps (each expert once on its (token, expert) pairs), every expert on every token at
+  static shapes.
 - attn_experts = A > 0: the QKV and output projections are top-1 MoEs of linear experts; one
   router (same form as EA's) per token and depth picks e for both; projection = sigma_e x (W_e +
-  W_shared) with the shared expert folded in at load time (Eq. 8); grouped by expert as EA.
+  W_shared) with the shared expert folded in at load time (Eq. 8); run as EA's experts.
 """
 
 from __future__ import annotations
