@@ -96,3 +96,13 @@ def test_the_confidence_exit_lowers_a_confident_rows_level_within_its_range():
     assert exit.readouts(torch.device("cpu")).tolist() == [1, 0, 1, 1, 0, 1]
     exit.finish()
     assert rows.step.ran_levels == {0: [1], 2: [1], 3: [3], 5: [1]}
+
+
+def test_a_causal_window_over_decode_rows_is_the_same_gathered_and_masked():
+    """One row per sequence (PUT's conv at decode): tap j of a row is its carried value j back, the new
+    carry its last values; a window of one row carries nothing (a kernel of size 1)."""
+    for size in (1, 2, 3):
+        (g_taps, g_kept), (m_taps, m_kept) = gathered().causal_window(size), masked().causal_window(size)
+        assert [t.tolist() for t in g_taps] == [t.tolist() for t in m_taps], size
+        assert g_kept.tolist() == m_kept.tolist(), size
+        assert len(m_kept) == len(DEPTHS) * (size - 1)

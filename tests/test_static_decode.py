@@ -81,16 +81,22 @@ def assert_same_report(expected, got) -> None:
 def compiled_equals_eager(path, pages: int, depths=None, device: str = "cpu", prompts=None):
     """Seven requests over a budget of pages that forces preemption, prompts prefilled in chunks:
     the compiled engine's tokens, logprobs and depth reports are the eager engine's, its decode
-    steps ran at static shapes, and nothing compiled after start-up. Returns the compiled engine."""
-    from torch._dynamo.utils import counters
+    steps ran at static shapes, every store into the pool was compiled in place (checked where the
+    step is compiled afresh: a graph from Inductor's cache is not compiled again), and nothing
+    compiled after start-up. Returns the compiled engine."""
+    from torch._dynamo.utils import ReinplaceCounters, counters
 
     params = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2) for _ in LENGTHS]
     depth = None if depths is None else [depth_params(d) for d in depths]
     engines = {}
+    ReinplaceCounters.clear()
     for enforce_eager in (True, False):
         engines[enforce_eager] = tiny_llm(path, pages=pages, max_model_len=64, max_num_seqs=8, device=device,
                                           max_num_batched_tokens=16, enforce_eager=enforce_eager)
     eager, llm = engines[True], engines[False]
+    # Every store into the pool runs in place (engine/static_decode.py, "State read from the pool"):
+    # one Inductor could not reinplace is compiled as a copy of the whole pool, twice a step.
+    assert ReinplaceCounters.get_total_missed() == 0, dict(ReinplaceCounters._values)
     assert eager.engine.runner.static is None
     check_page_tables_each_step(llm.engine.runner.static)
     prompts = prompts or _prompts()

@@ -44,6 +44,15 @@ tables and the pool, whatever their size; a layer's own sizes are constants), an
 instances and every pass, while the glue between layers runs eagerly. On CUDA the captured graph
 records the glue's kernels with the regions', so a replay costs the same.
 
+State read from the pool: a model whose rows carry state in the pool's pages (PUT's conv state)
+reads those pages as values at the start of the step and uses them after later layers have stored
+keys into the same pool. Inductor's locality pass moves a pure op down to its first user, so the
+read would land after those stores, and to keep the values it read the stores could no longer run in
+place: the compiled step would copy the whole pool twice (a tiny PUT on a 2 GiB pool: 1.9 s a step,
+6-11 ms without the copies). Such a model's step is compiled without that pass, so its reads stay
+where the forward makes them and every store writes the pool in place
+(`tests/test_static_decode.py` checks no store is compiled as a copy).
+
 Steps ahead (vLLM's multi-step scheduling): a step's host work (scheduling, the rows, the copy,
 the sampler's launches and its synchronisation, the outputs) keeps the GPU idle for most of a small
 batch's decode step. When every row of a decode-only batch is greedy with nothing to apply, the
@@ -140,6 +149,11 @@ def _compiled_region(forward: Callable) -> Callable:
     return run
 
 
+def _inductor_options(spec: StaticDecodeSpec) -> dict[str, bool]:
+    """Inductor settings of the compiled step (module docstring, "State read from the pool")."""
+    return {"reorder_for_locality": False} if spec.state_bytes else {}
+
+
 class StaticDecode:
     """The persistent buffers and the compiled forward of decode-only steps (module docstring)."""
 
@@ -195,7 +209,7 @@ class StaticDecode:
             self.forward = forward
         else:
             self.regions = {}
-            self.forward = torch.compile(forward, fullgraph=True, dynamic=None)
+            self.forward = torch.compile(forward, fullgraph=True, dynamic=None, options=_inductor_options(spec))
         # CUDA: (bucket size, level cap) -> (captured graph, its output), filled by warm_up; one memory pool.
         self._graphs: dict[tuple[int, int | None], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._ahead_graphs: dict[tuple[int, int | None], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]] = {}

@@ -341,6 +341,8 @@ class MaskedRows(StepRows):
         carry, m = size - 1, self.static.positions.shape[0]
         row = torch.arange(m, device=self.static.positions.device)
         taps = [m * carry + row] + [row * carry + carry - j for j in range(1, size)]
+        if not carry:  # a window of one row: nothing carried
+            return taps, row[:0]
         kept = [row[:, None] * carry + torch.arange(1, carry, device=row.device), (m * carry + row)[:, None]]
         return taps, torch.cat(kept, dim=1).reshape(-1)
 
