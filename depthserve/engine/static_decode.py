@@ -45,7 +45,7 @@ instances and every pass, while the glue between layers runs eagerly. On CUDA th
 records the glue's kernels with the regions', so a replay costs the same.
 
 State read from the pool: a model whose rows carry state in the pool's pages (PUT's conv state)
-reads those pages as values at the start of the step and uses them after later layers have stored
+reads those pages as values before its looped layers and uses them after those layers have stored
 keys into the same pool. Inductor's locality pass moves a pure op down to its first user, so the
 read would land after those stores, and to keep the values it read the stores could no longer run in
 place: the compiled step would copy the whole pool twice (a tiny PUT on a 2 GiB pool: 1.9 s a step,
