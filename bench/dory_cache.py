@@ -2,7 +2,9 @@
 checkpoints (docs/depth-semantics.md, "Public looped models: Dory").
 
 For each mode (per_loop, last_loop) and loops in 1, 2, 4, 8: the KV pages one sequence holds
-once its prompt is computed (read from the block manager, as bytes per token), and the wall time
+after its prompt and its first decode step (read from the block manager, as bytes per token of its
+context; by then both modes have given back the sliding layers' pages behind the window, which
+last_loop, whose prompt runs in fixed 32-token chunks, starts doing a step earlier), and the wall time
 of one greedy request (a 64-token prompt, 32 generated tokens, one thread), best of `--repeats`.
 Writes bench/results/dory-cache-<device>.json.
 
@@ -36,9 +38,10 @@ def measure(path: Path, loops: int, repeats: int) -> dict:
     prompt = torch.randint(1, 257, (PROMPT_TOKENS,), generator=torch.Generator().manual_seed(0)).tolist()
     params = SamplingParams(temperature=0.0, max_tokens=GENERATED, ignore_eos=True)
     engine.add_request("probe", prompt, params, depth)
-    while engine._requests["probe"].seqs[0].num_computed_tokens < PROMPT_TOKENS:
+    seq = engine._requests["probe"].seqs[0]
+    while seq.num_computed_tokens <= PROMPT_TOKENS:
         engine.step()
-    pages = engine.block_manager.pages_held(engine._requests["probe"].seqs[0])
+    pages, context = engine.block_manager.pages_held(seq), seq.num_computed_tokens
     engine.abort_request("probe")
     page_bytes = engine.block_manager.page_bytes
     seconds = []
@@ -46,7 +49,8 @@ def measure(path: Path, loops: int, repeats: int) -> dict:
         start = time.perf_counter()
         llm.generate([prompt], params, depth)
         seconds.append(time.perf_counter() - start)
-    return {"loops": loops, "kv_pages": pages, "kv_bytes_per_token": pages * page_bytes / PROMPT_TOKENS,
+    return {"loops": loops, "context_tokens": context, "kv_pages": pages,
+            "kv_bytes_per_token": pages * page_bytes / context,
             "request_seconds_best": min(seconds), "request_seconds": seconds}
 
 
