@@ -350,7 +350,7 @@ def main(argv=None) -> None:
         "kv_bytes_per_token_bf16": {"measured_layers": kv, "full_4b": kv_full},
         "results": {"engine": engines, "transformers": hf},
     }
-    kind = "xeon-" if "Xeon" in cpu_model() else ""
+    kind = next((f"{tag.lower()}-" for tag in ("Xeon", "EPYC") if tag in cpu_model()), "")
     part = "" if counts == FULL_LAYERS else f"-{counts[0]}-{counts[1]}-{counts[2]}-layers"
     name = f"dory-throughput-cpu-{kind}{os.cpu_count()}core{part}" + (QUICK_SUFFIX if args.quick else "")
     out = write_result(name, payload)
