@@ -47,6 +47,11 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_kind_tag() -> str:
+    """'xeon-' or 'epyc-' (the two kinds of CPU the figures were measured on), for result names."""
+    return next((f"{kind.lower()}-" for kind in ("Xeon", "EPYC") if kind in cpu_model()), "")
+
+
 def device_description(device: str) -> str:
     import torch
 

@@ -34,7 +34,7 @@ from statistics import median
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import QUICK_SUFFIX, RESULTS_DIR, byte_prompts, cpu_model, environment, peak_rss_bytes, write_result  # noqa: E402
+from common import QUICK_SUFFIX, RESULTS_DIR, byte_prompts, cpu_kind_tag, environment, peak_rss_bytes, write_result  # noqa: E402
 from looped_decode import PROMPT_TOKENS, time_decode  # noqa: E402
 
 FULL_LAYERS_PER_STACK = 16  # HrmTextConfig()
@@ -262,7 +262,7 @@ def main(argv=None) -> None:
         "kv_bytes_per_token_bf16": kv,
         "results": {"engine": engines, "transformers": hf},
     }
-    kind = "xeon-" if "Xeon" in cpu_model() else ""
+    kind = cpu_kind_tag()
     name = f"hrm-text-throughput-cpu-{kind}{os.cpu_count()}core" + (QUICK_SUFFIX if args.quick else "")
     plots = (RESULTS_DIR / "quick" if args.quick else RESULTS_DIR) / "plots"
     print(write_result(name, payload), plot(payload, plots / f"{name}.png"))

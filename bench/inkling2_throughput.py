@@ -9,9 +9,9 @@ of half that many layers, so the band is one block) and `--experts` routed exper
 Inkling-2-Mini's 24 layers and 128 experts (whose bf16 weights, ~50 GB, exceed this machine's
 memory), written once in bf16 by transformers itself into `--cache-dir`. Then, each in its own
 subprocess, one after the other: the engine with bf16 activations serving the weights as bf16 and
-as int4 (`--quantization int4`: the attention, message and LM head linears; the experts' stacked
-weights stay bf16) and transformers' Inkling2LoopForCausalLM in bf16 (`generate` with its cache), each decoding 1 and 8 greedy sequences at each loop setting
-with the same threads. Reported: decode tok/s and step time, and the engine's KV cache bytes per
+as int4 (`--quantization int4`: every linear layer whose shape the codes allow, the routed experts'
+included) and transformers' Inkling2LoopForCausalLM in bf16 (`generate` with its cache), each
+decoding 1 and 8 greedy sequences at each loop setting with the same threads. Reported: decode tok/s and step time, and the engine's KV cache bytes per
 token (every slot of the request's layout, as admission prices it, over a 16-token prompt).
 Writes bench/results/inkling2-throughput-<device>.json.
 
@@ -32,7 +32,7 @@ from statistics import median
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import QUICK_SUFFIX, RESULTS_DIR, byte_prompts, cpu_model, environment, peak_rss_bytes, write_result  # noqa: E402
+from common import QUICK_SUFFIX, RESULTS_DIR, byte_prompts, cpu_kind_tag, environment, peak_rss_bytes, write_result  # noqa: E402
 from looped_decode import PROMPT_TOKENS, time_decode  # noqa: E402
 
 FORMATS = {"bf16": "none", "int4": "int4"}  # engine format -> --quantization
@@ -180,7 +180,7 @@ def main(argv=None) -> None:
         "load_average_at_end": os.getloadavg(),
         "results": {"engine": engines, "transformers": hf},
     }
-    kind = "xeon-" if "Xeon" in cpu_model() else ""
+    kind = cpu_kind_tag()
     name = f"inkling2-throughput-cpu-{kind}{os.cpu_count()}core" + (QUICK_SUFFIX if args.quick else "")
     plots = (RESULTS_DIR / "quick" if args.quick else RESULTS_DIR) / "plots"
     print(write_result(name, payload), plot(payload, plots / f"{name}.png"))

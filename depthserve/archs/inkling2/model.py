@@ -177,12 +177,16 @@ class Attention(nn.Module):
 
 
 class Experts(nn.Module):
-    """The routed experts, each token's top-k run grouped by expert (one matmul pair per expert hit)."""
+    """The routed experts, each a SwiGLU of two linear layers (so that `--quantization` serves them
+    from codes on the native kernels, as every other projection); a step's tokens run grouped by
+    expert, one matmul pair per expert hit."""
 
     def __init__(self, cfg: Inkling2Config):
         super().__init__()
-        self.gate_up = _param(cfg.num_experts, 2 * cfg.moe_intermediate_size, cfg.hidden_size)  # [gate; up] rows
-        self.down = _param(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        hidden, inner = cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate_up = nn.ModuleList(nn.Linear(hidden, 2 * inner, bias=False)  # [gate; up] rows
+                                     for _ in range(cfg.num_experts))
+        self.down = nn.ModuleList(nn.Linear(inner, hidden, bias=False) for _ in range(cfg.num_experts))
         self.gate_cap, self.up_cap = cfg.mlp_gate_softcap, cfg.mlp_up_softcap
 
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -190,7 +194,7 @@ class Experts(nn.Module):
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         flat = experts.reshape(-1)
         order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.gate_up.shape[0]).tolist()
+        counts = torch.bincount(flat, minlength=len(self.gate_up)).tolist()
         rows_of = order // experts.shape[1]
         pair_weights = weights.reshape(-1)[order]
         start = 0
@@ -198,9 +202,9 @@ class Experts(nn.Module):
             if count == 0:
                 continue
             rows = rows_of[start:start + count]
-            gate, up = F.linear(x[rows], self.gate_up[expert]).float().chunk(2, dim=-1)
+            gate, up = self.gate_up[expert](x[rows]).float().chunk(2, dim=-1)
             hidden = (softcap(gate, self.gate_cap) * torch.sigmoid(gate) * softcap(up, self.up_cap)).to(x.dtype)
-            y = F.linear(hidden, self.down[expert]).float() * pair_weights[start:start + count, None]
+            y = self.down[expert](hidden).float() * pair_weights[start:start + count, None]
             out.index_add_(0, rows, y)
             start += count
         return out
@@ -411,8 +415,9 @@ class Inkling2ForCausalLM(nn.Module, DepthModel):
     @torch.no_grad()
     def take_weights(self, weights: dict[str, torch.Tensor], source: str) -> set[str]:
         """Every tensor by its released name (`model.llm.*`, as transformers saves it too), read and
-        copied one at a time: the experts' gate and up rows de-interleaved, the LM head's padding
-        rows dropped. Quantized experts (NVFP4, MXFP8 scales beside them) are refused."""
+        copied one at a time: each experts tensor [experts, out, in] into the experts' own linear
+        layers (gate and up rows de-interleaved), the LM head's padding rows dropped. Quantized
+        experts (NVFP4, MXFP8 scales beside them) are refused."""
         params = dict(self.named_parameters())
         filled = set()
         for checkpoint_name in list(weights):
@@ -420,21 +425,39 @@ class Inkling2ForCausalLM(nn.Module, DepthModel):
             if target.endswith(("_scale", "_amax", "_outer_scale_denominator")):
                 raise CheckpointFormatError(f"{source}: {checkpoint_name}: quantized experts are not served "
                                             "(dequantize them to bf16 first)")
+            if target.endswith(EXPERT_TENSORS):
+                tensor = weights.pop(checkpoint_name)
+                count = len(self.get_submodule(target))
+                if tensor.dim() != 3 or tensor.shape[0] != count:
+                    raise CheckpointFormatError(f"{source}: {checkpoint_name} must hold {count} experts' weights "
+                                                f"[experts, out, in], got {list(tensor.shape)}")
+                if target.endswith("gate_up"):
+                    tensor = torch.cat([tensor[:, 0::2], tensor[:, 1::2]], dim=1)
+                for expert, expert_tensor in enumerate(tensor):
+                    name = f"{target}.{expert}.weight"
+                    _copy_weight(params[name], expert_tensor, f"{source}: {checkpoint_name}[{expert}]")
+                    filled.add(name)
+                continue
             if target not in params:
                 continue
-            tensor, param = weights.pop(checkpoint_name), params[target]
-            if target.endswith("experts.gate_up") and tensor.shape == param.shape:
-                tensor = torch.cat([tensor[:, 0::2], tensor[:, 1::2]], dim=1)
-            if target == "unembed.weight" and tensor.shape[0] > param.shape[0]:
-                tensor = tensor[: param.shape[0]]
-            if tuple(tensor.shape) != tuple(param.shape):
-                raise CheckpointFormatError(f"{source}: {checkpoint_name} must be {list(param.shape)}, "
-                                            f"got {list(tensor.shape)}")
-            if tensor.is_floating_point() and torch.finfo(tensor.dtype).bits > torch.finfo(param.dtype).bits:
-                param.data = torch.empty_like(param, dtype=tensor.dtype)
-            param.copy_(tensor)
+            tensor = weights.pop(checkpoint_name)
+            if target == "unembed.weight" and tensor.shape[0] > params[target].shape[0]:
+                tensor = tensor[: params[target].shape[0]]
+            _copy_weight(params[target], tensor, f"{source}: {checkpoint_name}")
             filled.add(target)
         return filled
+
+
+EXPERT_TENSORS = (".mlp.experts.gate_up", ".mlp.experts.down")  # the released w13_weight, w2_weight
+
+
+def _copy_weight(param: nn.Parameter, tensor: torch.Tensor, where: str) -> None:
+    """Copy a checkpoint tensor into its parameter, keeping a tensor stored wider than the model's dtype."""
+    if tuple(tensor.shape) != tuple(param.shape):
+        raise CheckpointFormatError(f"{where} must be {list(param.shape)}, got {list(tensor.shape)}")
+    if tensor.is_floating_point() and torch.finfo(tensor.dtype).bits > torch.finfo(param.dtype).bits:
+        param.data = torch.empty_like(param, dtype=tensor.dtype)
+    param.copy_(tensor)
 
 
 def parameter_name(checkpoint_name: str) -> str:
