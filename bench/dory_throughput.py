@@ -41,7 +41,7 @@ from statistics import median
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import QUICK_SUFFIX, RESULTS_DIR, byte_prompts, cpu_model, environment, peak_rss_bytes, write_result  # noqa: E402
+from common import QUICK_SUFFIX, RESULTS_DIR, byte_prompts, cpu_kind_tag, environment, peak_rss_bytes, write_result  # noqa: E402
 from looped_decode import (  # noqa: E402
     PROMPT_TOKENS, BandwidthProbe, HeadClock, anon_huge_page_bytes, time_decode)
 
@@ -350,7 +350,7 @@ def main(argv=None) -> None:
         "kv_bytes_per_token_bf16": {"measured_layers": kv, "full_4b": kv_full},
         "results": {"engine": engines, "transformers": hf},
     }
-    kind = next((f"{tag.lower()}-" for tag in ("Xeon", "EPYC") if tag in cpu_model()), "")
+    kind = cpu_kind_tag()
     part = "" if counts == FULL_LAYERS else f"-{counts[0]}-{counts[1]}-{counts[2]}-layers"
     name = f"dory-throughput-cpu-{kind}{os.cpu_count()}core{part}" + (QUICK_SUFFIX if args.quick else "")
     out = write_result(name, payload)
