@@ -19,13 +19,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from depthserve import LLM, DepthParams, SamplingParams
+from depthserve import DepthParams, SamplingParams
 from depthserve.archs.inkling2.model import EXPERT_TENSORS, Experts, parameter_name, softcap
 from depthserve.kernels import cpu_native
 from depthserve.lab.tiny.inkling2 import make_tiny
 from depthserve.layers.quantized import QuantLinear, quantize_rtn
 from depthserve.oracles import inkling2 as inkling2_reference
-from tests.depth_helpers import BLOCK_SIZE, check_logprobs
+from tests.depth_helpers import check_logprobs
+from tests.test_dory_quantized import engine  # the same small engine, any checkpoint
 from tests.test_inkling2 import ROUTING_DELTA, VOCAB, WINDOW
 from tests.test_quantized_engine import FP32
 
@@ -40,11 +41,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def checkpoint(tmp_path_factory) -> Path:
     return make_tiny(tmp_path_factory.mktemp("inkling2-quantized") / "fp32", seed=3, loops=2,
                      sliding_window=WINDOW)
-
-
-def engine(path: Path, dtype: str, quantization: str) -> LLM:
-    return LLM(str(path), device="cpu", dtype=dtype, quantization=quantization, load_progress=False,
-               max_model_len=64, block_size=BLOCK_SIZE, max_num_batched_tokens=16, enable_prefix_caching=False)
 
 
 def prompts() -> list[list[int]]:
