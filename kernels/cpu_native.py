@@ -37,7 +37,7 @@ SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
 EXTENSION_PREFIX = "depthserve_cpu_kernels"  # + a hash of SOURCE_DIR (extension_name)
 SOURCES = [SOURCE_DIR / name
            for name in ("group_gemm.cpp", "paged_attention.cpp", "norm.cpp", "rotary.cpp", "activation.cpp",
-                        "decode_layer.cpp", "sampling.cpp", "ngpt.cpp")]
+                        "decode_layer.cpp", "sampling.cpp", "ngpt.cpp", "bf16_gemm.cpp")]
 CFLAGS = ["-O3", "-fopenmp", "-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
           "-mavx512vnni"]
 FLOAT_DTYPES = (torch.float32, torch.bfloat16)  # the activations, norms, tables and pages the kernels take
@@ -151,6 +151,10 @@ def _register_fakes() -> None:
         rows = logits.shape[0]
         return logits.new_empty(rows, dtype=torch.long), logits.new_empty(rows), logits.new_empty(rows)
 
+    @torch.library.register_fake("depthserve_cpu::bf16_gemm")
+    def _(x, weight):
+        return x.new_empty(x.shape[0], weight.shape[0])
+
     @torch.library.register_fake("depthserve_cpu::group_dequantize")
     def _(codes, scale, low, bits, out_features, dtype):
         return codes.new_empty(out_features, codes.shape[1] * GROUP, dtype=dtype)
@@ -227,6 +231,12 @@ def dequantize_rows(weight: PackedWeight, index: torch.Tensor) -> torch.Tensor:
     codes, scale, low = unpack_rows(weight, index)
     grouped = codes.view(len(index), -1, GROUP).float() * scale[..., None] + low[..., None]
     return grouped.view(len(index), -1)
+
+
+def bf16_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [n, in] (fp32 or bf16) times the contiguous bf16 weight [out, in] transposed (in a multiple
+    of 32): [n, out] in x's dtype, summed in fp32 and rounded once (csrc/bf16_gemm.cpp)."""
+    return torch.ops.depthserve_cpu.bf16_gemm(x, weight)
 
 
 # ---- paged attention: kernels/paged.py's decode ops, where the shapes fit the native kernel ----------

@@ -457,3 +457,59 @@ def test_unit_rope_equals_the_torch_form(dtype, head_dim, scaled):
         want = want * scale.double().view(heads, head_dim)
     assert got.dtype == dtype and got.is_contiguous() and got.shape == x.shape
     assert _close_rounded_once(got, want, dtype, want.abs().amax(dim=-1, keepdim=True))
+
+
+# ---- dense bf16 weights (csrc/bf16_gemm.cpp) -----------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(960, 576), (7, 64), (33, 96), (4, 32)])
+def test_bf16_gemm_is_the_fp32_sum_of_the_bf16_weights(dtype, shape):
+    """Every output the float64 product of x and the bf16 weight within fp32 summation order (fp32 x),
+    or that plus one rounding of the result to bf16 (2^-8 relative); whatever the number of rows
+    (the kernel's row tiles are 4 and 3, 2, 1), and a row's bits are the same in any batch."""
+    generator = torch.Generator().manual_seed(shape[0])
+    weight = torch.randn(shape, generator=generator).bfloat16()
+    for rows in (1, 2, 3, 4, 5, 7, 9):
+        x = torch.randn(rows, shape[1], generator=generator).to(dtype)
+        got = cpu_native.bf16_gemm(x, weight)
+        assert got.dtype == dtype and got.shape == (rows, shape[0])
+        want = x.double() @ weight.double().t()
+        bound = (1e-5 if dtype == torch.float32 else 8e-3) * float(want.abs().max())
+        assert float((got.double() - want).abs().max()) <= bound, rows
+        assert torch.equal(cpu_native.bf16_gemm(x[rows // 2: rows // 2 + 1], weight), got[rows // 2: rows // 2 + 1])
+
+
+def test_bf16_gemm_refuses_what_it_cannot_read():
+    x = torch.randn(2, 48).bfloat16()
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        cpu_native.bf16_gemm(x, torch.randn(16, 48).bfloat16())
+    with pytest.raises(RuntimeError, match="contiguous bf16"):
+        cpu_native.bf16_gemm(x[:, :32], torch.randn(16, 32).float())
+
+
+def test_bf16_linear_layers_take_the_native_kernel_for_decode_rows_only(monkeypatch):
+    """A bf16 model's linear layers become NativeBf16Linear on the same tensors (fp32 ones keep their
+    own CPU form); up to NATIVE_BF16_MAX_ROWS rows run the kernel, more rows and compiled calls
+    F.linear, each within one bf16 rounding of F.linear's result."""
+    from torch import nn
+
+    from depthserve.layers import linear as linear_module
+    from depthserve.layers.linear import NATIVE_BF16_MAX_ROWS, CpuLinear, NativeBf16Linear, optimize_linears_for_cpu
+
+    model = nn.Sequential(nn.Linear(64, 40), nn.Linear(40, 8)).bfloat16().requires_grad_(False)  # 40: no whole step
+    weight = model[0].weight
+    optimize_linears_for_cpu(model)
+    assert isinstance(model[0], NativeBf16Linear) and model[0].weight is weight
+    assert type(model[1]) is nn.Linear
+    assert isinstance(optimize_linears_for_cpu(nn.Sequential(nn.Linear(64, 40)))[0], CpuLinear)
+    calls = []
+    kernel = cpu_native.bf16_gemm
+    monkeypatch.setattr(linear_module.cpu_native, "bf16_gemm", lambda x, w: calls.append(len(x)) or kernel(x, w))
+    for rows in (1, NATIVE_BF16_MAX_ROWS, NATIVE_BF16_MAX_ROWS + 1, 16):
+        x = torch.randn(rows, 64).bfloat16()
+        want = torch.nn.functional.linear(x.float(), weight.float(), model[0].bias.float())
+        got = model[0](x).float()
+        assert float((got - want).abs().max()) <= 8e-3 * float(want.abs().max())
+    assert calls == [1, NATIVE_BF16_MAX_ROWS]
+    compiled = torch.compile(model[0], fullgraph=True)
+    torch.testing.assert_close(compiled(x), torch.nn.functional.linear(x, weight, model[0].bias))
+    assert calls == [1, NATIVE_BF16_MAX_ROWS]

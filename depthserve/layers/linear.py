@@ -1,4 +1,4 @@
-"""Fast fp32 linear layers for the CPU path.
+"""Fast linear layers for the CPU path: fp32 column blocks, and bf16 rows on the native kernel.
 
 Two things make `x @ W.T` slow for decode-sized batches (a few to a few dozen rows) with MKL:
 it repacks the [out, in] weight on every call, and it splits the work across threads by rows,
@@ -13,17 +13,26 @@ streamed from memory as in a decode step): the layers' GEMMs at 1 / 8 / 32 rows 
 27 / 43 / 98 ms as column blocks against 35 / 68 / 126 ms as one [in, out] matrix (x @ W_t),
 and the same at 512 rows; the 576x49152 LM head at 32 rows 25 ms (oneDNN) vs 47 ms (blocks)
 vs 63 ms (x @ W_t), at 1 row 5.5 ms (blocks) vs 7.8 ms (x @ W_t) vs 8.9 ms (oneDNN).
+
+A bf16 weight keeps its own layout: up to NATIVE_BF16_MAX_ROWS rows run the native kernel
+(kernels/csrc/bf16_gemm.cpp), which streams the weight once at the read bandwidth, where torch's
+bf16 GEMM reads it at 15-20 GB/s (2-core AMD EPYC, 8 x [14336, 2560] weights: 1 / 2 / 4 rows at
+1.3-1.5x F.linear's rate); more rows run F.linear (at 8 rows the kernel's FMAs fall behind oneDNN's).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import torch.utils.mkldnn
 from torch import nn
 
+from depthserve.kernels import cpu_native
 from depthserve.kernels.ops import Form, KernelOp, Target
 
 SMALL_BATCH_ROWS = 4
+NATIVE_BF16_MAX_ROWS = 4
+NATIVE_BF16_WIDTH = 32  # the kernel's step: the input width must be a multiple of it
 PACKED_MAX_ROWS = 48
 PACKED_MIN_OUT_FEATURES = 8192  # only layers this wide keep a oneDNN-prepacked copy
 
@@ -98,12 +107,47 @@ LINEAR = KernelOp("linear", torch=nn.Linear.forward, cpu=CpuLinear.forward, cpu_
                   cpu_built=torch.backends.mkldnn.is_available)
 
 
+class NativeBf16Linear(nn.Module):
+    """A bf16 linear layer whose decode-sized calls run the native kernel (module docstring). The
+    weight and bias are the original layer's own tensors (a tied head stays tied)."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if rows.shape[0] <= NATIVE_BF16_MAX_ROWS and not torch.compiler.is_compiling():
+            out = cpu_native.bf16_gemm(rows, self.weight)
+            if self.bias is not None:
+                out = out + self.bias
+        else:
+            out = F.linear(rows, self.weight, self.bias)
+        return out.view(*x.shape[:-1], self.out_features)
+
+
+def native_bf16_applies(linear: nn.Linear) -> bool:
+    return linear.in_features % NATIVE_BF16_WIDTH == 0 and linear.weight.is_contiguous()
+
+
+# A bf16 linear layer's forms: nn.Linear's, or on a CPU with the native kernels built, NativeBf16Linear's.
+BF16_LINEAR = KernelOp("bf16_linear", torch=nn.Linear.forward, cpu=NativeBf16Linear.forward,
+                       cpu_dtypes=(torch.bfloat16,))
+
+
 def optimize_linears_for_cpu(model: nn.Module) -> nn.Module:
     """Swap every nn.Linear of the model whose weight takes LINEAR's CPU form for a CpuLinear
-    (weights shared at load, then re-laid out)."""
+    (weights shared at load, then re-laid out), and every one that takes BF16_LINEAR's for a
+    NativeBf16Linear (the same tensors)."""
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             weight = child.weight if type(child) is nn.Linear else None
-            if weight is not None and LINEAR.form(Target(weight.device.type, weight.dtype)) is Form.CPU:
+            if weight is None:
+                continue
+            target = Target(weight.device.type, weight.dtype)
+            if LINEAR.form(target) is Form.CPU:
                 setattr(module, child_name, CpuLinear(child))
+            elif BF16_LINEAR.form(target) is Form.CPU and native_bf16_applies(child):
+                setattr(module, child_name, NativeBf16Linear(child))
     return model
