@@ -55,8 +55,8 @@ browser:
 TEST_WORKERS ?= 2
 XDIST := -n $(TEST_WORKERS) --dist loadfile
 
-# The whole suite, fast and slow tests, with a cold torch.compile cache: 11 minutes on a 2-core AMD
-# EPYC, 17 to 25 on a 2-core Xeon without AVX-512 BF16; each worker at most 5.7 GB resident (a test
+# The whole suite, fast and slow tests, with a cold torch.compile cache: 11 to 12.5 minutes on a
+# 2-core AMD EPYC, 17 to 25 on a 2-core Xeon without AVX-512 BF16; each worker at most 5.7 GB resident (a test
 # engine commits its KV pool at start-up; tests/conftest.py bounds it).
 # Exit status 5 (no test selected, e.g. by a PYTEST_ARGS filter) is not a failure.
 test: $(STAMP) browser
