@@ -107,9 +107,22 @@ LINEAR = KernelOp("linear", torch=nn.Linear.forward, cpu=CpuLinear.forward, cpu_
                   cpu_built=torch.backends.mkldnn.is_available)
 
 
+def _native_bf16_linear(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """Decode-sized calls on the native kernel, more rows on F.linear (module docstring)."""
+    if rows.shape[0] > NATIVE_BF16_MAX_ROWS:
+        return F.linear(rows, weight, bias)
+    out = cpu_native.bf16_gemm(rows, weight)
+    return out if bias is None else out + bias
+
+
+# A bf16 linear layer's forms: F.linear, or on a CPU with the native kernels built, the native kernel
+# for decode-sized calls (compiled: F.linear, which the compiler sees through).
+BF16_LINEAR = KernelOp("bf16_linear", torch=F.linear, cpu=_native_bf16_linear, cpu_dtypes=(torch.bfloat16,))
+
+
 class NativeBf16Linear(nn.Module):
-    """A bf16 linear layer whose decode-sized calls run the native kernel (module docstring). The
-    weight and bias are the original layer's own tensors (a tied head stays tied)."""
+    """A bf16 linear layer through BF16_LINEAR (module docstring). The weight and bias are the
+    original layer's own tensors (a tied head stays tied)."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
@@ -117,23 +130,12 @@ class NativeBf16Linear(nn.Module):
         self.weight, self.bias = linear.weight, linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        if rows.shape[0] <= NATIVE_BF16_MAX_ROWS and not torch.compiler.is_compiling():
-            out = cpu_native.bf16_gemm(rows, self.weight)
-            if self.bias is not None:
-                out = out + self.bias
-        else:
-            out = F.linear(rows, self.weight, self.bias)
+        out = BF16_LINEAR(x.reshape(-1, self.in_features), self.weight, self.bias)
         return out.view(*x.shape[:-1], self.out_features)
 
 
 def native_bf16_applies(linear: nn.Linear) -> bool:
     return linear.in_features % NATIVE_BF16_WIDTH == 0 and linear.weight.is_contiguous()
-
-
-# A bf16 linear layer's forms: nn.Linear's, or on a CPU with the native kernels built, NativeBf16Linear's.
-BF16_LINEAR = KernelOp("bf16_linear", torch=nn.Linear.forward, cpu=NativeBf16Linear.forward,
-                       cpu_dtypes=(torch.bfloat16,))
 
 
 def optimize_linears_for_cpu(model: nn.Module) -> nn.Module:
