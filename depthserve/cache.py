@@ -80,6 +80,10 @@ class CacheLayout:
     # blocks of those whole chunks are shared, a whole number of chunks at a time (BlockManager).
     # None: any split gives the same blocks.
     prefix_chunk: int | None = None
+    # Every block's keys depend on the whole prompt (HRM-Text's bidirectional instruction block, whose
+    # tokens attend to the later ones): a block is shared only between sequences with the same prompt
+    # (the prompt's tokens key the root of the block-hash chain, BlockManager).
+    prompt_keyed: bool = False
 
     def __post_init__(self) -> None:
         if any(slot.kind is SlotKind.ROUTED for slot in self.slots):

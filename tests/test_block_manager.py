@@ -692,6 +692,36 @@ def test_prefix_chunk_must_be_positive():
         CacheLayout((SlotSpec("kv", SlotKind.DENSE, 1),), prefix_chunk=0)
 
 
+# ---- prompt-keyed blocks (CacheLayout.prompt_keyed, HRM-Text's bidirectional prompt) ----------------
+PROMPT_KEYED = CacheLayout((SlotSpec("kv", SlotKind.DENSE, 1),), prompt_keyed=True)
+
+
+def test_prompt_keyed_blocks_are_shared_only_with_the_same_prompt(make_bm):
+    """A 14-token prompt computed, then 6 tokens decoded: a request with the same prompt takes its
+    blocks, decoded ones included (a resumed sequence's case); requests whose prompts share every
+    one of those blocks' tokens but not the whole prompt take none."""
+    bm = make_bm(64, block_size=4)
+    a = make_seq(range(14), layout=PROMPT_KEYED, rid="a")
+    a.output_token_ids = list(range(100, 106))
+    run_forwards(bm, a, [14] + [1] * 5)
+    assert len(bm._seqs[a.seq_id].block_hashes) == 4  # tokens 0..15: 14 prompt, 2 decoded
+    same = make_seq(range(14), layout=PROMPT_KEYED, rid="same")
+    assert bm.allocate_cached_prefix(same, ()) == 12  # one token is always left to compute
+    resumed = make_seq(range(14), layout=PROMPT_KEYED, rid="resumed")
+    resumed.output_token_ids = list(range(100, 106))
+    assert bm.allocate_cached_prefix(resumed, ()) == 16
+    other_cycles = make_seq(range(14), layout=PROMPT_KEYED, rid="cycles")
+    assert bm.allocate_cached_prefix(other_cycles, (("h_cycles", 3),)) == 0
+    others = [make_seq(prompt, layout=PROMPT_KEYED, rid=str(i))
+              for i, prompt in enumerate(([*range(13), 99], [*range(14), 5], [*range(14), *range(100, 106)]))]
+    assert [bm.allocate_cached_prefix(seq, ()) for seq in others] == [0, 0, 0]
+    causal = make_seq(range(14), layout=ONE, rid="causal")  # another layout's chain
+    assert bm.allocate_cached_prefix(causal, ()) == 0
+    for seq in (a, same, resumed, other_cycles, causal, *others):
+        bm.free(seq)
+    check_consistent(bm)
+
+
 # ---- sliding windows (SlotSpec.window) --------------------------------------------------------------
 # A full slot of 2 heads and a windowed slot of 1 head (window 5): rows of 3 pages.
 WINDOWED = CacheLayout((SlotSpec("full", SlotKind.DENSE, 2), SlotSpec("sliding", SlotKind.DENSE, 1, window=5)))

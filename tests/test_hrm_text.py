@@ -165,7 +165,8 @@ SETTINGS = [None, {"h_cycles": 1, "l_cycles": 3}, {"h_cycles": 3, "l_cycles": 1}
 def test_mixed_settings_batch_equals_transformers_with_chunks_and_preemption(ckpt, chunked):
     """Cycle settings and both attention modes in one batch, a step budget of 13 tokens (causal
     prompts cut into uneven chunks; a bidirectional prompt is one forward however long) and a KV
-    budget that forces preemption (a preempted bidirectional prompt is recomputed in one forward)."""
+    budget that forces preemption (a preempted bidirectional request resumes from its own cached
+    blocks: the prompt tokens they leave run in one forward over the cached keys)."""
     prompts = [_ids(n, seed=10 + i) for i, n in enumerate(LENGTHS)]
     depths = [DepthParams.from_dict(s) for s in SETTINGS]
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2)
@@ -204,25 +205,29 @@ def test_a_bidirectional_prompt_is_one_forward(ckpt):
     assert causal.forward_tokens(0, 70) is None and causal.layout.prefix_chunk is None
 
 
-def test_prefix_cache_hits_only_causal_prompts(ckpt):
-    """A causal request reuses the blocks of an earlier one with the same settings; a bidirectional
-    prompt's keys depend on every prompt token, so such a request neither feeds nor takes a hit,
-    even for the very same prompt. Every result equals transformers."""
+def test_prefix_cache_hits_are_exact_in_both_attention_modes(ckpt):
+    """A causal request reuses the blocks of an earlier one with the same settings. A bidirectional
+    prompt's keys depend on every prompt token, so its blocks are reused only by the same prompt
+    (its last tokens then run in one forward over the cached keys and their own); a prompt that
+    shares the cached blocks' tokens but not the whole prompt takes nothing. Every result equals
+    transformers."""
     llm = tiny_llm(ckpt)
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=1)
-    shared, tail = _ids(33, seed=4), _ids(5, seed=5)
+    shared, tail = _ids(33, seed=4), _ids(6, seed=5)
     causal = {"prefix_lm": 0, "h_cycles": 3}
     first = llm.generate([shared], params, DepthParams.from_dict(causal))[0]
     hit = llm.generate([shared + tail], params, DepthParams.from_dict(causal))[0]
     other_cycles = llm.generate([shared + tail], params, DepthParams(prefix_lm=0, h_cycles=2))[0]
-    bidirectional = [llm.generate([shared + tail], params, DepthParams())[0] for _ in range(2)]
     assert first.num_cached_tokens == 0 and hit.num_cached_tokens == 32 and other_cycles.num_cached_tokens == 0
-    assert [out.num_cached_tokens for out in bidirectional] == [0, 0]
+    bidirectional = {"h_cycles": 3, "l_cycles": 1}
+    prompts = [shared + tail, shared + tail, shared + tail[:-1] + [tail[-1] % 200 + 1], shared]
+    outs = [llm.generate([p], params, DepthParams.from_dict(bidirectional))[0] for p in prompts]
+    assert [out.num_cached_tokens for out in outs] == [0, 32, 0, 0]  # the hit computes the last 7 prompt tokens
     stats = {"tokens": 0, "max_err": 0.0}
     _check(ckpt, shared + tail, causal, hit.outputs[0], stats)
     _check(ckpt, shared + tail, {"prefix_lm": 0, "h_cycles": 2}, other_cycles.outputs[0], stats)
-    for out in bidirectional:
-        _check(ckpt, shared + tail, None, out.outputs[0], stats)
+    for prompt, out in zip(prompts, outs):
+        _check(ckpt, prompt, bidirectional, out.outputs[0], stats)
     assert llm.engine.block_manager.num_used_pages == 0
 
 

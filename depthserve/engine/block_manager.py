@@ -32,6 +32,12 @@ through `commit_computed`), never those of a partial last chunk or of one-token 
 a hit is cut to a whole number of chunks. With chunked prefill off the prompt is one forward, which
 no cached chunk reproduces: such a sequence takes no hit.
 
+Prompt-keyed blocks (`CacheLayout.prompt_keyed`, HRM-Text's bidirectional instruction block): every
+key of the prompt depends on every prompt token, so the root of a sequence's hash chain includes its
+whole prompt. A block is then shared only between sequences with the same prompt and settings (a
+repeated request, a preempted one resuming); the model computes the prompt tokens a hit leaves
+uncomputed in one forward attending over the whole prompt (docs/depth-semantics.md, "HRM-Text").
+
 Sliding windows (`SlotSpec.window`): a windowed slot's keys of a block wholly behind the window of
 the sequence's next query are never read again, so before each step `grow` gives back those pages
 of the rows that are not in the prefix-cache chain (the row keeps the page ids: the attention ops
@@ -296,7 +302,7 @@ class BlockManager:
             return 0
         tokens = seq.all_token_ids
         hits: list[tuple[int, np.ndarray]] = []
-        parent = hash((entry.layout, depth_key))
+        parent = self._chain_root(entry.layout, seq, depth_key)
         for i in range((len(tokens) - 1) // self.block_size):
             block = tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
             block_hash = hash((parent, block))
@@ -331,7 +337,7 @@ class BlockManager:
         if len(entry.block_hashes) >= full:
             return
         tokens = seq.all_token_ids
-        parent = entry.block_hashes[-1] if entry.block_hashes else hash((entry.layout, depth_key))
+        parent = entry.block_hashes[-1] if entry.block_hashes else self._chain_root(entry.layout, seq, depth_key)
         for i in range(len(entry.block_hashes), full):
             block = tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
             block_hash = hash((parent, block))
@@ -375,6 +381,14 @@ class BlockManager:
             self._evict(block_hash)
 
     # ---- internals --------------------------------------------------------------------
+    @staticmethod
+    def _chain_root(layout: CacheLayout, seq: Sequence, depth_key: tuple) -> int:
+        """The hash a sequence's chain of block hashes starts from: its layout and depth settings, and
+        for a prompt-keyed layout its whole prompt."""
+        if layout.prompt_keyed:
+            return hash((layout, depth_key, tuple(seq.all_token_ids[: seq.num_prompt_tokens])))
+        return hash((layout, depth_key))
+
     @staticmethod
     def _registrable_tokens(entry: _SeqPages, seq: Sequence) -> int:
         """Leading tokens whose blocks may enter the prefix cache: every computed one, or for a

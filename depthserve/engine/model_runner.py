@@ -263,7 +263,8 @@ class ModelRunner:
                                        self.block_manager.state_table(seq), item.level, item.exit_threshold,
                                        item.samples, self.model.row_settings(seq.plan, item.level), allowed,
                                        prompt_next_tokens(item) if item.exit_prompt else None,
-                                       seq.levels if seq.plan.elastic is not None else ()))
+                                       seq.levels if seq.plan.elastic is not None else (),
+                                       num_prompt_tokens=seq.num_prompt_tokens))
             positions = np.arange(item.start, item.end)
             ids.extend(item.seq.token_ids(item.start, item.end))
             pos_chunks.append(positions)

@@ -47,6 +47,7 @@ class BatchItem:
     # A range knob: the level each position before `start` ran at (Sequence.levels), for a model
     # whose routed slots need their keys' positions (Dory's sliding-window passes); () otherwise.
     levels: Sequence[int] = ()
+    num_prompt_tokens: int = 0  # the sequence's prompt (a bidirectional prompt's forward ends there)
 
     @property
     def end(self) -> int:

@@ -205,10 +205,9 @@ def plan(cfg: HrmTextConfig, depth: DepthParams, max_positions: int) -> HrmTextP
     names = invocation_slots(cfg, h_cycles, l_cycles)
     slots = tuple(SlotSpec(name, SlotKind.DENSE, cfg.num_heads) for name in names)
     # A bidirectional prompt's keys depend on every prompt token, so the prompt runs in one forward
-    # and no block of it may be shared: a "chunk" longer than any sequence is never whole, so the
-    # block manager neither registers nor reuses such a request's blocks.
+    # (a chunk longer than any sequence) and its blocks are shared only with the same prompt.
     chunk = max_positions + 1 if prefix_lm else None
-    layout = CacheLayout(slots, base_slots=2 * cfg.layers_per_stack, prefix_chunk=chunk)
+    layout = CacheLayout(slots, base_slots=2 * cfg.layers_per_stack, prompt_keyed=prefix_lm)
     return HrmTextPlan(depth=depth, layout=layout, flops_per_token=token_flops(cfg, h_cycles, l_cycles),
                        plain_flops_per_token=token_flops(cfg, cfg.h_cycles, cfg.l_cycles), level=h_cycles,
                        prefill_chunk=chunk, h_cycles=h_cycles, l_cycles=l_cycles, prefix_lm=prefix_lm)

@@ -15,10 +15,14 @@ cycle, each high cycle) has its own KV slot (format.invocation_slots).
 Prefix-LM (knob `prefix_lm`): the prompt is one block whose tokens attend to each other both ways;
 the tokens after it attend causally. The prompt runs in one forward (the plan's prefill_chunk), so
 its queries attend over the forward's own keys without a mask, while its keys enter the slot for
-the tokens decoded after it.
+the tokens decoded after it. A prefix-cache hit (only ever on the same prompt: the layout is
+prompt-keyed) leaves the prompt's last tokens to compute: their one forward attends without a mask
+over the cached prompt keys and its own.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -42,6 +46,7 @@ from depthserve.archs.hrm_text.format import report as hrm_report
 from depthserve.depth import DepthParams, DepthReport, KnobSpec
 from depthserve.errors import CheckpointFormatError
 from depthserve.layers.attention import AttentionMetadata, KVPool, paged_attention
+from depthserve.layers.batch import BatchItem
 from depthserve.layers.rotary import apply_rope, rope_tables
 from depthserve.layers.rows import StepRows, step_rows
 
@@ -52,15 +57,37 @@ def rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     return (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)).type_as(x)
 
 
-def bidirectional_segments(rows: StepRows) -> list[tuple[int, int]]:
-    """(first row, rows) of each request among `rows` whose forward is its whole bidirectional prompt."""
-    segments, offset = [], 0
+@dataclass(frozen=True)
+class PromptForward:
+    """A request's rows that compute the rest of its bidirectional prompt: rows `first` to
+    `first + count` of the step's rows, and the flat cache index [earlier tokens, heads] of the keys
+    of the prompt tokens before them in the layer's slot (a prefix-cache hit; None: none)."""
+
+    first: int
+    count: int
+    earlier: torch.Tensor | None
+
+
+def prompt_forwards(rows: StepRows) -> list[tuple[int, BatchItem]]:
+    """(first row, item) of each request among `rows` whose forward ends its bidirectional prompt
+    (plan.forward_tokens: such a forward always runs to the prompt's end) with more than one token."""
+    found, offset = [], 0
     for index, count in zip(rows.item_indices, rows.item_row_counts):
         item = rows.step.items[index]
-        if item.plan.prefix_lm and item.start == 0 and count > 1:
-            segments.append((offset, count))
+        if item.plan.prefix_lm and item.start < item.num_prompt_tokens and count > 1:
+            found.append((offset, item))
         offset += count
-    return segments
+    return found
+
+
+def prompt_forward(first: int, item: BatchItem, slot: str, block_size: int, device: torch.device) -> PromptForward:
+    """The PromptForward of `item`'s rows in the layer whose keys live in `slot`."""
+    if item.start == 0:
+        return PromptForward(first, item.num_tokens, None)
+    positions = np.arange(item.start)
+    pages = item.table[positions // block_size, item.slot_columns[slot]]  # [earlier tokens, heads]
+    index = pages.astype(np.int64) * block_size + (positions % block_size)[:, None]
+    return PromptForward(first, item.num_tokens, torch.from_numpy(index).to(device))
 
 
 class HrmTextAttention(nn.Module):
@@ -79,10 +106,14 @@ class HrmTextAttention(nn.Module):
         q, k = apply_rope(q.contiguous(), cos, sin), apply_rope(k.contiguous(), cos, sin)
         v = v.contiguous()
         out = paged_attention(q, k, v, pool, meta, columns, self.scale)
-        for first, count in bidirectional:
-            rows = slice(first, first + count)
-            both_ways = F.scaled_dot_product_attention(q[rows].transpose(0, 1), k[rows].transpose(0, 1),
-                                                       v[rows].transpose(0, 1), scale=self.scale)
+        for prompt in bidirectional:
+            rows = slice(prompt.first, prompt.first + prompt.count)
+            keys, values = k[rows], v[rows]
+            if prompt.earlier is not None:  # the prompt's keys before this forward, from the cache
+                keys = torch.cat([pool.k_pages.flatten(0, 1)[prompt.earlier].to(k.dtype), keys])
+                values = torch.cat([pool.v_pages.flatten(0, 1)[prompt.earlier].to(v.dtype), values])
+            both_ways = F.scaled_dot_product_attention(q[rows].transpose(0, 1), keys.transpose(0, 1),
+                                                       values.transpose(0, 1), scale=self.scale)
             out[rows] = both_ways.transpose(0, 1)
         return self.o_proj((torch.sigmoid(gate) * out).reshape(n, -1))
 
@@ -118,9 +149,10 @@ class HrmTextStack(nn.Module):
 
     def forward(self, x, rows: StepRows, cos, sin, pool, slot_names: list[str]) -> torch.Tensor:
         """The stack over the rows `rows` (x, cos, sin already taken for them), layer j in slot_names[j]."""
-        bidirectional = bidirectional_segments(rows)
+        prompts = prompt_forwards(rows)
         for layer, slot in zip(self.layers, slot_names):
             sub_meta, columns = rows.attend(slot)
+            bidirectional = [prompt_forward(first, item, slot, pool.k_pages.shape[1], x.device) for first, item in prompts]
             x = layer(x, cos, sin, pool, sub_meta, columns, bidirectional)
         return rms_norm(x, self.eps)
 
