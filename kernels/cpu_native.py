@@ -44,6 +44,12 @@ FLOAT_DTYPES = (torch.float32, torch.bfloat16)  # the activations, norms, tables
 DISABLE_ENV = "DEPTHSERVE_NO_NATIVE_KERNELS"  # set to 1: never build or use them (torch's kernels instead)
 
 
+def cpu_has_native_bf16_gemm() -> bool:
+    """AVX-512 BF16 or AMX: torch's bf16 GEMMs (oneDNN) run on the CPU's own bf16 instructions;
+    without them oneDNN emulates bf16 with fp32 arithmetic, several times slower."""
+    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+
+
 def cpu_has_vnni() -> bool:
     """AVX-512 (torch checks F, BW, VL and DQ) and AVX-512 VNNI."""
     return bool(torch.cpu._is_avx512_supported() and torch.cpu._is_vnni_supported())

@@ -468,7 +468,7 @@ def test_bf16_gemm_is_the_fp32_sum_of_the_bf16_weights(dtype, shape):
     (the kernel's row tiles are 4 and 3, 2, 1), and a row's bits are the same in any batch."""
     generator = torch.Generator().manual_seed(shape[0])
     weight = torch.randn(shape, generator=generator).bfloat16()
-    for rows in (1, 2, 3, 4, 5, 7, 9):
+    for rows in (1, 2, 3, 4, 5, 7, 9, 66):
         x = torch.randn(rows, shape[1], generator=generator).to(dtype)
         got = cpu_native.bf16_gemm(x, weight)
         assert got.dtype == dtype and got.shape == (rows, shape[0])
@@ -486,30 +486,35 @@ def test_bf16_gemm_refuses_what_it_cannot_read():
         cpu_native.bf16_gemm(x[:, :32], torch.randn(16, 32).float())
 
 
-def test_bf16_linear_layers_take_the_native_kernel_for_decode_rows_only(monkeypatch):
+def test_bf16_linear_layers_take_the_native_kernel_up_to_the_cpus_row_count(monkeypatch):
     """A bf16 model's linear layers become NativeBf16Linear on the same tensors (fp32 ones keep their
-    own CPU form); up to NATIVE_BF16_MAX_ROWS rows run the kernel, more rows and compiled calls
-    F.linear, each within one bf16 rounding of F.linear's result."""
+    own CPU form). Up to the layer's row count the kernel runs (decode-sized calls where torch's bf16
+    GEMM is native, every call where it is emulated), more rows and compiled calls F.linear, each
+    within one bf16 rounding of F.linear's result."""
     from torch import nn
 
     from depthserve.layers import linear as linear_module
-    from depthserve.layers.linear import NATIVE_BF16_MAX_ROWS, CpuLinear, NativeBf16Linear, optimize_linears_for_cpu
+    from depthserve.layers.linear import (EVERY_ROW_COUNT, NATIVE_BF16_MAX_ROWS, CpuLinear, NativeBf16Linear,
+                                          native_bf16_max_rows, optimize_linears_for_cpu)
 
     model = nn.Sequential(nn.Linear(64, 40), nn.Linear(40, 8)).bfloat16().requires_grad_(False)  # 40: no whole step
     weight = model[0].weight
     optimize_linears_for_cpu(model)
     assert isinstance(model[0], NativeBf16Linear) and model[0].weight is weight
+    assert model[0].max_native_rows == native_bf16_max_rows() == (
+        NATIVE_BF16_MAX_ROWS if cpu_native.cpu_has_native_bf16_gemm() else EVERY_ROW_COUNT)
     assert type(model[1]) is nn.Linear
     assert isinstance(optimize_linears_for_cpu(nn.Sequential(nn.Linear(64, 40)))[0], CpuLinear)
-    calls = []
     kernel = cpu_native.bf16_gemm
-    monkeypatch.setattr(linear_module.cpu_native, "bf16_gemm", lambda x, w: calls.append(len(x)) or kernel(x, w))
-    for rows in (1, NATIVE_BF16_MAX_ROWS, NATIVE_BF16_MAX_ROWS + 1, 16):
-        x = torch.randn(rows, 64).bfloat16()
-        want = torch.nn.functional.linear(x.float(), weight.float(), model[0].bias.float())
-        got = model[0](x).float()
-        assert float((got - want).abs().max()) <= 8e-3 * float(want.abs().max())
-    assert calls == [1, NATIVE_BF16_MAX_ROWS]
-    compiled = torch.compile(model[0], fullgraph=True)
-    torch.testing.assert_close(compiled(x), torch.nn.functional.linear(x, weight, model[0].bias))
-    assert calls == [1, NATIVE_BF16_MAX_ROWS]
+    for max_rows, kernel_calls in ((NATIVE_BF16_MAX_ROWS, [1, 4]), (EVERY_ROW_COUNT, [1, 4, 5, 16, 70])):
+        layer, calls = NativeBf16Linear(nn.Linear(64, 40).bfloat16().requires_grad_(False), max_rows), []
+        monkeypatch.setattr(linear_module.cpu_native, "bf16_gemm", lambda x, w: calls.append(len(x)) or kernel(x, w))
+        for rows in (1, 4, 5, 16, 70):
+            x = torch.randn(rows, 64).bfloat16()
+            want = torch.nn.functional.linear(x.float(), layer.weight.float(), layer.bias.float())
+            got = layer(x).float()
+            assert float((got - want).abs().max()) <= 8e-3 * float(want.abs().max())
+        assert calls == kernel_calls
+        compiled = torch.compile(layer, fullgraph=True)
+        torch.testing.assert_close(compiled(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+        assert calls == kernel_calls

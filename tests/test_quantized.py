@@ -121,10 +121,11 @@ def test_auto_quantizes_only_a_gguf_with_bf16_activations_on_cpu():
 
 
 def test_auto_dtype_is_bf16_on_a_bf16_cpu_only_for_weights_past_the_cache():
-    from depthserve.loading.quantization import SMALL_WEIGHTS_BYTES, cpu_supports_bf16
+    from depthserve.kernels.cpu_native import cpu_has_native_bf16_gemm
+    from depthserve.loading.quantization import SMALL_WEIGHTS_BYTES
 
     cpu = torch.device("cpu")
-    large = torch.bfloat16 if cpu_supports_bf16() else torch.float32
+    large = torch.bfloat16 if cpu_has_native_bf16_gemm() else torch.float32
     assert resolve_dtype("auto", cpu, SMALL_WEIGHTS_BYTES) == large
     assert resolve_dtype("auto", cpu, None) == large
     assert resolve_dtype("auto", cpu, SMALL_WEIGHTS_BYTES - 1) == torch.float32

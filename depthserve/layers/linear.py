@@ -14,13 +14,19 @@ streamed from memory as in a decode step): the layers' GEMMs at 1 / 8 / 32 rows 
 and the same at 512 rows; the 576x49152 LM head at 32 rows 25 ms (oneDNN) vs 47 ms (blocks)
 vs 63 ms (x @ W_t), at 1 row 5.5 ms (blocks) vs 7.8 ms (x @ W_t) vs 8.9 ms (oneDNN).
 
-A bf16 weight keeps its own layout: up to NATIVE_BF16_MAX_ROWS rows run the native kernel
-(kernels/csrc/bf16_gemm.cpp), which streams the weight once at the read bandwidth, where torch's
-bf16 GEMM reads it at 15-20 GB/s (2-core AMD EPYC, 8 x [14336, 2560] weights: 1 / 2 / 4 rows at
-1.3-1.5x F.linear's rate); more rows run F.linear (at 8 rows the kernel's FMAs fall behind oneDNN's).
+A bf16 weight keeps its own layout and runs on the native kernel (kernels/csrc/bf16_gemm.cpp),
+which streams the weight once at the read bandwidth, for up to `native_bf16_max_rows()` rows, more
+rows on F.linear. Where torch's bf16 GEMM runs on the CPU's bf16 instructions (AVX-512 BF16 or AMX)
+that is decode-sized calls: torch's reads the weight at 15-20 GB/s (2-core AMD EPYC, 8 x [14336,
+2560] weights: the kernel 1.3-1.5x F.linear's rate at 1 / 2 / 4 rows), and from 8 rows oneDNN's bf16
+dot products outrun the kernel's fp32 FMAs. Where oneDNN emulates bf16 (AVX-512 without BF16: the
+2-core Xeon without it, or the EPYC with ONEDNN_MAX_CPU_ISA=AVX512_CORE) the kernel is every call's:
+2-3x F.linear's rate at 2 to 512 rows (bench/bf16_kernels.py).
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +37,8 @@ from depthserve.kernels import cpu_native
 from depthserve.kernels.ops import Form, KernelOp, Target
 
 SMALL_BATCH_ROWS = 4
-NATIVE_BF16_MAX_ROWS = 4
+EVERY_ROW_COUNT = sys.maxsize
+NATIVE_BF16_MAX_ROWS = 4  # with a native bf16 GEMM (module docstring)
 NATIVE_BF16_WIDTH = 32  # the kernel's step: the input width must be a multiple of it
 PACKED_MAX_ROWS = 48
 PACKED_MIN_OUT_FEATURES = 8192  # only layers this wide keep a oneDNN-prepacked copy
@@ -107,30 +114,42 @@ LINEAR = KernelOp("linear", torch=nn.Linear.forward, cpu=CpuLinear.forward, cpu_
                   cpu_built=torch.backends.mkldnn.is_available)
 
 
-def _native_bf16_linear(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """Decode-sized calls on the native kernel, more rows on F.linear (module docstring)."""
-    if rows.shape[0] > NATIVE_BF16_MAX_ROWS:
+def native_bf16_max_rows() -> int:
+    """The most rows of a bf16 linear call the native kernel takes on this CPU (module docstring)."""
+    return NATIVE_BF16_MAX_ROWS if cpu_native.cpu_has_native_bf16_gemm() else EVERY_ROW_COUNT
+
+
+def _native_bf16_linear(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                        max_rows: int) -> torch.Tensor:
+    """Up to `max_rows` rows on the native kernel, more on F.linear (module docstring)."""
+    if rows.shape[0] > max_rows:
         return F.linear(rows, weight, bias)
     out = cpu_native.bf16_gemm(rows, weight)
     return out if bias is None else out + bias
 
 
+def _bf16_linear_torch(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                       max_rows: int) -> torch.Tensor:
+    return F.linear(rows, weight, bias)
+
+
 # A bf16 linear layer's forms: F.linear, or on a CPU with the native kernels built, the native kernel
-# for decode-sized calls (compiled: F.linear, which the compiler sees through).
-BF16_LINEAR = KernelOp("bf16_linear", torch=F.linear, cpu=_native_bf16_linear, cpu_dtypes=(torch.bfloat16,))
+# for up to `max_rows` rows (compiled: F.linear, which the compiler sees through).
+BF16_LINEAR = KernelOp("bf16_linear", torch=_bf16_linear_torch, cpu=_native_bf16_linear, cpu_dtypes=(torch.bfloat16,))
 
 
 class NativeBf16Linear(nn.Module):
     """A bf16 linear layer through BF16_LINEAR (module docstring). The weight and bias are the
     original layer's own tensors (a tied head stays tied)."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, max_native_rows: int | None = None):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias
+        self.max_native_rows = native_bf16_max_rows() if max_native_rows is None else max_native_rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = BF16_LINEAR(x.reshape(-1, self.in_features), self.weight, self.bias)
+        out = BF16_LINEAR(x.reshape(-1, self.in_features), self.weight, self.bias, self.max_native_rows)
         return out.view(*x.shape[:-1], self.out_features)
 
 

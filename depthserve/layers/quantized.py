@@ -19,7 +19,6 @@ Formats, for a weight W [out, in]:
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, replace
 
 import torch
@@ -29,6 +28,7 @@ from torch import nn
 from depthserve.kernels import cpu_native
 from depthserve.kernels.ops import Form, KernelOp, Target
 from depthserve.layers import huge_pages
+from depthserve.layers.linear import EVERY_ROW_COUNT
 
 INT4_GROUP = 32
 _INT4_BLOCK_ROWS = 64  # the CPU int4 packing interleaves output rows n and n + 32 of each 64-row block
@@ -104,9 +104,6 @@ def quantizable(weight_shape: tuple[int, int], bits: int) -> bool:
     """Whole groups of 32 input features: the int4 kernel's groups, and for int8 a width its bf16
     vector loop handles (torch 2.13's `_weight_int8pack_mm` crashes on 70 input features)."""
     return weight_shape[1] % INT4_GROUP == 0
-
-
-EVERY_ROW_COUNT = sys.maxsize
 
 
 @dataclass(frozen=True)

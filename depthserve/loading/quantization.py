@@ -40,11 +40,6 @@ HEAD_BITS = 8  # the tied head / embedding table: int8 rows serve both the looku
 OUTPUT_HEAD = "lm_head.weight"  # every architecture's output projection, by the checkpoint format's name
 
 
-def cpu_supports_bf16() -> bool:
-    """AVX-512 BF16 or AMX: bf16 GEMMs run natively (oneDNN), faster than fp32 ones."""
-    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
-
-
 def cpu_features() -> str:
     """The instruction sets that decide the CPU dtype, for the start-up log and benchmark files."""
     cpu = torch.cpu
@@ -71,7 +66,7 @@ def resolve_dtype(name: str, device: torch.device, weight_bytes: int | None = No
     if device.type == "cuda":
         return torch.bfloat16
     small = weight_bytes is not None and weight_bytes < SMALL_WEIGHTS_BYTES
-    return torch.bfloat16 if cpu_supports_bf16() and not small else torch.float32
+    return torch.bfloat16 if cpu_native.cpu_has_native_bf16_gemm() and not small else torch.float32
 
 
 def resolve_quantization(mode: str, checkpoint_format: str, device: torch.device, dtype: torch.dtype) -> str:
