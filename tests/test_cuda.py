@@ -1,7 +1,7 @@
 """The GPU part of the suite (marker `cuda`; skipped, saying why, without a CUDA device): the Triton
 kernels in bf16 against their torch fallbacks in fp32 (the fp32 comparisons are test_kernels.py
 and test_saobp_kernels.py, which run natively wherever CUDA is), the engine on CUDA against the
-CPU engine in fp32 for all six architectures, and decode steps compiled and replayed as CUDA
+CPU engine in fp32 for every architecture with a static decode step, and decode steps compiled and replayed as CUDA
 graphs against the eager engine on CUDA, on mixed-depth batches with preemption.
 
 Compiling is what takes the time on a GPU host (once per depth level of each engine), so each

@@ -22,6 +22,8 @@ from tests.depth_helpers import assert_same_generations, depth_params, stream_pr
 
 LENGTHS = [3, 17, 9, 30, 5, 12, 41]
 DORY_LOOPS = [{"loops": 1}, {"loops": 4}, None, {"loops": 3}, {"loops": 1}, {"loops": 2}, {"loops": 4}]
+HRM_CYCLES = [{"h_cycles": 1, "l_cycles": 1}, {"h_cycles": 3, "l_cycles": 1}, None, {"h_cycles": 1, "l_cycles": 3},
+              {"prefix_lm": 0}, {"h_cycles": 2, "l_cycles": 3}, {"h_cycles": 3, "l_cycles": 2, "prefix_lm": 0}]
 # Architectures with a static decode step beyond Llama: make_tiny options, the depth of each request of
 # the mixed batch (GQA SGT with an uneven head subset; ITT steps on and off; Dreamer with attention
 # experts; SAOBP has no knobs) and a page budget that forces preemption.
@@ -40,6 +42,9 @@ DEPTH_CASES = {
     # shared slot only at the passes it runs.
     "dory": (dict(loops=1, sliding_window=8), DORY_LOOPS, 260),
     "dory:last_loop": (dict(loops=1, cache_mode="last_loop", sliding_window=8), DORY_LOOPS, 100),
+    # HRM-Text trained at 2 x 2 cycles (up to 8 of each: eight levels), bidirectional and causal
+    # prompts; a level caps both stacks' cycles.
+    "hrm_text": (dict(h_cycles=2, l_cycles=2), HRM_CYCLES, 520),
 }
 
 

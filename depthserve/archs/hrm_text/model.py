@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from depthserve.archs.base import BuildOptions, DepthModel, RequestState
+from depthserve.archs.base import BuildOptions, DepthModel, RequestState, StaticDecodeSpec
 from depthserve.archs.hrm_text.format import (
     FUSED_PARTS,
     HrmTextConfig,
@@ -45,7 +45,7 @@ from depthserve.archs.hrm_text.format import plan as hrm_plan
 from depthserve.archs.hrm_text.format import report as hrm_report
 from depthserve.depth import DepthParams, DepthReport, KnobSpec
 from depthserve.errors import CheckpointFormatError
-from depthserve.layers.attention import AttentionMetadata, KVPool, paged_attention
+from depthserve.layers.attention import AttentionMetadata, KVPool, call_region, paged_attention
 from depthserve.layers.batch import BatchItem
 from depthserve.layers.rotary import apply_rope, rope_tables
 from depthserve.layers.rows import StepRows, step_rows
@@ -71,6 +71,8 @@ class PromptForward:
 def prompt_forwards(rows: StepRows) -> list[tuple[int, BatchItem]]:
     """(first row, item) of each request among `rows` whose forward ends its bidirectional prompt
     (plan.forward_tokens: such a forward always runs to the prompt's end) with more than one token."""
+    if rows.static_shapes:  # a decode step at static shapes: no prompt in it
+        return []
     found, offset = [], 0
     for index, count in zip(rows.item_indices, rows.item_row_counts):
         item = rows.step.items[index]
@@ -153,7 +155,7 @@ class HrmTextStack(nn.Module):
         for layer, slot in zip(self.layers, slot_names):
             sub_meta, columns = rows.attend(slot)
             bidirectional = [prompt_forward(first, item, slot, pool.k_pages.shape[1], x.device) for first, item in prompts]
-            x = layer(x, cos, sin, pool, sub_meta, columns, bidirectional)
+            x = call_region(layer, sub_meta, x, cos, sin, pool, sub_meta, columns, bidirectional)
         return rms_norm(x, self.eps)
 
 
@@ -206,6 +208,19 @@ class HrmTextForCausalLM(nn.Module, DepthModel):
 
     def plan(self, depth: DepthParams) -> HrmTextPlan:
         return hrm_plan(self.config, depth, self.max_positions)
+
+    def static_decode_spec(self) -> StaticDecodeSpec:
+        """Rows hold the slots of the most cycles of both stacks; a row's settings are its cycles, and
+        a batch runs capped at its deepest row's level, the larger of its two cycle counts (both
+        loops stop there). The decoder layer is compiled as a region: one graph serves both stacks
+        at every cycle and cap."""
+        cfg = self.config
+        deepest = self.plan(DepthParams(h_cycles=cfg.max_h_cycles, l_cycles=cfg.max_l_cycles)).layout
+        levels = tuple(range(1, max(cfg.max_h_cycles, cfg.max_l_cycles) + 1))
+        return StaticDecodeSpec(deepest, settings=2, levels=levels, compiled_regions=(HrmTextDecoderLayer,))
+
+    def static_level(self, plan: HrmTextPlan) -> int:
+        return max(plan.h_cycles, plan.l_cycles)
 
     def row_settings(self, plan: HrmTextPlan, level: int | None) -> np.ndarray:
         return np.array([plan.h_cycles, plan.l_cycles], dtype=np.float32)
