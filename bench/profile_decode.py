@@ -16,7 +16,8 @@ kernels (the union of the kernels' intervals), and the kernels that took most of
 are no device kernels: the figures are the operators run per step (torch's `aten::` and the native
 kernels' `depthserve_cpu::`, an operator's own time not counting the operators it calls), their
 summed own time (the rest of the wall time is Python and the engine's bookkeeping), and the top ones
-by their own time.
+by their own time. Under "prefill", the same figures for the short generation as a whole: the
+prompts' prefill steps (eager in every engine mode) and the one token they sample.
 """
 
 from __future__ import annotations
@@ -143,12 +144,17 @@ def per_step(long: dict, short: dict, steps: int, on_device: bool) -> dict:
     return out
 
 
+NOTHING = {"wall_us": 0.0, "busy_us": 0.0, "launches": 0, "graph_launches": 0, "per_name": {}}
+
+
 def profile_runner(runner, prompts: list[list[int]], output_len: int, device: torch.device) -> dict:
+    """The decode steps' figures, and under "prefill" the short generation's own: the prompts' prefill
+    (and the one token it samples), the same figures for the whole of it."""
     runner.generate(prompts, output_len + 1)  # warm-up: compilation, graph capture, allocations
     on_device = device.type == "cuda"
     short = summarize(*profiled(runner, prompts, 1, device), on_device)
     long = summarize(*profiled(runner, prompts, output_len + 1, device), on_device)
-    return per_step(long, short, output_len, on_device)
+    return {**per_step(long, short, output_len, on_device), "prefill": per_step(short, NOTHING, 1, on_device)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -173,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         for runner in runners:
             row[runner.name] = figures = profile_runner(runner, prompts, ns.output_len, device)
             print(f"{runner.name:16s} batch {concurrency:3d}: {describe(figures)}", flush=True)
+            print(f"{'':16s} prefill {concurrency} x {ns.input_len}: {describe(figures['prefill'])}", flush=True)
         payload["rows"].append(row)
         common.write_result(name, payload)  # after every row: an interrupted run keeps what it finished
     print(f"wrote {common.write_result(name, payload)}")

@@ -224,7 +224,7 @@ stage_throughput() {
         --repeats "${REPEATS:-3}" 2>&1 | tee "$OUT/throughput.log"
 }
 
-stage_profile() {  # where a decode step's time goes: launches, GPU busy share, top kernels (engine vs anchor)
+stage_profile() {  # where a decode step's and the prefill's time goes: launches, GPU busy share, top kernels (engine vs anchor)
     local model
     model=$(smollm2_shaped llama)
     if dry; then bench_imports bench/profile_decode.py; return; fi
