@@ -279,13 +279,16 @@ def paged_window_decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_page
 
 def paged_prefill_attention_varlen(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
                                    page_tables: torch.Tensor, query_starts: torch.Tensor, context_lens: torch.Tensor,
-                                   scale: float, window: int | None = None) -> torch.Tensor:
+                                   scale: float, window: int | None = None, *,
+                                   max_queries: int | None = None) -> torch.Tensor:
     """kernels/paged.py's `paged_prefill_attention_varlen` as one native call, for chunks of at most
     NATIVE_PREFILL_MAX_QUERIES queries each (there where the shapes fit; a sliding window takes the
-    torch implementation)."""
+    torch implementation). `max_queries`: the longest chunk's queries, where the caller knows it."""
+    if max_queries is None:
+        max_queries = int((query_starts[1:] - query_starts[:-1]).max())
     if (window is not None or q.stride(-1) != 1
             or not attention_fits(q.shape[-1], q.shape[1], page_tables.shape[1], q, k_pages, v_pages)
-            or int((query_starts[1:] - query_starts[:-1]).max()) > NATIVE_PREFILL_MAX_QUERIES):
+            or max_queries > NATIVE_PREFILL_MAX_QUERIES):
         from depthserve.kernels import paged
 
         return paged.paged_prefill_attention_varlen(q, k_pages, v_pages, page_tables, query_starts, context_lens,

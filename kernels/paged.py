@@ -143,6 +143,8 @@ def paged_prefill_attention_varlen(
     context_lens: torch.Tensor,  # [num_seqs] keys visible to each sequence's last query
     scale: float,
     window: int | None = None,  # keys a query sees, its own included (sliding-window layers); None: all
+    *,
+    max_queries: int | None = None,  # the longest chunk's queries where the caller knows it (unused here)
 ) -> torch.Tensor:
     """Causal attention of several packed prompt chunks, each over its own sequence's cache."""
     out = torch.empty_like(q)

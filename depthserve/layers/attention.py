@@ -27,6 +27,7 @@ class PackedPrefills:
     page_tables: torch.Tensor  # [num_seqs, max_blocks, row_width], padded with page 0
     query_starts: torch.Tensor  # [num_seqs + 1]
     context_lens: torch.Tensor  # [num_seqs]
+    max_queries: int  # the longest chunk's queries, known on the host (the GPU kernel's grid)
 
 
 @dataclass
@@ -106,6 +107,7 @@ class AttentionMetadata:
                 query_starts=torch.tensor(starts, dtype=torch.int32, device=device),
                 context_lens=torch.tensor([prefill.context_len for prefill in self.prefills], dtype=torch.int32,
                                           device=device),
+                max_queries=max(prefill.num_tokens for prefill in self.prefills),
             )
         return self._packed
 
@@ -145,8 +147,8 @@ def paged_attention(
         packed = meta.packed_prefills()
         tables = packed.page_tables[:, :, slot_columns].transpose(1, 2)  # [seqs, kv_heads, blocks]
         out[rows] = meta.kernels.paged_prefill_attention_varlen(
-            q[rows], pool.k_pages, pool.v_pages, tables, packed.query_starts, packed.context_lens, scale
-        )
+            q[rows], pool.k_pages, pool.v_pages, tables, packed.query_starts, packed.context_lens, scale,
+            max_queries=packed.max_queries)
     if meta.num_decodes:
         rows = slice(meta.num_prefill_tokens, None)  # the rest: no bound for a compiled graph to specialise on
         out[rows] = _decode_attention(q[rows], pool, meta, slot_columns, scale)

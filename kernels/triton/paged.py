@@ -255,18 +255,23 @@ def _prefill_kernel(
         tl.store(out_ptr + q_offs, out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
 
 
-def paged_prefill_attention_varlen(q, k_pages, v_pages, page_tables, query_starts, context_lens, scale):
+def paged_prefill_attention_varlen(q, k_pages, v_pages, page_tables, query_starts, context_lens, scale, *,
+                                   max_queries: int | None = None):
     """q [total_queries, num_q_heads, d] packed by sequence; page_tables [seqs, kv_heads, blocks];
-    query_starts [seqs + 1]; context_lens [seqs] (keys visible to each sequence's last query)."""
+    query_starts [seqs + 1]; context_lens [seqs] (keys visible to each sequence's last query);
+    max_queries: the longest chunk's queries, which sizes the grid. The engine passes it from the
+    host: reading it from the device would wait for the GPU to drain at every layer of a prefill
+    step, exposing the host's launch time of the next layer."""
     num_seqs = page_tables.shape[0]
     out = torch.empty_like(q)
     if num_seqs == 0 or q.shape[0] == 0:
         return out
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     kv_heads, max_blocks = page_tables.shape[1], page_tables.shape[2]
-    counts = query_starts[1:] - query_starts[:-1]
+    if max_queries is None:
+        max_queries = int((query_starts[1:] - query_starts[:-1]).max())
     block_m, block_n = 32, 32
-    grid = (num_seqs, triton.cdiv(int(counts.max()), block_m), num_q_heads)
+    grid = (num_seqs, triton.cdiv(max_queries, block_m), num_q_heads)
     _prefill_kernel[grid](
         q.contiguous(), k_pages, v_pages, page_tables, query_starts.to(torch.int32),
         context_lens.to(torch.int32), out, float(scale), page_tables.stride(0), page_tables.stride(1), page_tables.stride(2), max_blocks,
