@@ -1,8 +1,16 @@
 """Read a llama-architecture GGUF file: config from its metadata, weights dequantized with `gguf`,
-and the codes of the block formats a CPU kernel reproduces exactly (Q4_0, Q4_1) kept as stored."""
+and the codes of the block formats a CPU kernel reproduces exactly (Q4_0, Q4_1) kept as stored.
+
+gguf's reader parses every metadata field of the file, the vocabulary's strings and merges included
+(~100,000 of them in SmolLM2's: ~2 s on the 2-core AMD EPYC, several on the Xeon, a third of the
+default model's start). The first read of a file saves what the loader takes from that parse (the
+config, and each tensor's type, dimensions and place in the file) as an index beside the tokenizer's
+conversion (loading/derived_cache.py); later starts map the file and take the tensors from there."""
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -13,6 +21,9 @@ from tqdm.auto import tqdm
 
 from depthserve.errors import CheckpointFormatError
 from depthserve.layers.quantized import INT4_GROUP, QuantizedWeight
+from depthserve.loading.derived_cache import derived_dir
+
+INDEX_VERSION = 1
 
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
@@ -92,18 +103,62 @@ class GGUFWeights:
     types: dict[str, str] = field(default_factory=dict)  # name -> GGUF type name, e.g. "Q4_1"
 
 
-def load_gguf(path: Path, progress: bool = True, keep_codes: bool = False) -> GGUFWeights:
-    """The config and fp32 weights; with `keep_codes`, also the stored codes of Q4_0/Q4_1/Q8_0 tensors."""
+@dataclass(frozen=True)
+class StoredTensor:
+    """A tensor of a GGUF file: its name, ggml type (a GGMLQuantizationType name), dimensions in the
+    file's order (fastest first) and its stored values as gguf's reader gives them (a view of the
+    mapped file)."""
+
+    name: str
+    kind: str
+    dims: tuple[int, ...]
+    data: np.ndarray
+
+
+def read_gguf(path: Path) -> tuple[dict[str, Any], list[StoredTensor]]:
+    """The config and the tensors of a GGUF file: from its saved index (module docstring), else
+    parsed by gguf's reader, the index then saved (a cache that cannot be written costs only the
+    parse next time)."""
+    index_file = derived_dir(path, "gguf-index") / "index.json"
+    try:
+        index = json.loads(index_file.read_text())
+    except (OSError, ValueError):
+        index = None
+    if isinstance(index, dict) and index.get("version") == INDEX_VERSION:
+        stored = np.memmap(path, dtype=np.uint8, mode="r")
+        return index["config"], [
+            StoredTensor(t["name"], t["kind"], tuple(t["dims"]),
+                         stored[t["offset"]: t["offset"] + t["bytes"]].view(np.dtype(t["dtype"])).reshape(t["shape"]))
+            for t in index["tensors"]]
     from gguf import GGUFReader
-    from gguf.quants import dequantize
 
     reader = GGUFReader(str(path))
     config = read_config(reader)
+    tensors = [StoredTensor(t.name, t.tensor_type.name, tuple(int(d) for d in t.shape), t.data) for t in reader.tensors]
+    entries = [{"name": t.name, "kind": t.tensor_type.name, "dims": [int(d) for d in t.shape],
+                "offset": int(t.data_offset), "bytes": int(t.data.nbytes), "dtype": t.data.dtype.str,
+                "shape": list(t.data.shape)} for t in reader.tensors]
+    try:
+        index_file.parent.mkdir(parents=True, exist_ok=True)
+        partial = index_file.with_suffix(f".{os.getpid()}.tmp")
+        partial.write_text(json.dumps({"version": INDEX_VERSION, "config": config, "tensors": entries}))
+        partial.replace(index_file)  # whole or absent: a concurrent start reads one or the other
+    except OSError:
+        pass
+    return config, tensors
+
+
+def load_gguf(path: Path, progress: bool = True, keep_codes: bool = False) -> GGUFWeights:
+    """The config and fp32 weights; with `keep_codes`, also the stored codes of Q4_0/Q4_1/Q8_0 tensors."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    config, tensors = read_gguf(path)
     out = GGUFWeights(config, {})
-    for tensor in tqdm(reader.tensors, desc=f"Loading {path.name}", disable=not progress, unit="tensor"):
-        name, kind = _hf_name(tensor.name), tensor.tensor_type.name
-        shape = tuple(int(d) for d in reversed(tensor.shape))
-        array = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(shape)
+    for tensor in tqdm(tensors, desc=f"Loading {path.name}", disable=not progress, unit="tensor"):
+        name, kind = _hf_name(tensor.name), tensor.kind
+        shape = tuple(reversed(tensor.dims))
+        array = np.asarray(dequantize(tensor.data, GGMLQuantizationType[kind]), dtype=np.float32).reshape(shape)
         rows = _rope_rows(tensor.name, shape[0], config)
         if rows is not None:
             array = array[rows.numpy()]

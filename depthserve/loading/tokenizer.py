@@ -2,23 +2,11 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 from pathlib import Path
 
+from depthserve.loading.derived_cache import derived_dir
 from depthserve.loading.registry import ModelSource
-
-
-def _cache_root() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "depthserve" / "tokenizers"
-
-
-def _gguf_cache_dir(path: Path) -> Path:
-    stat = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    return _cache_root() / key
 
 
 def load_tokenizer(source: ModelSource):
@@ -29,7 +17,7 @@ def load_tokenizer(source: ModelSource):
     hf_logging.set_verbosity_error()
     if source.format == "hf":
         return AutoTokenizer.from_pretrained(str(source.path))
-    cache = _gguf_cache_dir(source.path)
+    cache = derived_dir(source.path, "tokenizers")
     if (cache / "tokenizer_config.json").is_file():
         return AutoTokenizer.from_pretrained(str(cache))
     tokenizer = AutoTokenizer.from_pretrained(str(source.path.parent), gguf_file=source.path.name)
