@@ -67,8 +67,8 @@ def test_rtn_error_is_what_the_format_allows():
         assert (error <= bound * step * (1 + 1e-5) + 1e-7).all()
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
-def test_gguf_4bit_blocks_decode_exactly(kind):
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+def test_gguf_blocks_decode_exactly(kind):
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize, quantize
 
@@ -77,7 +77,7 @@ def test_gguf_4bit_blocks_decode_exactly(kind):
     qtype = GGMLQuantizationType[kind]
     stored = quantize(array, qtype)
     codes = _block_codes(stored, kind, array.shape)
-    assert codes.bits == 4
+    assert codes.bits == (8 if kind == "Q8_0" else 4)
     assert torch.equal(codes.dequantize(), torch.from_numpy(dequantize(stored, qtype).reshape(array.shape)))
 
 
