@@ -72,6 +72,14 @@ def load_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor], sourc
     return derived
 
 
+def keep_stored_width(param: torch.Tensor, tensor: torch.Tensor) -> None:
+    """Widen `param` to the dtype of a checkpoint tensor stored wider than it (a float32 tensor in a
+    model built in bf16): the model keeps the checkpoint's precision there. Its values are kept, for
+    a parameter filled in parts."""
+    if tensor.is_floating_point() and torch.finfo(tensor.dtype).bits > torch.finfo(param.dtype).bits:
+        param.data = param.data.to(tensor.dtype)
+
+
 def _copy(param: torch.Tensor, value: torch.Tensor, name: str, source: str) -> None:
     if tuple(value.shape) != tuple(param.shape):
         raise CheckpointFormatError(f"{source}: {name} must be {list(param.shape)}, got {list(value.shape)}")

@@ -67,6 +67,7 @@ from depthserve.layers.batch import BatchItem
 from depthserve.layers.ngpt import gated_l2_normalize, interpolate, l2_normalize, swiglu_l2_normalize, unit_rope
 from depthserve.layers.rotary import rope_tables
 from depthserve.layers.rows import StepRows, step_rows
+from depthserve.loading.weights import keep_stored_width
 
 L2_EPS = 1e-6  # transformers' DoryL2Norm
 
@@ -353,8 +354,7 @@ class DoryForCausalLM(nn.Module, DepthModel):
         for checkpoint_name in [name for name in weights if _target(name) in params]:
             target, shard = _placement(checkpoint_name)
             tensor, param = weights.pop(checkpoint_name), params[target]
-            if tensor.is_floating_point() and torch.finfo(tensor.dtype).bits > torch.finfo(param.dtype).bits:
-                param.data = param.data.to(tensor.dtype)
+            keep_stored_width(param, tensor)
             rows = param if shard is None else self._shard_rows(target, param, shard)
             if tuple(tensor.shape) != tuple(rows.shape):
                 raise CheckpointFormatError(f"{source}: {checkpoint_name} must be {list(rows.shape)}, "

@@ -40,6 +40,7 @@ from depthserve.depth import DepthParams, DepthReport, KnobSpec
 from depthserve.errors import CheckpointFormatError
 from depthserve.layers.attention import AttentionMetadata, KVPool
 from depthserve.layers.rows import step_rows
+from depthserve.loading.weights import keep_stored_width
 
 CLIP_EPS = 1e-6  # transformers' L2 clip
 BLOCK_NORM_EPS = 1e-6  # the block attention residuals' unweighted RMS norm
@@ -455,8 +456,7 @@ def _copy_weight(param: nn.Parameter, tensor: torch.Tensor, where: str) -> None:
     """Copy a checkpoint tensor into its parameter, keeping a tensor stored wider than the model's dtype."""
     if tuple(tensor.shape) != tuple(param.shape):
         raise CheckpointFormatError(f"{where} must be {list(param.shape)}, got {list(tensor.shape)}")
-    if tensor.is_floating_point() and torch.finfo(tensor.dtype).bits > torch.finfo(param.dtype).bits:
-        param.data = torch.empty_like(param, dtype=tensor.dtype)
+    keep_stored_width(param, tensor)
     param.copy_(tensor)
 
 
