@@ -284,13 +284,13 @@ def paged_prefill_attention_varlen(q: torch.Tensor, k_pages: torch.Tensor, v_pag
     """kernels/paged.py's `paged_prefill_attention_varlen` as one native call, for chunks of at most
     NATIVE_PREFILL_MAX_QUERIES queries each (there where the shapes fit; a sliding window takes the
     torch implementation). `max_queries`: the longest chunk's queries, where the caller knows it."""
+    from depthserve.kernels import paged
+
     if max_queries is None:
-        max_queries = int((query_starts[1:] - query_starts[:-1]).max())
+        max_queries = paged.longest_chunk(query_starts)
     if (window is not None or q.stride(-1) != 1
             or not attention_fits(q.shape[-1], q.shape[1], page_tables.shape[1], q, k_pages, v_pages)
             or max_queries > NATIVE_PREFILL_MAX_QUERIES):
-        from depthserve.kernels import paged
-
         return paged.paged_prefill_attention_varlen(q, k_pages, v_pages, page_tables, query_starts, context_lens,
                                                     scale, window)
     return torch.ops.depthserve_cpu.paged_prefill_attention_varlen(q, k_pages, v_pages, page_tables, query_starts,

@@ -134,6 +134,12 @@ def paged_prefill_attention(
     return out[0].transpose(0, 1)
 
 
+def longest_chunk(query_starts: torch.Tensor) -> int:
+    """The most queries of any chunk packed by `query_starts` [seqs + 1] (a device read, and so a
+    wait for the device, where it lives on a GPU: the engine passes `max_queries` instead)."""
+    return int((query_starts[1:] - query_starts[:-1]).max())
+
+
 def paged_prefill_attention_varlen(
     q: torch.Tensor,  # [total_queries, num_q_heads, head_dim], packed by sequence
     k_pages: torch.Tensor,

@@ -9,6 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
+from depthserve.kernels.paged import longest_chunk
+
 from depthserve.kernels.triton.common import (DECODE_TILE, MIN_DOT, group_rows, group_scores, online_softmax,
                                               paged_kv_offsets, pow2)
 
@@ -269,7 +271,7 @@ def paged_prefill_attention_varlen(q, k_pages, v_pages, page_tables, query_start
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     kv_heads, max_blocks = page_tables.shape[1], page_tables.shape[2]
     if max_queries is None:
-        max_queries = int((query_starts[1:] - query_starts[:-1]).max())
+        max_queries = longest_chunk(query_starts)
     block_m, block_n = 32, 32
     grid = (num_seqs, triton.cdiv(max_queries, block_m), num_q_heads)
     _prefill_kernel[grid](
