@@ -32,7 +32,8 @@ from starlette.requests import ClientDisconnect
 from depthserve.engine.async_llm import AsyncLLM
 from depthserve.engine.client import EngineClient
 from depthserve.errors import DepthServeError
-from depthserve.server.connections import MAX_HEADER_BYTES, head_too_large_message, request_head_bytes
+from depthserve.server.connections import (MAX_HEADER_BYTES, ConnectionLimits, head_too_large_message, request_head_bytes,
+                                          uvicorn_config)
 from depthserve.server.metrics import ServerMetrics
 from depthserve.server.openapi import document_errors
 from depthserve.server.protocol import (
@@ -393,10 +394,8 @@ async def _unless_disconnected(request: Request, work: Awaitable[BaseModel]) -> 
 def run_server(llm: AsyncLLM, host: str, port: int, served_model_name: str | None = None,
                api_key: str | None = None, depth_presets: dict[str, dict] | None = None,
                log_level: str = "info", max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               chat_template: str | None = None) -> None:
+               chat_template: str | None = None, limits: ConnectionLimits = ConnectionLimits()) -> None:
     import uvicorn
-
-    from depthserve.server.connections import uvicorn_config
 
     configure_logging(log_level)
     app = build_app(llm, served_model_name, api_key, depth_presets, max_body_bytes, chat_template)
@@ -404,7 +403,7 @@ def run_server(llm: AsyncLLM, host: str, port: int, served_model_name: str | Non
     names += [f"{names[0]}:{preset}" for preset in depth_presets or {}]
     logger.info("serving %s at http://%s:%d (OpenAI API under /v1, API docs at /docs)%s", ", ".join(names),
                 host, port, "; API key required" if api_key else "")
-    uvicorn.Server(uvicorn_config(app, host, port, log_level)).run()
+    uvicorn.Server(uvicorn_config(app, host, port, log_level, limits)).run()
 
 
 def configure_logging(log_level: str) -> None:

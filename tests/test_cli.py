@@ -51,17 +51,28 @@ def busy_port():
     (["generate", "hi", "--max-model-len", "0"], "max_model_len must be positive, got 0"),
     (["serve", "--max-body-mb", "-1"], "--max-body-mb must be positive, got -1.0"),
     (["serve", "--max-waiting-requests", "-3"], "--max-waiting-requests must be 0 or more"),
+    (["serve", "--body-timeout", "0"], "--body-timeout must be a positive number of seconds, got 0.0"),
     (["serve", "--num-threads", "0"], "num_threads must be positive, got 0"),
     (["serve", "--host", "999.1.1.1", "--port", "8131"], "--host '999.1.1.1' is not an address"),
 ], ids=["serve-model", "generate-model", "preset-json", "preset-knob", "generate-depth", "generate-depth-list",
         "chat-depth", "bad-int", "port-range", "max-model-len", "generate-max-model-len", "max-body",
-        "max-waiting", "threads", "bad-host"])
+        "max-waiting", "body-timeout", "threads", "bad-host"])
 def test_cli_errors_are_one_line_and_exit_2_before_loading(args, words):
     result = _cli(*args)
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and words in lines[0], result.stderr
     assert "engine ready" not in result.stderr and "Traceback" not in result.stderr
+
+
+def test_serve_flags_set_the_connection_deadlines_and_default_to_the_servers():
+    from depthserve.server.connections import ConnectionLimits
+    from depthserve.tools.cli import build_parser, connection_limits
+
+    assert connection_limits(build_parser().parse_args(["serve"])) == ConnectionLimits()
+    flags = ["serve", "--header-timeout", "3", "--body-timeout", "7.5", "--timeout-keep-alive", "1"]
+    assert connection_limits(build_parser().parse_args(flags)) == ConnectionLimits(
+        header_timeout_s=3.0, body_timeout_s=7.5, keep_alive_s=1.0)
 
 
 def test_serve_on_a_port_in_use_fails_before_loading(busy_port):

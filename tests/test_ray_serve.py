@@ -99,16 +99,17 @@ def test_the_builder_refuses_unknown_args():
 
 
 @contextlib.contextmanager
-def _serve_replicas(tmp_path: Path) -> Iterator[tuple[subprocess.Popen, str, Path]]:
-    """`depthserve serve --replicas 1` of a tiny model on a local cluster of one CPU, in a session of
-    its own (a terminal's Ctrl-C reaches its whole process group), until it answers /health; yields
-    the process, its URL and its log. Killed with its processes at the end if still running."""
+def _serve_replicas(tmp_path: Path, *options: str) -> Iterator[tuple[subprocess.Popen, str, Path]]:
+    """`depthserve serve --replicas 1 [options]` of a tiny model on a local cluster of one CPU, in a
+    session of its own (a terminal's Ctrl-C reaches its whole process group), until it answers
+    /health; yields the process, its URL and its log. Killed with its processes at the end if still
+    running."""
     tiny = make_tiny("llama", tmp_path / "tiny", seed=1)
     port, log = free_port(), tmp_path / "serve.log"
     with log.open("w") as out:
         process = subprocess.Popen(
             [sys.executable, "-m", "depthserve", "serve", "--model", str(tiny), "--dtype", "float32",
-             "--replicas", "1", "--ray-cpus", "1", "--port", str(port), "--api-key", API_KEY],
+             "--replicas", "1", "--ray-cpus", "1", "--port", str(port), "--api-key", API_KEY, *options],
             stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
@@ -176,12 +177,16 @@ def _stopped_cleanly(process: subprocess.Popen, log: Path, cluster: dict[int, st
 
 def test_serve_replicas_holds_the_connection_deadlines_and_stops_on_sigterm(tmp_path):
     """Through `serve --replicas` (its HTTP served with the one-process server's deadlines, not Serve's
-    proxy): header bytes trickled, an idle kept-alive connection and a body trickled after a
-    Content-Length of 100000 are closed on their deadlines (the body with a JSON 408); a non-ASCII
-    bearer token is a JSON 401 and two Authorization headers a JSON 400; SIGTERM then ends the
-    server within 15 s (exit 0, no traceback) and every process of its Ray cluster with it."""
-    limits = ConnectionLimits()
-    with _serve_replicas(tmp_path) as (process, base, log):
+    proxy, set by its flags): header bytes trickled, an idle kept-alive connection and a body
+    trickled after a Content-Length of 100000 are closed on their deadlines (the body with a JSON
+    408); a non-ASCII bearer token is a JSON 401 and two Authorization headers a JSON 400; SIGTERM
+    then ends the server within 15 s (exit 0, no traceback) and every process of its Ray cluster
+    with it. The deadlines are shorter than the defaults (test_cli.py checks the flags' defaults are
+    ConnectionLimits'), so the test waits seconds, not the default 20 s of a body."""
+    limits = ConnectionLimits(header_timeout_s=4.0, body_timeout_s=6.0, keep_alive_s=2.0)
+    flags = ("--header-timeout", str(limits.header_timeout_s), "--body-timeout", str(limits.body_timeout_s),
+             "--timeout-keep-alive", str(limits.keep_alive_s))
+    with _serve_replicas(tmp_path, *flags) as (process, base, log):
         cluster = descendants(process.pid)
         assert any(Path(f"/proc/{pid}/comm").read_text().strip() == "raylet" for pid in cluster)
         checks = {

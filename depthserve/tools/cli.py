@@ -15,6 +15,7 @@ from pathlib import Path
 from depthserve.archs import Command, architectures, knob_names
 from depthserve.config import DEPTH_POLICIES, EngineArgs
 from depthserve.loading.registry import BUILTIN_MODELS, DEFAULT_MODEL, resolve_model
+from depthserve.server.connections import ConnectionLimits
 
 
 class CLIParser(argparse.ArgumentParser):
@@ -222,8 +223,9 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         except (OSError, UnicodeDecodeError) as exc:
             return fail(f"--chat-template: cannot read {ns.chat_template}: {exc}")
     max_body_bytes = int(ns.max_body_mb * (1 << 20))
+    limits = connection_limits(ns)
     if ns.replicas is not None or ns.max_replicas is not None:
-        return _serve_replicas(ns, engine_args, presets, max_body_bytes, chat_template)
+        return _serve_replicas(ns, engine_args, presets, max_body_bytes, chat_template, limits)
     from depthserve.engine.async_llm import AsyncLLM
     from depthserve.server.app import configure_logging, run_server
 
@@ -233,12 +235,21 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     except DepthServeError as exc:
         return fail(str(exc))
     run_server(llm, ns.host, ns.port, ns.served_model_name, ns.api_key, presets, ns.log_level,
-               max_body_bytes=max_body_bytes, chat_template=chat_template)
+               max_body_bytes=max_body_bytes, chat_template=chat_template, limits=limits)
     return 0
 
 
+DEFAULT_LIMITS = ConnectionLimits()
+
+
+def connection_limits(ns: argparse.Namespace) -> ConnectionLimits:
+    """The server's connection deadlines from `serve`'s flags (their defaults: ConnectionLimits')."""
+    return ConnectionLimits(header_timeout_s=ns.header_timeout, body_timeout_s=ns.body_timeout,
+                            keep_alive_s=ns.timeout_keep_alive)
+
+
 def _serve_replicas(ns: argparse.Namespace, engine_args: EngineArgs, presets: dict[str, dict], max_body_bytes: int,
-                    chat_template: str | None) -> int:
+                    chat_template: str | None, limits: ConnectionLimits) -> int:
     """`serve --replicas N` (or `--max-replicas`): a local Ray cluster, N engine replicas, one endpoint."""
     from depthserve.errors import DepthServeError
     from depthserve.server.app import configure_logging
@@ -255,7 +266,8 @@ def _serve_replicas(ns: argparse.Namespace, engine_args: EngineArgs, presets: di
                                 routing=ns.routing)
     try:
         scaling.check()
-        ray_serve.run(settings, scaling, ns.host, ns.port, num_cpus=ns.ray_cpus, log_level=ns.log_level)
+        ray_serve.run(settings, scaling, ns.host, ns.port, num_cpus=ns.ray_cpus, log_level=ns.log_level,
+                      limits=limits)
     except DepthServeError as exc:
         return fail(str(exc))
     return 0
@@ -267,6 +279,10 @@ def _serve_option_problem(ns: argparse.Namespace) -> str | None:
         return f"--port must be between 1 and 65535, got {ns.port}"
     if not ns.max_body_mb > 0:
         return f"--max-body-mb must be positive, got {ns.max_body_mb}"
+    for flag, seconds in (("--header-timeout", ns.header_timeout), ("--body-timeout", ns.body_timeout),
+                          ("--timeout-keep-alive", ns.timeout_keep_alive)):
+        if not seconds > 0:
+            return f"{flag} must be a positive number of seconds, got {seconds}"
     if ns.max_waiting_requests < 0:
         return f"--max-waiting-requests must be 0 or more, got {ns.max_waiting_requests}"
     if ns.replicas is not None and ns.replicas < 1:
@@ -402,6 +418,14 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                               "with Retry-After")
     p_serve.add_argument("--max-body-mb", type=float, default=4.0,
                          help="largest request body accepted; larger ones get HTTP 413")
+    p_serve.add_argument("--header-timeout", type=float, default=DEFAULT_LIMITS.header_timeout_s, metavar="SECONDS",
+                         help="a connection's time to send a complete request head, from opening or from its "
+                              "previous response; then it is closed (slowloris)")
+    p_serve.add_argument("--body-timeout", type=float, default=DEFAULT_LIMITS.body_timeout_s, metavar="SECONDS",
+                         help="a request body's time to arrive in full after its head; then HTTP 408 and the "
+                              "connection is closed")
+    p_serve.add_argument("--timeout-keep-alive", type=float, default=DEFAULT_LIMITS.keep_alive_s,
+                         metavar="SECONDS", help="an idle keep-alive connection is closed after this long")
     p_serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                          help="debug adds /health and /metrics polls and ignored request fields")
     p_serve.add_argument("--chat-template", default=None, metavar="FILE",
