@@ -95,12 +95,33 @@ def smollm_tokenizer():
 
 
 @pytest.fixture(scope="session")
-def alone_outputs(smollm_tokenizer):
+def alone_outputs(smollm_tokenizer, tmp_path_factory):
     """The batch-invariance workload's requests each run alone (tests/batch_workload.py), shared by
-    the modules that compare batches with it."""
+    the modules that compare batches with it: computed once per run, and under pytest-xdist by the
+    first worker that needs it (~25 s of 384 batch-1 steps), the others reading it from that run's
+    shared temporary folder."""
     from tests.batch_workload import run_alone
 
-    return run_alone(smollm_tokenizer)
+    return once_per_run(tmp_path_factory, "alone-outputs", lambda: run_alone(smollm_tokenizer))
+
+
+def once_per_run(tmp_path_factory, name: str, compute):
+    """`compute()`, run once for the whole test run: under pytest-xdist the workers share one result
+    through a pickle in the run's own temporary folder (the parent of every worker's basetemp, new for
+    each run), written by the first under a file lock; without xdist, plainly."""
+    import pickle
+
+    from filelock import FileLock
+
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return compute()
+    stored = tmp_path_factory.getbasetemp().parent / f"{name}.pickle"
+    with FileLock(f"{stored}.lock"):
+        if stored.is_file():
+            return pickle.loads(stored.read_bytes())
+        result = compute()
+        stored.write_bytes(pickle.dumps(result))
+        return result
 
 
 @pytest.fixture(scope="session")
