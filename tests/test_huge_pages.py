@@ -5,6 +5,7 @@ huge pages are not offered; the native kernels' weights and the CPU KV pool use 
 from __future__ import annotations
 
 import gc
+import os
 
 import pytest
 import torch
@@ -15,6 +16,23 @@ from depthserve.layers.quantized import QuantLinear, move_native_weights_to_huge
 from tests.test_quantized import _TiedToy
 
 needs_huge_pages = pytest.mark.skipif(not huge_pages.available(), reason="no transparent huge pages on this system")
+
+
+def _resident_bytes() -> int:
+    return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@needs_huge_pages
+@pytest.mark.parametrize("populate", [True, False], ids=["kernel-populate", "written-zeros"])
+def test_zeros_are_committed_at_once_by_the_kernel_or_by_writing_them(populate, monkeypatch):
+    """64 MiB of zeros are resident as soon as they are made (the KV pool is committed at start-up),
+    whether the kernel populates them (MADV_POPULATE_WRITE) or, where it refuses, they are written."""
+    if not populate:
+        monkeypatch.setattr(huge_pages, "MADV_POPULATE_WRITE", -1)  # an advice the kernel refuses
+    before = _resident_bytes()
+    pages = huge_pages.zeros((16, 1 << 20), torch.float32)
+    assert _resident_bytes() - before >= 60 << 20
+    assert not pages.any()
 
 
 @needs_huge_pages

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 HUGE_PAGE = 2 << 20
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14+ (Python 3.13 names it)
 ALIGNMENT = 64  # each tensor in an arena starts on a cache line
 THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -51,6 +52,15 @@ class _Arena:
         self.mapping.madvise(mmap.MADV_HUGEPAGE)
         self.start = -torch.frombuffer(self.mapping, dtype=torch.uint8, count=1).data_ptr() % HUGE_PAGE
 
+    def commit(self) -> bool:
+        """Fault in every page of the mapping now, writable, in the kernel (one pass over fresh zeroed
+        pages instead of a fault per page from user space); False where the kernel cannot."""
+        try:
+            self.mapping.madvise(MADV_POPULATE_WRITE)
+        except OSError:  # EINVAL before Linux 5.14
+            return False
+        return True
+
     def tensor(self, offset: int, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         count = math.prod(shape)
         if count == 0:
@@ -59,12 +69,16 @@ class _Arena:
 
 
 def zeros(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-    """torch.zeros(shape, dtype) on the CPU, on huge pages where available. Every page is written
-    now, as torch.zeros does, so that the memory is committed at start-up, not in the first steps."""
+    """torch.zeros(shape, dtype) on the CPU, on huge pages where available. Every page is committed
+    now, as torch.zeros does by writing it, not in the first steps: a fresh anonymous mapping reads as
+    zeros, so the kernel's populate is enough where it has one (a 1 GiB KV pool: 0.1-0.6 s against
+    0.65-2.3 s for writing zeros over huge-page faults, on the 2-core EPYC)."""
     if not available():
         return torch.zeros(shape, dtype=dtype)
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    return _Arena(nbytes).tensor(0, shape, dtype).zero_()
+    arena = _Arena(nbytes)
+    tensor = arena.tensor(0, shape, dtype)
+    return tensor if arena.commit() else tensor.zero_()
 
 
 def copy_to_huge_pages(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:

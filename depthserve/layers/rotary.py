@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from depthserve.kernels import cpu_native
 from depthserve.kernels.ops import KernelOp
@@ -13,6 +14,15 @@ def rope_tables(head_dim: int, max_positions: int, theta: float, device=None) ->
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
     angles = torch.outer(torch.arange(max_positions, dtype=torch.float32, device=device), inv_freq)
     return angles.cos(), angles.sin()
+
+
+def register_rope_buffers(module: nn.Module, head_dim: int, max_positions: int) -> None:
+    """The module's `rope_cos` and `rope_sin` buffers, [max_positions, head_dim // 2], left empty: the
+    model is built on the meta device and computes them in finish_load, after its cast (they stay
+    fp32). Computed on meta, arange would run through torch's Python references, which import
+    torch._dynamo: 1.3 s of an eager engine's start-up (layers/embedding.py)."""
+    module.register_buffer("rope_cos", torch.empty(max_positions, head_dim // 2), persistent=False)
+    module.register_buffer("rope_sin", torch.empty(max_positions, head_dim // 2), persistent=False)
 
 
 def _apply_rope_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

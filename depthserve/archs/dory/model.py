@@ -62,6 +62,7 @@ from depthserve.archs.dory.native_decode import NativeDoryLayers, Rope
 from depthserve.cache import CacheLayout
 from depthserve.depth import DepthParams, DepthReport, KnobSpec
 from depthserve.errors import CheckpointFormatError
+from depthserve.layers.embedding import checkpoint_embedding
 from depthserve.layers.attention import AttentionMetadata, KVPool, call_region, paged_attention
 from depthserve.layers.batch import BatchItem
 from depthserve.layers.ngpt import gated_l2_normalize, interpolate, l2_normalize, swiglu_l2_normalize, unit_rope
@@ -236,7 +237,7 @@ class DoryForCausalLM(nn.Module, DepthModel):
         super().__init__()
         self.config = cfg
         self.max_positions = max_positions
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = checkpoint_embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DoryDecoderLayer(cfg, i) for i in range(cfg.num_layers))
         # W_head a plain linear layer, so that it is quantized with the others (loading/quantization.py);
         # its learned per-token scale is used as logit_scale / initializer_range

@@ -53,6 +53,7 @@ from depthserve.archs.llama.model import tie_lm_head
 from depthserve.cache import SlotKind
 from depthserve.depth import DepthParams, DepthReport, KnobSpec
 from depthserve.kernels.dispatch import Kernels
+from depthserve.layers.embedding import checkpoint_embedding
 from depthserve.layers.attention import AttentionMetadata, KVPool, paged_attention
 from depthserve.layers.experts import Expert, mix_experts, plan_experts
 from depthserve.layers.norm import RMSNorm
@@ -227,13 +228,15 @@ class DreamerForCausalLM(nn.Module, DepthModel):
     def __init__(self, cfg: DreamerConfig, spec: DreamerSpec, max_positions: int):
         super().__init__()
         self.config, self.spec = cfg, spec
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = checkpoint_embedding(cfg.vocab_size, cfg.hidden_size)
         self.block = DreamerBlock(cfg, spec)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         # Routers run in fp32 whatever the model dtype (re-set by finish_load after a cast).
         self._fp32: dict[str, torch.Tensor] = {}
         self.max_positions = max_positions
-        self._tables()
+        # Rotary tables over positions and depth, computed by finish_load (on the meta device the
+        # model is built on, computing them would import torch._dynamo: layers/rotary.py).
+        self.rope_cos = self.rope_sin = self.router_cos = self.router_sin = torch.zeros(0)
         # Per-token depth cache accounting (SlotKind.TOKEN_DEPTH): values held now (0 between steps),
         # and one record per step: (tokens, largest depth in the batch, peak values held).
         self.token_depth_live_values = 0

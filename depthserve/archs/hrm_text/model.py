@@ -45,6 +45,7 @@ from depthserve.archs.hrm_text.format import plan as hrm_plan
 from depthserve.archs.hrm_text.format import report as hrm_report
 from depthserve.depth import DepthParams, DepthReport, KnobSpec
 from depthserve.errors import CheckpointFormatError
+from depthserve.layers.embedding import checkpoint_embedding
 from depthserve.layers.attention import AttentionMetadata, KVPool, call_region, paged_attention
 from depthserve.layers.batch import BatchItem
 from depthserve.layers.rotary import apply_rope, rope_tables
@@ -167,7 +168,7 @@ class HrmTextForCausalLM(nn.Module, DepthModel):
         super().__init__()
         self.config = cfg
         self.max_positions = max_positions
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = checkpoint_embedding(cfg.vocab_size, cfg.hidden_size)
         self.L_module = HrmTextStack(cfg)
         self.H_module = HrmTextStack(cfg)
         self.z_L_init = nn.Parameter(torch.zeros(cfg.hidden_size), requires_grad=False)

@@ -38,6 +38,7 @@ from depthserve.archs.inkling2.format import report as inkling2_report
 from depthserve.cache import CacheLayout
 from depthserve.depth import DepthParams, DepthReport, KnobSpec
 from depthserve.errors import CheckpointFormatError
+from depthserve.layers.embedding import checkpoint_embedding
 from depthserve.layers.attention import AttentionMetadata, KVPool
 from depthserve.layers.rows import step_rows
 from depthserve.loading.weights import keep_stored_width
@@ -324,7 +325,7 @@ class Inkling2ForCausalLM(nn.Module, DepthModel):
     def __init__(self, cfg: Inkling2Config, max_positions: int):
         super().__init__()
         self.config, self.max_positions = cfg, max_positions
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed = checkpoint_embedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_norm = Norm(cfg.hidden_size, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.attn_res = AttentionResidualQueries(cfg)

@@ -15,10 +15,11 @@ from depthserve.archs.base import BuildOptions, DepthModel, StaticDecodeSpec
 from depthserve.archs.llama.format import PACKED_MODULES, LlamaConfig, plain_plan
 from depthserve.archs.llama.native_decode import NativeDecodeLayers
 from depthserve.depth import DepthParams, DepthPlan
+from depthserve.layers.embedding import checkpoint_embedding
 from depthserve.layers.activation import silu_and_mul
 from depthserve.layers.attention import AttentionMetadata, KVPool, paged_attention
 from depthserve.layers.norm import RMSNorm
-from depthserve.layers.rotary import apply_rope, rope_tables
+from depthserve.layers.rotary import apply_rope, register_rope_buffers, rope_tables
 
 
 class LlamaAttention(nn.Module):
@@ -88,13 +89,11 @@ class LlamaForCausalLM(nn.Module, DepthModel):
         super().__init__()
         self.config = cfg
         self.max_positions = max_positions
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = checkpoint_embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        cos, sin = rope_tables(cfg.head_dim, max_positions, cfg.rope_theta)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        register_rope_buffers(self, cfg.head_dim, max_positions)
         self._base_plan = plain_plan(cfg, DepthParams())
         self.native_layers: NativeDecodeLayers | None = None  # every layer in one native call (finish_load)
         self._first_columns = [self._base_plan.layout.columns(i).start for i in range(cfg.num_layers)]

@@ -56,9 +56,10 @@ from depthserve.archs.put.format import (
 from depthserve.archs.put.format import plan as put_plan
 from depthserve.archs.put.format import report as put_report
 from depthserve.depth import DepthParams, DepthReport, KnobSpec
+from depthserve.layers.embedding import checkpoint_embedding
 from depthserve.layers.attention import AttentionMetadata, KVPool, paged_attention
 from depthserve.layers.norm import RMSNorm
-from depthserve.layers.rotary import rope_tables
+from depthserve.layers.rotary import register_rope_buffers
 from depthserve.layers.rows import StepRows, step_rows
 
 
@@ -185,15 +186,13 @@ class PUTForCausalLM(nn.Module, DepthModel):
         self.spec = spec
         self.readout_every_level = spec.n_suffix == 0  # module docstring: readouts
         self.max_positions = max_positions
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = checkpoint_embedding(cfg.vocab_size, cfg.hidden_size)
         self.prefix_layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(spec.n_prefix))
         self.core_layers = nn.ModuleList(PUTCoreLayer(cfg, spec, j) for j in range(spec.n_core))
         self.suffix_layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(spec.n_suffix))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        cos, sin = rope_tables(cfg.head_dim, max_positions, cfg.rope_theta)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        register_rope_buffers(self, cfg.head_dim, max_positions)
         self.base_columns = base_columns(cfg, spec)  # the base slots sit alike in every request's table
 
     @property
