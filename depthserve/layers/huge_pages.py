@@ -71,8 +71,8 @@ class _Arena:
 def zeros(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     """torch.zeros(shape, dtype) on the CPU, on huge pages where available. Every page is committed
     now, as torch.zeros does by writing it, not in the first steps: a fresh anonymous mapping reads as
-    zeros, so the kernel's populate is enough where it has one (a 1 GiB KV pool: 0.1-0.6 s against
-    0.65-2.3 s for writing zeros over huge-page faults, on the 2-core EPYC)."""
+    zeros, so the kernel's populate is enough where it has one: one pass in the kernel instead of a
+    fault per page and a second pass writing zeros (docs/benchmarks.md, "Start-up")."""
     if not available():
         return torch.zeros(shape, dtype=dtype)
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
