@@ -1,5 +1,5 @@
 """An eager engine's start-up imports no more of torch than serving needs: building every
-architecture's engine and generating with it leaves torch._dynamo unimported (1.3 s of a process's
+architecture's engine and generating with it leaves torch._dynamo unimported (about a second of a process's
 start-up: models are built on the meta device, where a random init or a computed table would import
 it; layers/embedding.py, layers/rotary.py `register_rope_buffers`). Run in a fresh process, since the
 test process has imported it long before."""

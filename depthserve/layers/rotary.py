@@ -20,7 +20,7 @@ def register_rope_buffers(module: nn.Module, head_dim: int, max_positions: int) 
     """The module's `rope_cos` and `rope_sin` buffers, [max_positions, head_dim // 2], left empty: the
     model is built on the meta device and computes them in finish_load, after its cast (they stay
     fp32). Computed on meta, arange would run through torch's Python references, which import
-    torch._dynamo: 1.3 s of an eager engine's start-up (layers/embedding.py)."""
+    torch._dynamo, about a second of an eager engine's start-up (layers/embedding.py)."""
     module.register_buffer("rope_cos", torch.empty(max_positions, head_dim // 2), persistent=False)
     module.register_buffer("rope_sin", torch.empty(max_positions, head_dim // 2), persistent=False)
 
