@@ -1,8 +1,11 @@
-"""An eager engine's start-up imports no more of torch than serving needs: building every
-architecture's engine and generating with it leaves torch._dynamo unimported (about a second of a process's
-start-up: models are built on the meta device, where a random init or a computed table would import
-it; layers/embedding.py, layers/rotary.py `register_rope_buffers`). Run in a fresh process, since the
-test process has imported it long before."""
+"""An eager engine's start-up imports no more of torch than serving needs. Models are built on the
+meta device, where a random init, a computed table or to_empty's empty_like run through torch's
+Python references and import what an eager engine never uses: torch._dynamo (about a second of a
+process's start-up) and sympy with the symbolic-shapes machinery (~0.3 s). Loading every
+architecture's model imports neither (layers/embedding.py, layers/rotary.py `register_rope_buffers`,
+engine/model_loader.py `allocate`), and building each one's engine and generating with it never
+imports Dynamo (sympy may come with transformers' tokenizer classes: HRM-Text's and Inkling-2's
+read their model's config class). Run in a fresh process: the test process imported both long ago."""
 
 from __future__ import annotations
 
@@ -13,26 +16,40 @@ import sys
 from depthserve.archs import architectures
 from depthserve.lab.make_tiny import make_tiny
 
-BUILD_EACH = """
+LOAD_THEN_SERVE_EACH = """
 import json, sys
+import torch
 from depthserve import LLM, SamplingParams
-imported = {}
-for arch, path in json.loads(sys.argv[1]).items():
+from depthserve.engine.model_loader import load_model
+from depthserve.loading.registry import resolve_model
+
+def imported():
+    return sorted(name for name in ("torch._dynamo", "sympy") if name in sys.modules)
+
+paths = json.loads(sys.argv[1])
+loading = {}
+for arch, path in paths.items():
+    load_model(resolve_model(path), torch.float32, torch.device("cpu"), 64, progress=False)
+    loading[arch] = imported()
+serving = {}
+for arch, path in paths.items():
     llm = LLM(path, dtype="float32", max_model_len=64, kv_cache_memory_gib=0.01, load_progress=False)
     assert llm.engine.runner.static is None  # the CPU default: eager
     llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, ignore_eos=True))
-    imported[arch] = "torch._dynamo" in sys.modules
-print(json.dumps(imported))
+    serving[arch] = "torch._dynamo" in sys.modules
+print(json.dumps({"loading": loading, "serving": serving}))
 """
 
 
-def test_building_and_running_each_architecture_eagerly_never_imports_dynamo(tmp_path, smollm_tokenizer):
+def test_loading_each_architecture_imports_neither_dynamo_nor_sympy_and_serving_never_dynamo(
+        tmp_path, smollm_tokenizer):
     names = sorted({architecture.name for architecture in architectures()
                     if architecture.tiny_checkpoints() is not None})
     paths = {name: str(make_tiny(name, tmp_path / name, seed=1, tokenizer=smollm_tokenizer)) for name in names}
-    done = subprocess.run([sys.executable, "-c", BUILD_EACH, json.dumps(paths)], capture_output=True, text=True,
-                          timeout=600)
+    done = subprocess.run([sys.executable, "-c", LOAD_THEN_SERVE_EACH, json.dumps(paths)], capture_output=True,
+                          text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    imported = json.loads(done.stdout.strip().splitlines()[-1])
-    assert sorted(imported) == names
-    assert not any(imported.values()), imported  # the first True names the architecture that imported it
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    # once imported a module stays: the first architecture with an entry is the one that imported it
+    assert found["loading"] == {name: [] for name in names}, found["loading"]
+    assert found["serving"] == dict.fromkeys(names, False), found["serving"]

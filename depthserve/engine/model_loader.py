@@ -15,6 +15,7 @@ from typing import Any
 import logging
 
 import torch
+from torch import nn
 
 from depthserve.archs import BuildOptions, DepthModel, resolve_architecture
 from depthserve.layers.linear import optimize_linears_for_cpu
@@ -54,7 +55,7 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device, ma
     max_len = min(max_model_len or context, context)
     with torch.device("meta"):
         model = architecture.build(hf_config, spec, BuildOptions(max_len=max_len, max_loops=max_loops))
-    model = model.to_empty(device="cpu")
+    model = allocate(model, torch.device("cpu"))
     derived = load_weights(model, weights, str(source.path))
     # Quantized from the checkpoint's own values, before the cast (rounding bf16 weights would
     # round twice), then the copies derived from quantized layers refilled from what they serve.
@@ -70,6 +71,14 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device, ma
         optimize_linears_for_cpu(model)
     return LoadedModel(model=model, hf_config=hf_config, max_model_len=max_len, vocab_size=int(hf_config["vocab_size"]),
                        quantization=report)
+
+
+def allocate(model: nn.Module, device: torch.device) -> nn.Module:
+    """`model.to_empty(device=device)` for a model built on the meta device: every parameter and
+    buffer given uninitialised storage of its shape and dtype. to_empty's empty_like runs through
+    torch's Python reference for meta tensors, which imports sympy and the symbolic-shapes machinery
+    (~0.3 s of an engine's start-up, never needed by an eager engine: tests/test_startup_imports.py)."""
+    return model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
 
 
 def _warn_dequantized(report: QuantizationReport, stored_types: dict[str, str], model) -> None:
