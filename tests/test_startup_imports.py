@@ -13,7 +13,6 @@ import json
 import subprocess
 import sys
 
-from depthserve.archs import architectures
 from depthserve.lab.make_tiny import make_tiny
 
 LOAD_THEN_SERVE_EACH = """
@@ -41,10 +40,24 @@ print(json.dumps({"loading": loading, "serving": serving}))
 """
 
 
+LIST_BUILT_IN = """
+import json
+from depthserve.archs import architectures
+print(json.dumps([a.name for a in architectures() if a.tiny_checkpoints() is not None]))
+"""
+
+
+def built_in_architectures() -> list[str]:
+    """The architectures with a tiny checkpoint that a fresh process knows (this one may also hold
+    the toy architectures other test modules register)."""
+    done = subprocess.run([sys.executable, "-c", LIST_BUILT_IN], capture_output=True, text=True, timeout=120,
+                          check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def test_loading_each_architecture_imports_neither_dynamo_nor_sympy_and_serving_never_dynamo(
         tmp_path, smollm_tokenizer):
-    names = sorted({architecture.name for architecture in architectures()
-                    if architecture.tiny_checkpoints() is not None})
+    names = built_in_architectures()
     paths = {name: str(make_tiny(name, tmp_path / name, seed=1, tokenizer=smollm_tokenizer)) for name in names}
     done = subprocess.run([sys.executable, "-c", LOAD_THEN_SERVE_EACH, json.dumps(paths)], capture_output=True,
                           text=True, timeout=600)
