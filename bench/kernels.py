@@ -12,6 +12,23 @@ pool) and the decode attention of `--batch` sequences of `--context` keys is tim
 - the torch fallback (kernels/paged.py: gather the pages, then matmuls);
 - SDPA on contiguous K/V of the same shape (no paging: the kernel a paged kernel is held against).
 
+With `--prefill` the attention timed is a prefill step's instead: `--batch` prompt chunks of
+`--chunk` queries each, packed as the engine packs them, over `--prefix` earlier keys of their
+sequence already in the pool (0: fresh prompts) and their own:
+
+- the Triton varlen prefill kernel (the engine's on CUDA) and the torch fallback (per sequence: gather
+  its pages, SDPA);
+- SDPA on the same chunks as a padded batch of contiguous K/V (what an eager transformers prefill
+  runs);
+- torch's flash varlen attention (`torch.nn.attention.varlen.varlen_attn`, CUDA only) on the packed
+  chunks with contiguous K/V, and on the page pool itself through a block table (one batch element
+  per sequence and KV head, as the pool holds one head per page);
+- xformers' memory-efficient attention with a block-diagonal causal mask, where xformers is installed.
+
+A form that cannot run here (no CUDA, a page size the flash kernel refuses) is recorded as failed,
+so one run says which of the field's kernels could replace the hand-written one, and at what
+speed (TFLOP/s: 4 x query-key pairs x head dim x query heads).
+
 Each time is the median of `triton.testing.do_bench` on CUDA (a wall-clock median elsewhere). The
 bytes a decode attention must move are its keys and values, read once (queries and outputs are
 negligible); over the time they give the achieved bandwidth, reported against the device's
@@ -19,8 +36,8 @@ device-to-device copy rate measured in the same run. Every kernel's output is ch
 the torch fallback in fp32 on the same inputs: one outside the error bound of its dtype is recorded
 as wrong and not timed, one that raises (a variant that does not compile, say: too much shared
 memory) as failed with its error, and the run goes on; only rows within the bound are timed and can
-be the fastest. Result: bench/results/kernels-<device>.json, rewritten after every row (its "status":
-running, complete or interrupted).
+be the fastest. Result: bench/results/kernels-<device>.json (kernels-prefill-<device>[-after-<prefix>].json),
+rewritten after every row (its "status": running, complete or interrupted).
 """
 
 from __future__ import annotations
@@ -58,11 +75,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--shapes", default="9/3/64,32/8/64,32/8/128", help="query heads/KV heads/head dim, comma-separated")
     p.add_argument("--variants", default="tile=32,64,128;warps=4,8;stages=1,2,3",
                    help="the kernel's knobs to sweep: tile (keys per step), warps, stages; each list crossed")
+    p.add_argument("--prefill", action="store_true", help="time prefill attention instead (module docstring)")
+    p.add_argument("--chunk", type=int, default=128, help="--prefill: queries per prompt chunk")
+    p.add_argument("--prefix", type=int, default=0, help="--prefill: earlier keys of each sequence in the pool")
     p.add_argument("--quick", action="store_true", help="batch 2, context 64, one small shape, two variants")
     p.add_argument("--out", default=None, help="result name under bench/results (default: kernels-<device>)")
     ns = p.parse_args(argv)
     if ns.quick:
         ns.batch, ns.context, ns.shapes, ns.variants, ns.dtype = 2, 64, "4/2/16", "tile=32;warps=4;stages=1,2", "float32"
+        ns.chunk = 16
+    if ns.prefill:
+        ns.context = ns.prefix + ns.chunk
     return ns
 
 
@@ -143,6 +166,9 @@ def describe(row: dict[str, Any], copy_rate: float | None) -> str:
     if row["status"] == "wrong":
         return (f"  {row['name']:<28} WRONG: rel. error {row['relative_error']:.1e} > {row['error_bound']:.0e}"
                 " (not timed)")
+    if "tflops" in row:
+        return (f"  {row['name']:<44} {row['ms'] * 1000:9.1f} us  {row['tflops']:7.2f} TFLOP/s"
+                f"  rel. error {row['relative_error']:.1e}")
     share = f"{100 * row['share_of_copy_rate']:5.1f}% of copy rate" if copy_rate else ""
     return (f"  {row['name']:<28} {row['ms'] * 1000:9.1f} us  {row['bandwidth_bytes_per_s'] / 1e9:8.1f} GB/s  {share}"
             f"  rel. error {row['relative_error']:.1e}")
@@ -198,10 +224,116 @@ def bench_shape(shape: str, ns: argparse.Namespace, device: torch.device, copy_r
     return report
 
 
+def packed_chunks(x: dict[str, torch.Tensor], chunk: int) -> dict[str, torch.Tensor]:
+    """paged_inputs laid out as a prefill step: each sequence's last `chunk` positions are its chunk's
+    queries (packed [batch * chunk, query heads, head dim]), its keys and values those of the pool
+    (the chunk's own packed [batch * chunk, KV heads, head dim] too), with the boundaries as the
+    engine's packed prefills and flash varlen attention take them."""
+    batch, kv_heads, context, head_dim = x["k"].shape
+    q_heads = x["q"].shape[1]
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    device = x["k"].device
+    q = torch.randn(batch * chunk, q_heads, head_dim, generator=gen).to(device, x["k"].dtype)
+    starts = torch.arange(0, batch * chunk + 1, chunk, device=device, dtype=torch.int32)
+    key_starts = torch.arange(0, batch * context + 1, context, device=device, dtype=torch.int32)
+    return {"q": q, "query_starts": starts, "key_starts": key_starts,
+            "context_lens": torch.full((batch,), context, device=device, dtype=torch.int32),
+            "k_packed": x["k"].transpose(1, 2).reshape(batch * context, kv_heads, head_dim),
+            "v_packed": x["v"].transpose(1, 2).reshape(batch * context, kv_heads, head_dim)}
+
+
+def flash_varlen_paged(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, table: torch.Tensor,
+                       context_lens: torch.Tensor, chunk: int, scale: float) -> torch.Tensor:
+    """varlen_attn on the page pool through a block table: the pool's pages hold one KV head each, so
+    each (sequence, KV head) is one batch element of one KV head, its queries that head's group."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    batch, kv_heads, _ = table.shape
+    q_heads, head_dim = q.shape[1:]
+    group = q_heads // kv_heads
+    grouped = q.view(batch, chunk, kv_heads, group, head_dim).transpose(1, 2).reshape(-1, group, head_dim)
+    starts = torch.arange(0, batch * kv_heads * chunk + 1, chunk, device=q.device, dtype=torch.int32)
+    pages = (k_pages[:, :, None, :], v_pages[:, :, None, :])
+    out = varlen_attn(grouped, *pages, starts, None, chunk, int(context_lens.max()), scale=scale,
+                      window_size=(-1, 0), enable_gqa=group > 1, block_table=table.reshape(batch * kv_heads, -1).int(),
+                      seqused_k=context_lens.repeat_interleave(kv_heads))
+    return out.view(batch, kv_heads, chunk, group, head_dim).transpose(1, 2).reshape(q.shape)
+
+
+def xformers_block_diagonal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: int, context: int,
+                            scale: float) -> torch.Tensor:
+    """xformers' memory-efficient attention over the packed chunks, each query seeing its own
+    sequence's keys up to its position (the mask aligned to the keys' end), K/V heads repeated to the
+    query heads."""
+    from xformers.ops import fmha
+
+    batch = q.shape[0] // chunk
+    mask = fmha.attn_bias.BlockDiagonalCausalFromBottomRightMask.from_seqlens([chunk] * batch, [context] * batch)
+    group = q.shape[1] // k.shape[1]
+    k, v = (t.repeat_interleave(group, dim=1) for t in (k, v))
+    return fmha.memory_efficient_attention(q[None], k[None], v[None], attn_bias=mask, scale=scale)[0]
+
+
+def bench_prefill_shape(shape: str, ns: argparse.Namespace, device: torch.device,
+                        report: dict[str, Any] | None = None, save: Callable[[], None] = lambda: None) -> dict[str, Any]:
+    """Every prefill attention form on `shape` (module docstring), filled into `report` row by row."""
+    from depthserve.kernels import paged as torch_paged
+    from depthserve.kernels.triton import paged as triton_paged
+
+    report = {"shape": shape} if report is None else report
+    q_heads, kv_heads, head_dim = (int(x) for x in shape.split("/"))
+    chunk, context, batch = ns.chunk, ns.context, ns.batch
+    x = paged_inputs(batch, q_heads, kv_heads, head_dim, context, ns.block_size, DTYPES[ns.dtype], device)
+    p = packed_chunks(x, chunk)
+    scale = head_dim ** -0.5
+    args = (p["q"], x["k_pages"], x["v_pages"], x["table"], p["query_starts"], p["context_lens"], scale)
+    reference = torch_paged.paged_prefill_attention_varlen(p["q"].float(), x["k_pages"].float(), x["v_pages"].float(),
+                                                           *args[3:])
+    pairs = batch * chunk * (context - chunk) + batch * chunk * (chunk + 1) // 2  # causal query-key pairs
+    report.update(q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, chunk=chunk, prefix=ns.prefix, rows=[])
+    bound = error_bound(ns.dtype)
+
+    def record(name: str, fn: Callable[[], torch.Tensor]) -> None:
+        row = {"name": name, **measure(fn, reference, bound, device)}
+        if row["status"] == "ok":
+            row["tflops"] = 4 * pairs * head_dim * q_heads / (row["ms"] / 1000) / 1e12
+        print(describe(row, None), flush=True)
+        report["rows"].append(row)
+        save()
+
+    def padded_sdpa() -> torch.Tensor:
+        query = p["q"].view(batch, chunk, q_heads, head_dim).transpose(1, 2)
+        positions = torch.arange(context, device=device)
+        mask = positions[None, :] <= positions[context - chunk:, None]  # query i is at position prefix + i
+        out = F.scaled_dot_product_attention(query, x["k"], x["v"], attn_mask=None if ns.prefix == 0 else mask,
+                                             is_causal=ns.prefix == 0, scale=scale, enable_gqa=q_heads != kv_heads)
+        return out.transpose(1, 2).reshape(p["q"].shape)
+
+    def flash_contiguous() -> torch.Tensor:
+        from torch.nn.attention.varlen import varlen_attn
+
+        return varlen_attn(p["q"], p["k_packed"], p["v_packed"], p["query_starts"], p["key_starts"], chunk, context,
+                           scale=scale, window_size=(-1, 0), enable_gqa=q_heads != kv_heads)
+
+    print(f"prefill, shape {shape} (query heads / KV heads / head dim), {batch} chunks of {chunk} queries after "
+          f"{ns.prefix} cached keys, {ns.dtype}:")
+    record("triton varlen (the engine's)", lambda: triton_paged.paged_prefill_attention_varlen(
+        *args, max_queries=chunk))
+    record("torch fallback (gather, SDPA per sequence)", lambda: torch_paged.paged_prefill_attention_varlen(*args))
+    record("sdpa, padded batch, contiguous K/V", padded_sdpa)
+    record("flash varlen, contiguous K/V", flash_contiguous)
+    record("flash varlen, paged (block table)", lambda: flash_varlen_paged(
+        p["q"], x["k_pages"], x["v_pages"], x["table"], p["context_lens"], chunk, scale))
+    record("xformers, block-diagonal causal", lambda: xformers_block_diagonal(
+        p["q"], p["k_packed"], p["v_packed"], chunk, context, scale))
+    return report
+
+
 def main(argv: list[str] | None = None) -> int:
     ns = parse_args(argv)
     device = torch.device(common.resolve_device(ns.device))
-    name = ns.out or f"kernels-{common.device_slug(str(device))}" + ("-quick" if ns.quick else "")
+    name = ns.out or (f"kernels-{'prefill-' if ns.prefill else ''}{common.device_slug(str(device))}"
+                      + (f"-after-{ns.prefix}" if ns.prefill and ns.prefix else "") + ("-quick" if ns.quick else ""))
     payload: dict[str, Any] = {
         "benchmark": "kernels",
         "status": "running",
@@ -222,7 +354,10 @@ def main(argv: list[str] | None = None) -> int:
             report: dict[str, Any] = {"shape": shape}
             payload["shapes"].append(report)
             try:
-                bench_shape(shape, ns, device, copy_rate, report, save)
+                if ns.prefill:
+                    bench_prefill_shape(shape, ns, device, report, save)
+                else:
+                    bench_shape(shape, ns, device, copy_rate, report, save)
             except Exception as failure:  # noqa: BLE001 - a shape's set-up failing (memory, say) ends that shape only
                 report["error"] = f"{type(failure).__name__}: {failure}"[:2000]
                 print(f"  shape {shape} FAILED: {report['error'].splitlines()[0][:200]}", flush=True)

@@ -208,10 +208,17 @@ stage_tests() { run_pytest tests "${KERNEL_TESTS[@]}" "${ENGINE_TESTS[@]}"; }
 stage_tests_kernels() { run_pytest tests-kernels "${KERNEL_TESTS[@]}"; }
 stage_tests_engines() { run_pytest tests-engines "${ENGINE_TESTS[@]}"; }
 
-stage_kernels() {
-    if dry; then bench_imports bench/kernels.py; return; fi
+stage_kernels() {  # the decode kernel's sweep, then prefill attention: the engine's Triton kernel against the field's
+    if dry; then bench_imports bench/kernels.py --optional xformers; return; fi
     # shellcheck disable=SC2086  # KERNELS_ARGS: several arguments
     limited "$PY" bench/kernels.py ${KERNELS_ARGS:-} 2>&1 | tee "$OUT/kernels.log"
+    # SmolLM2's attention shape, 64 fresh prompts of 128 tokens (the prefill the throughput stage
+    # measures), then 64 chunks of 128 after 1,024 cached keys (a chunked or prefix-cached prompt)
+    local prefix
+    for prefix in 0 1024; do
+        limited "$PY" bench/kernels.py --prefill --shapes 9/3/64 --batch 64 --chunk 128 --prefix "$prefix" 2>&1 \
+            | tee -a "$OUT/kernels.log"
+    done
 }
 
 stage_throughput() {
