@@ -23,6 +23,7 @@ fast path by calling the op.
 from __future__ import annotations
 
 import enum
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -54,6 +55,17 @@ class Target:
 
 def always() -> bool:
     return True
+
+
+def triton_kernel(family: str, name: str) -> Callable:
+    """The Triton kernel `name` of kernels/triton/<family>.py as an op's CUDA form, its module
+    imported at the first call (a CPU process never imports Triton for it)."""
+
+    def call(*args, **kwargs):
+        return getattr(importlib.import_module(f"depthserve.kernels.triton.{family}"), name)(*args, **kwargs)
+
+    call.__qualname__ = call.__name__ = f"triton.{family}.{name}"
+    return call
 
 
 @dataclass(eq=False)

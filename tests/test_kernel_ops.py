@@ -80,7 +80,7 @@ needs_native = pytest.mark.skipif(cpu_native.unavailable_reason() is not None,
 
 
 @needs_native
-def test_the_layers_ops_take_their_native_forms_on_the_cpu():
+def test_the_layers_ops_take_their_native_forms_on_the_cpu_and_triton_forms_on_cuda():
     from depthserve.layers.activation import SILU_AND_MUL
     from depthserve.layers.norm import RMS_NORM
     from depthserve.layers.quantized import WEIGHT_ONLY_MATMUL
@@ -90,8 +90,11 @@ def test_the_layers_ops_take_their_native_forms_on_the_cpu():
         assert [op.form(Target("cpu", d)) for d in (torch.float32, torch.bfloat16)] == [Form.CPU, Form.CPU]
     for op in (SILU_AND_MUL, WEIGHT_ONLY_MATMUL):  # bf16 only: fp32 rows keep torch's arithmetic
         assert [op.form(Target("cpu", d)) for d in (torch.float32, torch.bfloat16)] == [Form.TORCH, Form.CPU]
+    assert RMS_NORM.form(Target("cuda", torch.bfloat16)) is Form.TORCH  # F.rms_norm, torch's own CUDA kernel
+    for op in (APPLY_ROPE, SILU_AND_MUL):  # one Triton launch each (kernels/triton/pointwise.py)
+        assert op.form(Target("cuda", torch.bfloat16)) is Form.CUDA
+        assert op.form(Target("cuda", torch.bfloat16, compiling=True)) is Form.TORCH  # Inductor fuses the torch form
     for op in (RMS_NORM, APPLY_ROPE, SILU_AND_MUL):
-        assert op.form(Target("cuda", torch.bfloat16)) is Form.TORCH
         assert op.form(Target("cpu", torch.bfloat16, compiling=True)) is Form.TORCH
 
 

@@ -239,3 +239,37 @@ def test_dispatch_picks_torch_on_cpu_and_triton_when_forced(monkeypatch):
         assert calls == []
     Kernels("triton").depth_attention(q, k, k, valid, 1.0)
     assert calls[-1] == "triton"
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [0, 7])
+def test_pointwise_cuda_forms_compute_in_fp32_and_round_once(dtype, tokens):
+    """The CUDA forms of the rotary embedding (on the rows of a fused qkv output, as LlamaAttention
+    passes them: a strided view) and of SwiGLU's gate (leading dims, a width over one program's
+    block) against the same arithmetic in fp32 rounded once to the dtype: equal up to one rounding
+    of the dtype (fp32: summation order only)."""
+    from depthserve.kernels.ops import Form
+    from depthserve.layers.activation import SILU_AND_MUL
+    from depthserve.layers.rotary import APPLY_ROPE
+
+    gen = torch.Generator().manual_seed(tokens)
+    heads, kv_heads, head_dim = 5, 2, 20  # half of 20 is no power of two: the kernel masks its tail
+    fused = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(DEVICE, dtype)
+    qk = fused[:, : (heads + kv_heads) * head_dim].reshape(tokens, heads + kv_heads, head_dim)
+    angles = torch.randn(tokens, head_dim // 2, generator=gen).to(DEVICE)
+    cos, sin = angles.cos(), angles.sin()
+    x1, x2 = qk.float().split(head_dim // 2, dim=-1)
+    c, s = cos[:, None, :], sin[:, None, :]
+    expected = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(dtype)
+    got = APPLY_ROPE.implementation(Form.CUDA)(qk, cos, sin)
+    tolerance = {"rtol": 2**-7, "atol": 1e-6} if dtype == torch.bfloat16 else {"rtol": 0, "atol": 1e-6}
+    assert got.shape == qk.shape and got.dtype == dtype and got.is_contiguous()
+    torch.testing.assert_close(got.float(), expected.float(), **tolerance)
+
+    width = 1100  # two programs of 1,024 columns, the second masked
+    gate_up = torch.randn(3, tokens, 2 * width, generator=gen).to(DEVICE, dtype)
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    expected = (torch.nn.functional.silu(gate) * up).to(dtype)
+    got = SILU_AND_MUL.implementation(Form.CUDA)(gate_up)
+    assert got.shape == (3, tokens, width) and got.dtype == dtype
+    torch.testing.assert_close(got.float(), expected.float(), **tolerance)
+

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from depthserve.kernels import cpu_native
-from depthserve.kernels.ops import KernelOp
+from depthserve.kernels.ops import KernelOp, triton_kernel
 
 
 def rope_tables(head_dim: int, max_positions: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -42,7 +42,9 @@ def _apply_rope_cpu(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> to
     return _apply_rope_torch(x, cos, sin)
 
 
-APPLY_ROPE = KernelOp("apply_rope", torch=_apply_rope_torch, cpu=_apply_rope_cpu)
+# On CUDA one Triton launch in fp32 (kernels/triton/pointwise.py) instead of the torch form's eight.
+APPLY_ROPE = KernelOp("apply_rope", torch=_apply_rope_torch, cpu=_apply_rope_cpu,
+                      cuda=triton_kernel("pointwise", "apply_rope"))
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
