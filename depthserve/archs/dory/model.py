@@ -62,9 +62,9 @@ from depthserve.archs.dory.native_decode import NativeDoryLayers, Rope
 from depthserve.cache import CacheLayout
 from depthserve.depth import DepthParams, DepthReport, KnobSpec
 from depthserve.errors import CheckpointFormatError
-from depthserve.layers.embedding import checkpoint_embedding
 from depthserve.layers.attention import AttentionMetadata, KVPool, call_region, paged_attention
 from depthserve.layers.batch import BatchItem
+from depthserve.layers.embedding import checkpoint_embedding
 from depthserve.layers.ngpt import gated_l2_normalize, interpolate, l2_normalize, swiglu_l2_normalize, unit_rope
 from depthserve.layers.rotary import rope_tables
 from depthserve.layers.rows import StepRows, step_rows

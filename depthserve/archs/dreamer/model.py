@@ -53,8 +53,8 @@ from depthserve.archs.llama.model import tie_lm_head
 from depthserve.cache import SlotKind
 from depthserve.depth import DepthParams, DepthReport, KnobSpec
 from depthserve.kernels.dispatch import Kernels
-from depthserve.layers.embedding import checkpoint_embedding
 from depthserve.layers.attention import AttentionMetadata, KVPool, paged_attention
+from depthserve.layers.embedding import checkpoint_embedding
 from depthserve.layers.experts import Expert, mix_experts, plan_experts
 from depthserve.layers.norm import RMSNorm
 from depthserve.layers.rotary import apply_rope, rope_tables

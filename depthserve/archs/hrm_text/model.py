@@ -45,9 +45,9 @@ from depthserve.archs.hrm_text.format import plan as hrm_plan
 from depthserve.archs.hrm_text.format import report as hrm_report
 from depthserve.depth import DepthParams, DepthReport, KnobSpec
 from depthserve.errors import CheckpointFormatError
-from depthserve.layers.embedding import checkpoint_embedding
 from depthserve.layers.attention import AttentionMetadata, KVPool, call_region, paged_attention
 from depthserve.layers.batch import BatchItem
+from depthserve.layers.embedding import checkpoint_embedding
 from depthserve.layers.rotary import apply_rope, rope_tables
 from depthserve.layers.rows import StepRows, step_rows
 

@@ -38,8 +38,8 @@ from depthserve.archs.inkling2.format import report as inkling2_report
 from depthserve.cache import CacheLayout
 from depthserve.depth import DepthParams, DepthReport, KnobSpec
 from depthserve.errors import CheckpointFormatError
-from depthserve.layers.embedding import checkpoint_embedding
 from depthserve.layers.attention import AttentionMetadata, KVPool
+from depthserve.layers.embedding import checkpoint_embedding
 from depthserve.layers.rows import step_rows
 from depthserve.loading.weights import keep_stored_width
 

@@ -15,9 +15,9 @@ from depthserve.archs.base import BuildOptions, DepthModel, StaticDecodeSpec
 from depthserve.archs.llama.format import PACKED_MODULES, LlamaConfig, plain_plan
 from depthserve.archs.llama.native_decode import NativeDecodeLayers
 from depthserve.depth import DepthParams, DepthPlan
-from depthserve.layers.embedding import checkpoint_embedding
 from depthserve.layers.activation import silu_and_mul
 from depthserve.layers.attention import AttentionMetadata, KVPool, paged_attention
+from depthserve.layers.embedding import checkpoint_embedding
 from depthserve.layers.norm import RMSNorm
 from depthserve.layers.rotary import apply_rope, register_rope_buffers, rope_tables
 

@@ -56,8 +56,8 @@ from depthserve.archs.put.format import (
 from depthserve.archs.put.format import plan as put_plan
 from depthserve.archs.put.format import report as put_report
 from depthserve.depth import DepthParams, DepthReport, KnobSpec
-from depthserve.layers.embedding import checkpoint_embedding
 from depthserve.layers.attention import AttentionMetadata, KVPool, paged_attention
+from depthserve.layers.embedding import checkpoint_embedding
 from depthserve.layers.norm import RMSNorm
 from depthserve.layers.rotary import register_rope_buffers
 from depthserve.layers.rows import StepRows, step_rows
