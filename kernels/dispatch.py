@@ -31,7 +31,7 @@ from types import ModuleType
 import torch
 
 from depthserve.errors import ConfigurationError
-from depthserve.kernels.ops import KernelOp, Target
+from depthserve.kernels.ops import KernelOp, Target, triton_installed, triton_kernel
 
 FAMILIES: dict[str, tuple[str, ...]] = {
     "paged": ("store_kv", "paged_decode_attention", "paged_window_decode_attention", "paged_prefill_attention",
@@ -74,13 +74,13 @@ def module(family: str, triton: bool) -> ModuleType | None:
 def kernel_op(family: str, name: str) -> KernelOp:
     """An op of FAMILIES with its forms: torch, the native CPU kernel (NATIVE_CPU_OPS; it checks its
     own tensors' dtypes and shapes, falling back to torch) and the Triton kernel (TRITON_OPS, where
-    triton imports)."""
+    triton is installed; imported at its first call, so an engine on the CPU never imports Triton)."""
     from depthserve.kernels import cpu_native
 
-    triton = module(family, True) if name in TRITON_OPS else None
+    triton = name in TRITON_OPS and triton_installed()
     return KernelOp(name, torch=getattr(module(family, False), name),
                     cpu=getattr(cpu_native, name) if name in NATIVE_CPU_OPS else None, cpu_dtypes=None,
-                    cuda=getattr(triton, name) if triton is not None else None)
+                    cuda=triton_kernel(family, name) if triton else None)
 
 
 def triton_available() -> bool:

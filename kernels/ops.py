@@ -23,7 +23,9 @@ fast path by calling the op.
 from __future__ import annotations
 
 import enum
+import functools
 import importlib
+import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -57,12 +59,22 @@ def always() -> bool:
     return True
 
 
+@functools.cache
+def triton_installed() -> bool:
+    """Whether triton can be found, without importing it (~0.2 s)."""
+    return importlib.util.find_spec("triton") is not None
+
+
 def triton_kernel(family: str, name: str) -> Callable:
     """The Triton kernel `name` of kernels/triton/<family>.py as an op's CUDA form, its module
     imported at the first call (a CPU process never imports Triton for it)."""
+    kernel: Callable | None = None
 
     def call(*args, **kwargs):
-        return getattr(importlib.import_module(f"depthserve.kernels.triton.{family}"), name)(*args, **kwargs)
+        nonlocal kernel
+        if kernel is None:
+            kernel = getattr(importlib.import_module(f"depthserve.kernels.triton.{family}"), name)
+        return kernel(*args, **kwargs)
 
     call.__qualname__ = call.__name__ = f"triton.{family}.{name}"
     return call
