@@ -77,12 +77,18 @@ def checkout(revision: str, workdir: Path) -> tuple[str, Path]:
     return sha, package.parent
 
 
+def checkout_env(sha: str, root: Path, workdir: Path) -> dict[str, str]:
+    """The environment of a process that runs the commit `sha` from its link tree `root` (`checkout`),
+    with its own native-kernel build directory."""
+    return dict(os.environ, PYTHONPATH=str(root), PYTHONSAFEPATH="1",
+                TORCH_EXTENSIONS_DIR=str(workdir / f"extensions-{sha}"))
+
+
 class Side:
     """One commit's worker process."""
 
     def __init__(self, sha: str, root: Path, config: dict[str, Any], workdir: Path):
-        env = dict(os.environ, PYTHONPATH=str(root), PYTHONSAFEPATH="1",
-                   TORCH_EXTENSIONS_DIR=str(workdir / f"extensions-{sha}"))
+        env = checkout_env(sha, root, workdir)
         self.sha = sha
         self.process = subprocess.Popen([sys.executable, str(WORKER), json.dumps(config)], stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, text=True, env=env)

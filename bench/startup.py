@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
 import subprocess
@@ -68,11 +67,10 @@ def start_once(model: str, threads: int, kv_cache_gib: float, env: dict[str, str
 
 def revision_env(revision: str, workdir: Path) -> tuple[str, dict[str, str]]:
     """The commit's short hash and the environment that runs the child from its worktree."""
-    from ab import checkout
+    from ab import checkout, checkout_env
 
     sha, root = checkout(revision, workdir)
-    return sha, dict(os.environ, PYTHONPATH=str(root), PYTHONSAFEPATH="1",
-                     TORCH_EXTENSIONS_DIR=str(workdir / f"extensions-{sha}"))
+    return sha, checkout_env(sha, root, workdir)
 
 
 def main(argv: list[str] | None = None) -> dict:
