@@ -90,6 +90,33 @@ class _PageRows:
         return self._data[self._len].copy()
 
 
+class _EvictableRows:
+    """Cached rows no sequence uses, least recently freed first, and their pages counted as rows come
+    and go (the scheduler asks for the free pages at every admission: no walk over a pool's worth of
+    cached rows)."""
+
+    def __init__(self) -> None:
+        self._rows: OrderedDict[int, int] = OrderedDict()  # block hash -> pages in its row
+        self.pages = 0
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __iter__(self):
+        return iter(list(self._rows))
+
+    def add(self, block_hash: int, pages: int) -> None:
+        if block_hash not in self._rows:
+            self._rows[block_hash] = pages
+            self.pages += pages
+
+    def discard(self, block_hash: int) -> None:
+        self.pages -= self._rows.pop(block_hash, 0)
+
+    def oldest(self) -> int:
+        return next(iter(self._rows))
+
+
 @dataclass
 class _RoutedPages:
     """One routed slot of one sequence: page rows for its selected tokens, in selection order."""
@@ -161,7 +188,7 @@ class BlockManager:
         self._seqs: dict[int, _SeqPages] = {}
         self._cached: dict[int, np.ndarray] = {}  # block hash -> row of pages
         self._row_hash: dict[int, int] = {}  # first page of a cached row -> its hash
-        self._evictable: OrderedDict[int, None] = OrderedDict()  # hashes of unreferenced cached rows
+        self._evictable = _EvictableRows()  # hashes of unreferenced cached rows
         self.prefix_queries = 0
         self.prefix_hits = 0
 
@@ -169,7 +196,7 @@ class BlockManager:
     @property
     def num_free_pages(self) -> int:
         """Pages available to new allocations (free plus evictable cached rows)."""
-        return len(self._free) + sum(len(self._cached[h]) for h in self._evictable)
+        return len(self._free) + self._evictable.pages
 
     @property
     def num_used_pages(self) -> int:
@@ -317,7 +344,7 @@ class BlockManager:
                 hits.pop()
         for block_hash, row in hits:
             self.prefix_hits += 1
-            self._evictable.pop(block_hash, None)
+            self._evictable.discard(block_hash)
             self._refs[row] += 1
             entry.append(row)
             entry.block_hashes.append(block_hash)
@@ -372,12 +399,12 @@ class BlockManager:
                 continue
             block_hash = self._row_hash.get(int(row[0]))
             if block_hash is not None and np.array_equal(self._cached.get(block_hash, ()), row):
-                self._evictable[block_hash] = None
+                self._evictable.add(block_hash, len(row))
             else:
                 self._free.extend(int(p) for p in row[::-1])
 
     def reset_prefix_cache(self) -> None:
-        for block_hash in list(self._evictable):
+        for block_hash in self._evictable:
             self._evict(block_hash)
 
     # ---- internals --------------------------------------------------------------------
@@ -447,7 +474,7 @@ class BlockManager:
 
     def _take_pages(self, count: int) -> np.ndarray:
         while len(self._free) < count and self._evictable:
-            self._evict(next(iter(self._evictable)))
+            self._evict(self._evictable.oldest())
         if len(self._free) < count:
             raise RuntimeError("out of KV-cache pages (the scheduler should have checked)")
         pages = np.array([self._free.pop() for _ in range(count)], dtype=np.int32)
@@ -455,7 +482,7 @@ class BlockManager:
         return pages
 
     def _evict(self, block_hash: int) -> None:
-        self._evictable.pop(block_hash)
+        self._evictable.discard(block_hash)
         row = self._cached.pop(block_hash)
         self._row_hash.pop(int(row[0]), None)
         self._free.extend(int(p) for p in row[::-1])
