@@ -16,17 +16,18 @@ With `--prefill` the attention timed is a prefill step's instead: `--batch` prom
 `--chunk` queries each, packed as the engine packs them, over `--prefix` earlier keys of their
 sequence already in the pool (0: fresh prompts) and their own:
 
-- the Triton varlen prefill kernel (the engine's on CUDA) and the torch fallback (per sequence: gather
-  its pages, SDPA);
+- the Triton varlen prefill kernel (the engine's on CUDA for chunks over cached keys) and the torch
+  fallback (per sequence: gather its pages, SDPA);
 - SDPA on the same chunks as a padded batch of contiguous K/V (what an eager transformers prefill
   runs);
 - torch's flash varlen attention (`torch.nn.attention.varlen.varlen_attn`, CUDA only) on the packed
-  chunks with contiguous K/V, and on the page pool itself through a block table (one batch element
+  chunks with contiguous K/V (the engine's in fp16/bf16 for a step of fresh chunks, whose keys are
+  its own: kernels/flash.py), and on the page pool itself through a block table (one batch element
   per sequence and KV head, as the pool holds one head per page);
 - xformers' memory-efficient attention with a block-diagonal causal mask, where xformers is installed.
 
 A form that cannot run here (no CUDA, a page size the flash kernel refuses) is recorded as failed,
-so one run says which of the field's kernels could replace the hand-written one, and at what
+so one run says which of the field's kernels could take more of the hand-written one's work, and at what
 speed (TFLOP/s: 4 x query-key pairs x head dim x query heads).
 
 Each time is the median of `triton.testing.do_bench` on CUDA (a wall-clock median elsewhere). The
@@ -317,11 +318,11 @@ def bench_prefill_shape(shape: str, ns: argparse.Namespace, device: torch.device
 
     print(f"prefill, shape {shape} (query heads / KV heads / head dim), {batch} chunks of {chunk} queries after "
           f"{ns.prefix} cached keys, {ns.dtype}:")
-    record("triton varlen (the engine's)", lambda: triton_paged.paged_prefill_attention_varlen(
+    record("triton varlen (the engine's over cached keys)", lambda: triton_paged.paged_prefill_attention_varlen(
         *args, max_queries=chunk))
     record("torch fallback (gather, SDPA per sequence)", lambda: torch_paged.paged_prefill_attention_varlen(*args))
     record("sdpa, padded batch, contiguous K/V", padded_sdpa)
-    record("flash varlen, contiguous K/V", flash_contiguous)
+    record("flash varlen, contiguous K/V (the engine's for fresh chunks)", flash_contiguous)
     record("flash varlen, paged (block table)", lambda: flash_varlen_paged(
         p["q"], x["k_pages"], x["v_pages"], x["table"], p["context_lens"], chunk, scale))
     record("xformers, block-diagonal causal", lambda: xformers_block_diagonal(

@@ -280,10 +280,12 @@ def paged_window_decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_page
 def paged_prefill_attention_varlen(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
                                    page_tables: torch.Tensor, query_starts: torch.Tensor, context_lens: torch.Tensor,
                                    scale: float, window: int | None = None, *,
-                                   max_queries: int | None = None) -> torch.Tensor:
+                                   max_queries: int | None = None,
+                                   fresh_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """kernels/paged.py's `paged_prefill_attention_varlen` as one native call, for chunks of at most
     NATIVE_PREFILL_MAX_QUERIES queries each (there where the shapes fit; a sliding window takes the
-    torch implementation). `max_queries`: the longest chunk's queries, where the caller knows it."""
+    torch implementation). `max_queries`: the longest chunk's queries, where the caller knows it;
+    `fresh_kv` is not read (the pool holds the same keys)."""
     from depthserve.kernels import paged
 
     if max_queries is None:

@@ -151,8 +151,14 @@ def paged_prefill_attention_varlen(
     window: int | None = None,  # keys a query sees, its own included (sliding-window layers); None: all
     *,
     max_queries: int | None = None,  # the longest chunk's queries where the caller knows it (unused here)
+    fresh_kv: tuple[torch.Tensor, torch.Tensor] | None = None,  # the chunks' own keys/values (unused here)
 ) -> torch.Tensor:
-    """Causal attention of several packed prompt chunks, each over its own sequence's cache."""
+    """Causal attention of several packed prompt chunks, each over its own sequence's cache.
+
+    `fresh_kv`: given when every chunk starts its sequence, the chunks' own keys and values
+    ([total_queries, num_kv_heads, head_dim], packed like q and already stored in the pool), which
+    are then all the keys there are; a form may attend over them instead of reading the pool (the
+    CUDA form does, kernels/flash.py). This form reads the pool."""
     out = torch.empty_like(q)
     starts = query_starts.tolist()
     for i, context_len in enumerate(context_lens.tolist()):

@@ -18,6 +18,7 @@ import serving  # noqa: E402
 
 from depthserve import tiny  # noqa: E402
 from depthserve.errors import ConfigurationError  # noqa: E402
+from tests.flash_helpers import flash_varlen_on_cpu  # noqa: E402
 
 
 def test_summarize_and_percentiles():
@@ -327,29 +328,6 @@ def test_kernel_bench_checks_and_times_every_variant_against_the_fallback_and_sd
     assert result["bytes_moved"] == 2 * 2 * 2 * 64 * 16 * 4
 
 
-def _flash_varlen_on_cpu(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1),
-                         enable_gqa=False, seqused_k=None, block_table=None, **_):
-    """torch's varlen_attn as its documentation states it, in plain torch (it runs only on CUDA): each
-    batch element's queries attend to its keys (packed by cu_seq_k, or its pages through the block
-    table, the first seqused_k of them), the causal mask aligned to the keys' end."""
-    import torch
-    import torch.nn.functional as F
-
-    assert window_size == (-1, 0)  # causal, no window: what the benchmark asks for
-    out = torch.empty_like(q)
-    for i in range(len(cu_seq_q) - 1):
-        rows = slice(int(cu_seq_q[i]), int(cu_seq_q[i + 1]))
-        if block_table is None:
-            keys, values = (t[int(cu_seq_k[i]): int(cu_seq_k[i + 1])] for t in (k, v))
-        else:
-            keys, values = (t[block_table[i].long()].flatten(0, 1)[: int(seqused_k[i])] for t in (k, v))
-        n, m = rows.stop - rows.start, keys.shape[0]
-        mask = torch.arange(m)[None, :] <= torch.arange(m - n, m)[:, None]
-        out[rows] = F.scaled_dot_product_attention(q[rows].transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
-                                                   attn_mask=mask, scale=scale, enable_gqa=enable_gqa).transpose(0, 1)
-    return out
-
-
 @pytest.mark.parametrize("prefix", [0, 24])
 def test_prefill_kernel_bench_lays_out_every_form_alike(prefix, monkeypatch):
     """bench/kernels.py --prefill on tiny chunks (interpreted Triton on CPU), with flash varlen
@@ -361,15 +339,16 @@ def test_prefill_kernel_bench_lays_out_every_form_alike(prefix, monkeypatch):
 
     import torch.nn.attention.varlen
 
-    monkeypatch.setattr(torch.nn.attention.varlen, "varlen_attn", _flash_varlen_on_cpu)
+    monkeypatch.setattr(torch.nn.attention.varlen, "varlen_attn", flash_varlen_on_cpu)
     spec = importlib.util.spec_from_file_location("bench_kernels", BENCH / "kernels.py")  # not the kernels/ package
     kernel_bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(kernel_bench)
     ns = kernel_bench.parse_args(["--prefill", "--quick", "--prefix", str(prefix)])
     result = kernel_bench.bench_prefill_shape("4/2/16", ns, torch.device("cpu"))
     rows = {row["name"]: row for row in result["rows"]}
-    assert list(rows)[:5] == ["triton varlen (the engine's)", "torch fallback (gather, SDPA per sequence)",
-                              "sdpa, padded batch, contiguous K/V", "flash varlen, contiguous K/V",
+    assert list(rows)[:5] == ["triton varlen (the engine's over cached keys)",
+                              "torch fallback (gather, SDPA per sequence)", "sdpa, padded batch, contiguous K/V",
+                              "flash varlen, contiguous K/V (the engine's for fresh chunks)",
                               "flash varlen, paged (block table)"]
     for name in list(rows)[:5]:
         assert rows[name]["status"] == "ok" and rows[name]["relative_error"] < 1e-5, (name, rows[name])

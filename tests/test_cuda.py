@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from depthserve import SamplingParams
+from depthserve.kernels import flash
 from depthserve.kernels.dispatch import Kernels
 from depthserve.lab.make_tiny import make_tiny
 from tests.depth_helpers import assert_same_generations, depth_params, tiny_llm
@@ -83,6 +84,29 @@ def test_varlen_prefill_and_saobp_kernels_in_half_precision_match_fp32(dtype):
         out, got_lse = triton_ops.saobp_decode_attention(q, k, v, table, bias, bias_table, context, 0.125, 0.5,
                                                          self_message)
         assert relative_error(out, expected) < 1e-2 and relative_error(got_lse, lse) < 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_flash_attends_chunks_that_start_their_sequences_in_half_precision(dtype):
+    """The prefill op's CUDA form given the chunks' own keys (views of one fused QKV output, as a
+    layer hands them over) runs torch's flash varlen kernel on this GPU and matches the fp32 torch
+    reference over the pool that holds those keys."""
+    counts, q_heads, kv_heads, head_dim = [40, 130, 7], 9, 3, 64
+    fused = torch.randn(sum(counts), q_heads + 2 * kv_heads, head_dim, device="cuda").to(dtype)
+    q, k, v = fused.split([q_heads, kv_heads, kv_heads], dim=1)
+    assert flash.runs(q), f"flash varlen attention does not run on {torch.cuda.get_device_name()}"
+    table = random_tables(len(counts), kv_heads, -(-max(counts) // 16), 400, seed=2)
+    k_pages, v_pages = (torch.zeros(400, 16, head_dim, device="cuda", dtype=dtype) for _ in range(2))
+    positions = torch.cat([torch.arange(n, device="cuda") for n in counts])
+    owner = torch.cat([torch.full((n,), i, device="cuda") for i, n in enumerate(counts)])
+    torch_ops.store_kv(k, v, k_pages, v_pages, table[owner, :, positions // 16] * 16 + (positions % 16)[:, None])
+    starts = torch.tensor([0, 40, 170, 177], dtype=torch.int32, device="cuda")
+    lens = torch.tensor(counts, dtype=torch.int32, device="cuda")
+    reference = torch_ops.paged_prefill_attention_varlen(q.float(), k_pages.float(), v_pages.float(), table, starts,
+                                                         lens, 0.125)
+    got = triton_ops.paged_prefill_attention_varlen(q, k_pages, v_pages, table, starts, lens, 0.125, max_queries=130,
+                                                    fresh_kv=(k, v))
+    assert got.dtype == dtype and relative_error(got, reference) < 1e-2
 
 
 def _mixed_batch(arch: str, tmp_path, tokenizer):

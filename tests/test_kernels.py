@@ -11,6 +11,7 @@ triton = pytest.importorskip("triton", reason="triton is not installed (pip inst
 
 from depthserve.kernels.dispatch import Kernels  # noqa: E402
 from depthserve.kernels.triton.paged import decode_splits  # noqa: E402
+from tests.flash_helpers import stand_in_flash  # noqa: E402
 
 torch_ops, triton_ops = Kernels("torch"), Kernels("triton")
 
@@ -155,6 +156,36 @@ def test_varlen_prefill_attention_matches_torch(chunks, q_heads, kv_heads, block
     # the longest chunk given from the host (the engine's way: no device read for the grid)
     torch.testing.assert_close(triton_ops.paged_prefill_attention_varlen(*args, max_queries=max(counts)), expected,
                                atol=ATOL, rtol=0)
+
+
+def test_chunks_that_start_their_sequences_take_flash_over_their_own_keys(monkeypatch):
+    """The prefill op's CUDA form (here the Triton backend, flash varlen attention stood in by its
+    documented semantics): given the chunks' own keys and values (`fresh_kv`, as a layer hands them
+    over: views of one fused QKV output), it calls flash once with the chunks' boundaries for
+    queries and keys alike, and equals attention over the pool that holds those keys; without them
+    (chunks over cached keys) it reads the pool and never calls flash."""
+    calls = stand_in_flash(monkeypatch)
+    counts, q_heads, kv_heads, head_dim, block_size = [5, 40, 2], 6, 2, 16, 4
+    max_blocks = -(-max(counts) // block_size)
+    num_pages = len(counts) * kv_heads * max_blocks + 2
+    k_pages, v_pages = make_pool(num_pages, block_size, head_dim, seed=8)
+    tables = random_tables(len(counts), kv_heads, max_blocks, num_pages, seed=4)
+    fused = torch.randn(sum(counts), q_heads + 2 * kv_heads, head_dim, device=DEVICE)
+    q, k, v = fused.split([q_heads, kv_heads, kv_heads], dim=1)
+    positions = torch.cat([torch.arange(n, device=DEVICE) for n in counts])
+    owner = torch.cat([torch.full((n,), i, device=DEVICE) for i, n in enumerate(counts)])
+    slots = tables[owner, :, positions // block_size] * block_size + (positions % block_size)[:, None]
+    torch_ops.store_kv(k, v, k_pages, v_pages, slots)
+    starts = torch.tensor([0, 5, 45, 47], dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor(counts, dtype=torch.int32, device=DEVICE)
+    args = (q, k_pages, v_pages, tables, starts, lens, 0.25)
+    expected = torch_ops.paged_prefill_attention_varlen(*args)
+    got = triton_ops.paged_prefill_attention_varlen(*args, max_queries=max(counts), fresh_kv=(k, v))
+    assert calls == [len(counts)]
+    torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
+    torch.testing.assert_close(triton_ops.paged_prefill_attention_varlen(*args, max_queries=max(counts)), expected,
+                               atol=ATOL, rtol=0)
+    assert calls == [len(counts)]
 
 
 @pytest.mark.parametrize("case", ["mixed", "none_selected", "all_selected", "step_off_for_some"])

@@ -45,6 +45,7 @@ RUN_BUDGET_S=${RUN_BUDGET_S:-570}
 STAGE_END=$RUN_BUDGET_S  # set per stage by run_stage from STAGE_BUDGETS
 KERNEL_TESTS=(tests/test_cuda.py::test_paged_decode_kernel_in_half_precision_matches_fp32
               tests/test_cuda.py::test_varlen_prefill_and_saobp_kernels_in_half_precision_match_fp32
+              tests/test_cuda.py::test_flash_attends_chunks_that_start_their_sequences_in_half_precision
               tests/test_kernels.py tests/test_saobp_kernels.py)
 ENGINE_TESTS=(tests/test_cuda.py::test_engine_on_cuda_generates_the_cpu_engines_tokens_in_fp32
               tests/test_cuda.py::test_cuda_graphs_equal_the_eager_engine_on_a_mixed_depth_batch_with_preemption

@@ -28,6 +28,9 @@ class PackedPrefills:
     query_starts: torch.Tensor  # [num_seqs + 1]
     context_lens: torch.Tensor  # [num_seqs]
     max_queries: int  # the longest chunk's queries, known on the host (the GPU kernel's grid)
+    # Every chunk starts its sequence (no earlier chunk, no prefix hit): the step's own keys are all
+    # the keys its queries see.
+    fresh: bool = False
 
 
 @dataclass
@@ -108,6 +111,7 @@ class AttentionMetadata:
                 context_lens=torch.tensor([prefill.context_len for prefill in self.prefills], dtype=torch.int32,
                                           device=device),
                 max_queries=max(prefill.num_tokens for prefill in self.prefills),
+                fresh=all(prefill.context_len == prefill.num_tokens for prefill in self.prefills),
             )
         return self._packed
 
@@ -141,18 +145,28 @@ def paged_attention(
         return _windowed_attention(q, pool, meta, slot_columns, scale, window)
     if not meta.prefills and meta.num_decodes:  # decode only: the kernel's output as it is (no copy kernel per layer)
         return _decode_attention(q, pool, meta, slot_columns, scale)
+    if meta.prefills and not meta.num_decodes:  # prefill only: likewise
+        return _prefill_attention(q, k, v, pool, meta, slot_columns, scale)
     out = torch.empty_like(q)
     if meta.prefills:
         rows = slice(0, meta.num_prefill_tokens)
-        packed = meta.packed_prefills()
-        tables = packed.page_tables[:, :, slot_columns].transpose(1, 2)  # [seqs, kv_heads, blocks]
-        out[rows] = meta.kernels.paged_prefill_attention_varlen(
-            q[rows], pool.k_pages, pool.v_pages, tables, packed.query_starts, packed.context_lens, scale,
-            max_queries=packed.max_queries)
+        out[rows] = _prefill_attention(q[rows], k[rows], v[rows], pool, meta, slot_columns, scale)
     if meta.num_decodes:
         rows = slice(meta.num_prefill_tokens, None)  # the rest: no bound for a compiled graph to specialise on
         out[rows] = _decode_attention(q[rows], pool, meta, slot_columns, scale)
     return out
+
+
+def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: KVPool, meta: AttentionMetadata,
+                       slot_columns: slice, scale: float) -> torch.Tensor:
+    """The prefill rows' queries `q` against their sequences' keys in the slot; `k`, `v`: the rows'
+    own keys and values, which a form may read instead of the pool when every chunk starts its
+    sequence (kernels/paged.py, `paged_prefill_attention_varlen`)."""
+    packed = meta.packed_prefills()
+    tables = packed.page_tables[:, :, slot_columns].transpose(1, 2)  # [seqs, kv_heads, blocks]
+    return meta.kernels.paged_prefill_attention_varlen(
+        q, pool.k_pages, pool.v_pages, tables, packed.query_starts, packed.context_lens, scale,
+        max_queries=packed.max_queries, fresh_kv=(k, v) if packed.fresh else None)
 
 
 def _windowed_attention(q: torch.Tensor, pool: KVPool, meta: AttentionMetadata, slot_columns: slice, scale: float,

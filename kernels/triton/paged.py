@@ -1,5 +1,7 @@
 """Triton kernels of the paged-attention family: KV store, split-K paged decode attention and
-varlen causal prefill attention over the paged cache (torch versions: `kernels/paged.py`)."""
+varlen causal prefill attention over the paged cache (torch versions: `kernels/paged.py`); the
+prefill op's CUDA form hands chunks that start their sequences to torch's flash kernel
+(kernels/flash.py)."""
 
 from __future__ import annotations
 
@@ -9,8 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from depthserve.kernels import flash
 from depthserve.kernels.paged import longest_chunk
-
 from depthserve.kernels.triton.common import (DECODE_TILE, MIN_DOT, group_rows, group_scores, online_softmax,
                                               paged_kv_offsets, pow2)
 
@@ -258,20 +260,27 @@ def _prefill_kernel(
 
 
 def paged_prefill_attention_varlen(q, k_pages, v_pages, page_tables, query_starts, context_lens, scale, *,
-                                   max_queries: int | None = None):
+                                   max_queries: int | None = None,
+                                   fresh_kv: tuple[torch.Tensor, torch.Tensor] | None = None):
     """q [total_queries, num_q_heads, d] packed by sequence; page_tables [seqs, kv_heads, blocks];
     query_starts [seqs + 1]; context_lens [seqs] (keys visible to each sequence's last query);
     max_queries: the longest chunk's queries, which sizes the grid. The engine passes it from the
     host: reading it from the device would wait for the GPU to drain at every layer of a prefill
-    step, exposing the host's launch time of the next layer."""
+    step, exposing the host's launch time of the next layer.
+
+    The op's CUDA form: `fresh_kv`, the chunks' own keys and values packed like q, is given when
+    every chunk starts its sequence; then torch's flash varlen kernel attends over them where it
+    runs (kernels/flash.py), and this kernel over the pool otherwise."""
     num_seqs = page_tables.shape[0]
-    out = torch.empty_like(q)
     if num_seqs == 0 or q.shape[0] == 0:
-        return out
-    num_q_heads, head_dim = q.shape[1], q.shape[2]
-    kv_heads, max_blocks = page_tables.shape[1], page_tables.shape[2]
+        return torch.empty_like(q)
     if max_queries is None:
         max_queries = longest_chunk(query_starts)
+    if fresh_kv is not None and flash.runs(q):
+        return flash.fresh_prefill_attention(q, *fresh_kv, query_starts, max_queries, scale)
+    out = torch.empty_like(q)
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    kv_heads, max_blocks = page_tables.shape[1], page_tables.shape[2]
     block_m, block_n = 32, 32
     grid = (num_seqs, triton.cdiv(max_queries, block_m), num_q_heads)
     _prefill_kernel[grid](

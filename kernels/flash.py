@@ -1,0 +1,56 @@
+"""torch's flash varlen attention (`torch.nn.attention.varlen.varlen_attn`, FlashAttention kernels
+shipped inside torch) for prompt chunks that start their sequences.
+
+A prefill step whose every chunk starts its sequence (no cached key: no earlier chunk, no
+prefix-cache hit) attends only over its own keys, which the layer has in hand, packed like its
+queries: the field's tuned varlen kernel runs on them as they are, with no read of the page pool.
+Chunks over cached keys take the Triton kernel, which reads the pool through the page tables
+(flash's own paged mode wants pages of whole tokens, all KV heads together, and at least 256 of
+them per page in its FlashAttention-2 form; a page here holds one head of 16 tokens).
+
+Flash runs on CUDA devices of compute capability 8.0 or later, in fp16 and bf16, for head dims
+that are multiples of 8 up to 256 (`runs`); the engine's fp32 runs and older GPUs take the Triton
+kernel. Docs: docs/design.md, "Kernels".
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+import torch
+
+DTYPES = (torch.float16, torch.bfloat16)
+MAX_HEAD_DIM = 256
+
+
+@functools.cache
+def _device_runs_flash(index: int) -> bool:
+    return (torch.cuda.get_device_capability(index) >= (8, 0)
+            and importlib.util.find_spec("torch.nn.attention.varlen") is not None)
+
+
+def runs(q: torch.Tensor) -> bool:
+    """Whether flash varlen attention takes these queries [tokens, heads, head_dim]."""
+    head_dim = q.shape[-1]
+    return (q.is_cuda and q.dtype in DTYPES and head_dim % 8 == 0 and head_dim <= MAX_HEAD_DIM
+            and _device_runs_flash(q.device.index if q.device.index is not None else torch.cuda.current_device()))
+
+
+def _last_dim_dense(x: torch.Tensor) -> torch.Tensor:
+    """The kernel reads rows through their strides (a view of a fused QKV output is fine) but each
+    head's elements must be adjacent."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def fresh_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_starts: torch.Tensor,
+                            max_queries: int, scale: float) -> torch.Tensor:
+    """Causal attention of packed chunks, each over its own keys: q [tokens, q_heads, d], k and v
+    [tokens, kv_heads, d] packed alike, `query_starts` [chunks + 1] int32 (the same boundaries for
+    queries and keys), `max_queries` the longest chunk. Returns [tokens, q_heads, d]."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    starts = query_starts.to(torch.int32)
+    return varlen_attn(_last_dim_dense(q), _last_dim_dense(k.to(q.dtype)), _last_dim_dense(v.to(q.dtype)),
+                       starts, starts, max_queries, max_queries, scale=scale, window_size=(-1, 0),
+                       enable_gqa=q.shape[1] != k.shape[1])

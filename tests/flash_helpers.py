@@ -1,0 +1,48 @@
+"""torch's flash varlen attention stood in on the CPU, where it does not run: for the tests of the
+code that lays out its inputs (the engine's prefill, bench/kernels.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+
+def flash_varlen_on_cpu(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1),
+                        enable_gqa=False, seqused_k=None, block_table=None, **_):
+    """torch's varlen_attn as its documentation states it, in plain torch (it runs only on CUDA): each
+    batch element's queries attend to its keys (packed by cu_seq_k, or its pages through the block
+    table, the first seqused_k of them), the causal mask aligned to the keys' end."""
+    assert window_size == (-1, 0)  # causal, no window: what the callers ask for
+    assert cu_seq_q.dtype == torch.int32 and (cu_seq_k is None or cu_seq_k.dtype == torch.int32)
+    out = q.new_empty(q.shape)
+    for i in range(len(cu_seq_q) - 1):
+        rows = slice(int(cu_seq_q[i]), int(cu_seq_q[i + 1]))
+        if block_table is None:
+            keys, values = (t[int(cu_seq_k[i]): int(cu_seq_k[i + 1])] for t in (k, v))
+        else:
+            keys, values = (t[block_table[i].long()].flatten(0, 1)[: int(seqused_k[i])] for t in (k, v))
+        n, m = rows.stop - rows.start, keys.shape[0]
+        assert n <= max_q and m <= max_k
+        mask = torch.arange(m, device=q.device)[None, :] <= torch.arange(m - n, m, device=q.device)[:, None]
+        out[rows] = F.scaled_dot_product_attention(q[rows].transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
+                                                   attn_mask=mask, scale=scale, enable_gqa=enable_gqa).transpose(0, 1)
+    return out
+
+
+def stand_in_flash(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Flash varlen attention stood in by `flash_varlen_on_cpu` and taken for every query tensor
+    (kernels/flash.py's `runs`); returns the list to which each call appends its chunk count."""
+    import torch.nn.attention.varlen
+
+    from depthserve.kernels import flash
+
+    calls: list[int] = []
+
+    def recorded(q, k, v, cu_seq_q, *args, **kwargs):
+        calls.append(len(cu_seq_q) - 1)
+        return flash_varlen_on_cpu(q, k, v, cu_seq_q, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.attention.varlen, "varlen_attn", recorded)
+    monkeypatch.setattr(flash, "runs", lambda q: True)
+    return calls
