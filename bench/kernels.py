@@ -21,9 +21,9 @@ sequence already in the pool (0: fresh prompts) and their own:
 - SDPA on the same chunks as a padded batch of contiguous K/V (what an eager transformers prefill
   runs);
 - torch's flash varlen attention (`torch.nn.attention.varlen.varlen_attn`, CUDA only) on the packed
-  chunks with contiguous K/V (the engine's in fp16/bf16 for a step of fresh chunks, whose keys are
-  its own: kernels/flash.py), and on the page pool itself through a block table (one batch element
-  per sequence and KV head, as the pool holds one head per page);
+  chunks with contiguous K/V, and on the page pool itself through a block table (one batch element
+  per sequence and KV head, as the pool holds one head per page); with fresh chunks also as the
+  engine calls it for a step of them in fp16/bf16 (kernels/flash.py: the keys are the step's own);
 - xformers' memory-efficient attention with a block-diagonal causal mask, where xformers is installed.
 
 A form that cannot run here (no CUDA, a page size the flash kernel refuses) is recorded as failed,
@@ -185,6 +185,7 @@ def bench_shape(shape: str, ns: argparse.Namespace, device: torch.device, copy_r
                 report: dict[str, Any] | None = None, save: Callable[[], None] = lambda: None) -> dict[str, Any]:
     """Every kernel on `shape`, filled into `report` (its rows and the winner) row by row, calling
     `save` after each row; returns the report."""
+    from depthserve.kernels import flash
     from depthserve.kernels import paged as torch_paged
     from depthserve.kernels.triton import paged as triton_paged
 
@@ -278,6 +279,7 @@ def xformers_block_diagonal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
 def bench_prefill_shape(shape: str, ns: argparse.Namespace, device: torch.device,
                         report: dict[str, Any] | None = None, save: Callable[[], None] = lambda: None) -> dict[str, Any]:
     """Every prefill attention form on `shape` (module docstring), filled into `report` row by row."""
+    from depthserve.kernels import flash
     from depthserve.kernels import paged as torch_paged
     from depthserve.kernels.triton import paged as triton_paged
 
@@ -322,7 +324,10 @@ def bench_prefill_shape(shape: str, ns: argparse.Namespace, device: torch.device
         *args, max_queries=chunk))
     record("torch fallback (gather, SDPA per sequence)", lambda: torch_paged.paged_prefill_attention_varlen(*args))
     record("sdpa, padded batch, contiguous K/V", padded_sdpa)
-    record("flash varlen, contiguous K/V (the engine's for fresh chunks)", flash_contiguous)
+    record("flash varlen, contiguous K/V", flash_contiguous)
+    if ns.prefix == 0:  # the engine's call for a step of fresh chunks (kernels/flash.py)
+        record("flash varlen (the engine's for fresh chunks)", lambda: flash.fresh_prefill_attention(
+            p["q"], p["k_packed"], p["v_packed"], p["query_starts"], chunk, scale))
     record("flash varlen, paged (block table)", lambda: flash_varlen_paged(
         p["q"], x["k_pages"], x["v_pages"], x["table"], p["context_lens"], chunk, scale))
     record("xformers, block-diagonal causal", lambda: xformers_block_diagonal(

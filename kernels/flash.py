@@ -9,25 +9,43 @@ Chunks over cached keys take the Triton kernel, which reads the pool through the
 them per page in its FlashAttention-2 form; a page here holds one head of 16 tokens).
 
 Flash runs on CUDA devices of compute capability 8.0 or later, in fp16 and bf16, for head dims
-that are multiples of 8 up to 256 (`runs`); the engine's fp32 runs and older GPUs take the Triton
-kernel. Docs: docs/design.md, "Kernels".
+that are multiples of 8 up to 256, with a torch whose `varlen_attn` takes a scale and a window
+(`runs`); the engine's fp32 runs, older GPUs and older torches take the Triton kernel. Docs:
+docs/design.md, "Kernels".
 """
 
 from __future__ import annotations
 
 import functools
 import importlib.util
+import inspect
+from collections.abc import Callable
 
 import torch
 
 DTYPES = (torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256
+# What the call below passes by name: torch 2.9's first form took `is_causal` and neither of these,
+# and is left to the Triton kernel; `enable_gqa` came later still and is used where present.
+NEEDED_KEYWORDS = frozenset({"scale", "window_size"})
+
+
+def varlen_attn() -> Callable:
+    from torch.nn.attention.varlen import varlen_attn as attend
+
+    return attend
+
+
+@functools.cache
+def keywords(attend: Callable) -> frozenset[str]:
+    return frozenset(inspect.signature(attend).parameters)
 
 
 @functools.cache
 def _device_runs_flash(index: int) -> bool:
     return (torch.cuda.get_device_capability(index) >= (8, 0)
-            and importlib.util.find_spec("torch.nn.attention.varlen") is not None)
+            and importlib.util.find_spec("torch.nn.attention.varlen") is not None
+            and NEEDED_KEYWORDS <= keywords(varlen_attn()))
 
 
 def runs(q: torch.Tensor) -> bool:
@@ -46,11 +64,16 @@ def _last_dim_dense(x: torch.Tensor) -> torch.Tensor:
 def fresh_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_starts: torch.Tensor,
                             max_queries: int, scale: float) -> torch.Tensor:
     """Causal attention of packed chunks, each over its own keys: q [tokens, q_heads, d], k and v
-    [tokens, kv_heads, d] packed alike, `query_starts` [chunks + 1] int32 (the same boundaries for
-    queries and keys), `max_queries` the longest chunk. Returns [tokens, q_heads, d]."""
-    from torch.nn.attention.varlen import varlen_attn
-
+    [tokens, kv_heads, d] packed alike, `query_starts` [chunks + 1] (the same boundaries for queries
+    and keys), `max_queries` the longest chunk. Returns [tokens, q_heads, d]."""
+    attend = varlen_attn()
+    group = q.shape[1] // k.shape[1]
+    k, v = k.to(q.dtype), v.to(q.dtype)
+    grouped = {}
+    if group > 1 and "enable_gqa" in keywords(attend):
+        grouped["enable_gqa"] = True
+    elif group > 1:  # a torch whose form takes as many KV heads as query heads
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     starts = query_starts.to(torch.int32)
-    return varlen_attn(_last_dim_dense(q), _last_dim_dense(k.to(q.dtype)), _last_dim_dense(v.to(q.dtype)),
-                       starts, starts, max_queries, max_queries, scale=scale, window_size=(-1, 0),
-                       enable_gqa=q.shape[1] != k.shape[1])
+    return attend(_last_dim_dense(q), _last_dim_dense(k), _last_dim_dense(v), starts, starts, max_queries,
+                  max_queries, scale=scale, window_size=(-1, 0), **grouped)

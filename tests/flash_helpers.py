@@ -30,18 +30,27 @@ def flash_varlen_on_cpu(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None
     return out
 
 
-def stand_in_flash(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+def stand_in_flash(monkeypatch: pytest.MonkeyPatch, takes_gqa: bool = True) -> list[int]:
     """Flash varlen attention stood in by `flash_varlen_on_cpu` and taken for every query tensor
-    (kernels/flash.py's `runs`); returns the list to which each call appends its chunk count."""
+    (kernels/flash.py's `runs`); returns the list to which each call appends its chunk count.
+    takes_gqa=False: the form of a torch whose varlen_attn has no `enable_gqa` (as many KV heads as
+    query heads)."""
     import torch.nn.attention.varlen
 
     from depthserve.kernels import flash
 
     calls: list[int] = []
-
-    def recorded(q, k, v, cu_seq_q, *args, **kwargs):
-        calls.append(len(cu_seq_q) - 1)
-        return flash_varlen_on_cpu(q, k, v, cu_seq_q, *args, **kwargs)
+    if takes_gqa:
+        def recorded(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1),
+                     enable_gqa=False, seqused_k=None, block_table=None):
+            calls.append(len(cu_seq_q) - 1)
+            return flash_varlen_on_cpu(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale, window_size=window_size,
+                                       enable_gqa=enable_gqa, seqused_k=seqused_k, block_table=block_table)
+    else:
+        def recorded(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):
+            assert k.shape[1] == v.shape[1] == q.shape[1]
+            calls.append(len(cu_seq_q) - 1)
+            return flash_varlen_on_cpu(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale, window_size=window_size)
 
     monkeypatch.setattr(torch.nn.attention.varlen, "varlen_attn", recorded)
     monkeypatch.setattr(flash, "runs", lambda q: True)

@@ -158,13 +158,15 @@ def test_varlen_prefill_attention_matches_torch(chunks, q_heads, kv_heads, block
                                atol=ATOL, rtol=0)
 
 
-def test_chunks_that_start_their_sequences_take_flash_over_their_own_keys(monkeypatch):
+@pytest.mark.parametrize("takes_gqa", [True, False])
+def test_chunks_that_start_their_sequences_take_flash_over_their_own_keys(takes_gqa, monkeypatch):
     """The prefill op's CUDA form (here the Triton backend, flash varlen attention stood in by its
     documented semantics): given the chunks' own keys and values (`fresh_kv`, as a layer hands them
     over: views of one fused QKV output), it calls flash once with the chunks' boundaries for
     queries and keys alike, and equals attention over the pool that holds those keys; without them
-    (chunks over cached keys) it reads the pool and never calls flash."""
-    calls = stand_in_flash(monkeypatch)
+    (chunks over cached keys) it reads the pool and never calls flash. A torch whose flash takes no
+    grouped heads gets the KV heads repeated."""
+    calls = stand_in_flash(monkeypatch, takes_gqa)
     counts, q_heads, kv_heads, head_dim, block_size = [5, 40, 2], 6, 2, 16, 4
     max_blocks = -(-max(counts) // block_size)
     num_pages = len(counts) * kv_heads * max_blocks + 2
