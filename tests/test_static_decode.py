@@ -45,6 +45,8 @@ DEPTH_CASES = {
     # HRM-Text trained at 2 x 2 cycles (up to 8 of each: eight levels), bidirectional and causal
     # prompts; a level caps both stacks' cycles.
     "hrm_text": (dict(h_cycles=2, l_cycles=2), HRM_CYCLES, 520),
+    # Inkling-2 trained at 1 pass of its looped band (up to 4: four levels); experts run on every row.
+    "inkling2_loop_text": (dict(loops=1), DORY_LOOPS, 1200),
 }
 
 

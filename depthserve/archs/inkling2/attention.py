@@ -19,6 +19,8 @@ from depthserve.layers.attention import AttentionMetadata, KVPool
 
 def row_page_tables(meta: AttentionMetadata) -> torch.Tensor:
     """[rows, blocks, row_width]: each packed row's page table (prefill rows share their sequence's)."""
+    if not meta.prefills:  # a decode step (at static shapes too): its table as it is
+        return meta.decode_page_table
     tables = [prefill.page_table for prefill in meta.prefills for _ in range(prefill.num_tokens)]
     width_blocks = max([t.shape[0] for t in tables] + ([meta.decode_page_table.shape[1]] if meta.num_decodes else [1]))
     out = []
@@ -33,6 +35,8 @@ def row_page_tables(meta: AttentionMetadata) -> torch.Tensor:
 
 def row_positions(meta: AttentionMetadata) -> torch.Tensor:
     """[rows] the position of each packed row's token."""
+    if not meta.prefills:  # computed on the device: no host synchronisation in a decode step
+        return meta.decode_context_lens.long() - 1
     parts = [torch.arange(p.context_len - p.num_tokens, p.context_len) for p in meta.prefills]
     if meta.num_decodes:
         parts.append(meta.decode_context_lens.cpu().long() - 1)

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from depthserve.archs.base import BuildOptions, DepthModel, RequestState
+from depthserve.archs.base import BuildOptions, DepthModel, RequestState, StaticDecodeSpec
 from depthserve.archs.inkling2.attention import biased_attention, conv_history, store
 from depthserve.archs.inkling2.format import Inkling2Config, Inkling2Plan, base_slots, knobs, slot_names
 from depthserve.archs.inkling2.format import plan as inkling2_plan
@@ -38,7 +38,7 @@ from depthserve.archs.inkling2.format import report as inkling2_report
 from depthserve.cache import CacheLayout
 from depthserve.depth import DepthParams, DepthReport, KnobSpec
 from depthserve.errors import CheckpointFormatError
-from depthserve.layers.attention import AttentionMetadata, KVPool
+from depthserve.layers.attention import AttentionMetadata, KVPool, call_region
 from depthserve.layers.embedding import checkpoint_embedding
 from depthserve.layers.rows import step_rows
 from depthserve.loading.weights import keep_stored_width
@@ -191,8 +191,18 @@ class Experts(nn.Module):
         self.down = nn.ModuleList(nn.Linear(inner, hidden, bias=False) for _ in range(cfg.num_experts))
         self.gate_cap, self.up_cap = cfg.mlp_gate_softcap, cfg.mlp_up_softcap
 
-    def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x [rows, H]; experts, weights [rows, k]: the sum over each row's experts, in fp32."""
+    def expert(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up[index](x).float().chunk(2, dim=-1)
+        hidden = (softcap(gate, self.gate_cap) * torch.sigmoid(gate) * softcap(up, self.up_cap)).to(x.dtype)
+        return self.down[index](hidden).float()
+
+    def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
+                static_shapes: bool = False) -> torch.Tensor:
+        """x [rows, H]; experts, weights [rows, k]: the sum over each row's experts, in fp32, added in
+        expert order. static_shapes: every expert runs on every row and a row keeps the experts it
+        chose (a decode step at static shapes: no host synchronisation, no data-dependent shape)."""
+        if static_shapes:
+            return self._every_expert(x, experts, weights)
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         flat = experts.reshape(-1)
         order = torch.argsort(flat, stable=True)
@@ -204,11 +214,16 @@ class Experts(nn.Module):
             if count == 0:
                 continue
             rows = rows_of[start:start + count]
-            gate, up = self.gate_up[expert](x[rows]).float().chunk(2, dim=-1)
-            hidden = (softcap(gate, self.gate_cap) * torch.sigmoid(gate) * softcap(up, self.up_cap)).to(x.dtype)
-            y = self.down[expert](hidden).float() * pair_weights[start:start + count, None]
-            out.index_add_(0, rows, y)
+            out.index_add_(0, rows, self.expert(expert, x[rows]) * pair_weights[start:start + count, None])
             start += count
+        return out
+
+    def _every_expert(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for expert in range(len(self.gate_up)):
+            chosen = experts == expert  # [rows, k]: at most one hit per row
+            weight = torch.where(chosen, weights, 0.0).sum(-1, keepdim=True)
+            out = out + torch.where(chosen.any(-1, keepdim=True), self.expert(expert, x) * weight, 0.0)
         return out
 
 
@@ -233,9 +248,9 @@ class MoE(nn.Module):
         self.gate = Router(cfg)
         self.experts = Experts(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, static_shapes: bool = False) -> torch.Tensor:
         experts, weights = self.gate(x)
-        return self.experts(x, experts, weights)
+        return self.experts(x, experts, weights, static_shapes)
 
 
 class MessageGate(nn.Module):
@@ -293,7 +308,7 @@ class DecoderLayer(nn.Module):
         inputs = None if attention_query is None else block_attention(attention_query, blocks[:, :-1] if
                                                                        self.boundary else blocks, x)
         qh, kh, vh = (p.to(dtype) for p in self._attention_inputs(x, inputs, messages))
-        attention = self.attn(qh, kh, vh, positions, pool, slots)
+        attention = call_region(self.attn, slots[0][0], qh, kh, vh, positions, pool, slots)
         res = slots[2]
         store(pool.k_pages, *res, attention)
         attention = self.attn_sconv(attention, conv_history(pool.k_pages, *res, self.cfg.conv_kernel_size))
@@ -301,7 +316,7 @@ class DecoderLayer(nn.Module):
         h = block_attention(mlp_query.view(1, -1), blocks, residual)[:, 0]
         if messages is not None:
             h = self.controllers["mlp"](h, messages[:, 3])
-        out = self.mlp(self.mlp_norm(h).to(dtype))
+        out = call_region(self.mlp, res[0], self.mlp_norm(h).to(dtype), res[0].static is not None)
         store(pool.v_pages, *res, out)
         out = self.mlp_sconv(out, conv_history(pool.v_pages, *res, self.cfg.conv_kernel_size))
         return residual + out
@@ -409,6 +424,19 @@ class Inkling2ForCausalLM(nn.Module, DepthModel):
 
     def row_settings(self, plan: Inkling2Plan, level: int | None) -> np.ndarray:
         return np.array([plan.step_level(level)], dtype=np.float32)
+
+    def static_decode_spec(self) -> StaticDecodeSpec:
+        """Rows hold the slots of the most loops (every layer's own first, at the columns the eager
+        step reads them from); a row's setting is its loop count, and a batch runs capped at its
+        deepest row's. The experts run on every row (Experts, static_shapes). The attention (one
+        graph per layer type) and the mixture of experts (one graph) are compiled as regions, the
+        glue between them runs as it is: the graphs to compile do not grow with the loops, nor
+        with the kinds of layer (every layer differs from its neighbours in its block boundary, its
+        type or its messages)."""
+        cfg = self.config
+        deepest = self.plan(DepthParams(loops=cfg.max_loops)).layout
+        return StaticDecodeSpec(deepest, settings=1, levels=tuple(range(1, cfg.max_loops + 1)),
+                                compiled_regions=(Attention, MoE))
 
     def report(self, request: RequestState) -> DepthReport:
         return inkling2_report(self.config, request.plan, request.num_computed_tokens, request.num_output_tokens)
