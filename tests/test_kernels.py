@@ -101,6 +101,28 @@ def test_paged_decode_attention_matches_torch(batch, q_heads, kv_heads, block_si
     torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("lengths_dtype", [torch.int64, torch.int32])
+def test_paged_decode_attention_reads_the_lengths_in_place(lengths_dtype, monkeypatch):
+    """The compiled decode step holds its context lengths as int64 (one buffer of the step's inputs):
+    the decode kernel reads them as they are, in either dtype (the matching tests above run it on
+    int64 lengths); a conversion in the op would be one more copy kernel per layer of every step."""
+    from depthserve.kernels.triton import paged as triton_paged
+
+    launches = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append(args)
+
+    monkeypatch.setattr(triton_paged, "_decode_partial_kernel", Recorder())
+    monkeypatch.setattr(triton_paged, "_decode_reduce_kernel", Recorder())
+    k_pages, v_pages = make_pool(20, 4, 16)
+    lens = torch.tensor([5, 9], dtype=lengths_dtype, device=DEVICE)
+    triton_paged.paged_decode_attention(torch.randn(2, 4, 16, device=DEVICE), k_pages, v_pages,
+                                        random_tables(2, 2, 3, 20, seed=1), lens, 0.25)
+    assert launches[0][4] is lens
+
+
 @pytest.mark.parametrize(
     "multiprocessors, batch, q_heads, kv_heads, block_size, lens, width_blocks",
     [

@@ -40,7 +40,7 @@ def depth_attention(q, k_cache, v_cache, num_valid, scale):
         return out
     max_depth = k_cache.shape[1]
     _depth_attention_kernel[(num_tokens, num_heads)](
-        q.contiguous(), k_cache.contiguous(), v_cache.contiguous(), num_valid.to(torch.int32), out, float(scale),
+        q.contiguous(), k_cache.contiguous(), v_cache.contiguous(), num_valid, out, float(scale),
         NUM_HEADS=num_heads, MAX_DEPTH=max_depth, BLOCK_T=pow2(max_depth), HEAD_DIM=head_dim, BLOCK_D=pow2(head_dim),
     )
     return out

@@ -162,7 +162,8 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, context_lens, scale,
                            tile: int = DECODE_TILE, num_warps: int = 4, num_stages: int = 2):
     """Single-query paged attention (kernels/paged.py has the meaning). `tiles_per_split` (None:
     sized on the device, below), `tile` (keys per step of a program), `num_warps` and `num_stages`
-    are the kernel's tuning knobs (bench/kernels.py sweeps them).
+    are the kernel's tuning knobs (bench/kernels.py sweeps them). `context_lens` int32 or int64, read
+    as it is (the compiled step's lengths are int64: a conversion here was a copy kernel per layer).
 
     By default the grid has the splits `decode_splits` gives a context as long as the table (its
     most), and the kernel divides the batch's longest context among them: a table as wide as
@@ -186,7 +187,7 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, context_lens, scale,
     else:  # one split writes `out` itself
         part_acc = part_ml = torch.empty(1, dtype=torch.float32, device=q.device)
     _decode_partial_kernel[(batch, kv_heads, num_splits)](
-        q, k_pages, v_pages, page_table, context_lens.to(torch.int32), part_acc, part_ml, out,
+        q, k_pages, v_pages, page_table, context_lens, part_acc, part_ml, out,
         float(scale), q.stride(0), q.stride(1), page_table.stride(0), page_table.stride(1), page_table.stride(2),
         max_blocks, batch, NUM_Q_HEADS=num_q_heads, GROUP=group, BLOCK_G=group_rows(group), HEAD_DIM=head_dim,
         BLOCK_D=pow2(head_dim, MIN_DOT), BLOCK_SIZE=block_size, BLOCK_N=tile,
@@ -284,8 +285,8 @@ def paged_prefill_attention_varlen(q, k_pages, v_pages, page_tables, query_start
     block_m, block_n = 32, 32
     grid = (num_seqs, triton.cdiv(max_queries, block_m), num_q_heads)
     _prefill_kernel[grid](
-        q.contiguous(), k_pages, v_pages, page_tables, query_starts.to(torch.int32),
-        context_lens.to(torch.int32), out, float(scale), page_tables.stride(0), page_tables.stride(1), page_tables.stride(2), max_blocks,
+        q.contiguous(), k_pages, v_pages, page_tables, query_starts, context_lens, out, float(scale),
+        page_tables.stride(0), page_tables.stride(1), page_tables.stride(2), max_blocks,
         NUM_Q_HEADS=num_q_heads, GROUP=num_q_heads // kv_heads, HEAD_DIM=head_dim, BLOCK_D=pow2(head_dim, 16),
         BLOCK_SIZE=k_pages.shape[1], BLOCK_M=block_m, BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
     )

@@ -93,7 +93,7 @@ def saobp_decode_attention(q, k_pages, v_pages, page_table, bias_pages, bias_tab
     kv_heads, max_blocks = page_table.shape[1], page_table.shape[2]
     group = num_q_heads // kv_heads
     _saobp_decode_kernel[(batch, kv_heads)](
-        q.contiguous(), k_pages, v_pages, page_table, bias_pages, bias_table, context_lens.to(torch.int32), out, lse,
+        q.contiguous(), k_pages, v_pages, page_table, bias_pages, bias_table, context_lens, out, lse,
         float(scale), float(coef), page_table.stride(0), page_table.stride(1), page_table.stride(2),
         bias_table.stride(0), bias_table.stride(1), bias_table.stride(2), max_blocks,
         NUM_Q_HEADS=num_q_heads, GROUP=group, BLOCK_G=group_rows(group), HEAD_DIM=head_dim,
@@ -149,7 +149,7 @@ def saobp_bias_update(q, k_pages, page_table, bias_pages, bias_table, context_le
     block_n = DECODE_TILE
     tiles = triton.cdiv(max_blocks * k_pages.shape[1], block_n)
     _saobp_bias_update_kernel[(batch, kv_heads, tiles)](
-        q.contiguous(), k_pages, page_table, bias_pages, bias_table, context_lens.to(torch.int32),
+        q.contiguous(), k_pages, page_table, bias_pages, bias_table, context_lens,
         lse.to(torch.float32).contiguous(), float(scale), float(coef),
         page_table.stride(0), page_table.stride(1), page_table.stride(2),
         bias_table.stride(0), bias_table.stride(1), bias_table.stride(2), max_blocks,
