@@ -110,7 +110,7 @@ class CacheLayout:
 
     @property
     def row_width(self) -> int:
-        return sum(slot.num_heads for slot in self.slots)
+        return self._offsets[-1]
 
     @property
     def base_width(self) -> int:

@@ -292,8 +292,11 @@ class BlockManager:
         entry = self._entry(seq)
         if entry.state is None and entry.layout.state_bytes:
             entry.state = self._take_pages(self.state_pages_for(entry.layout))
-        while entry.num_rows < self.blocks_for(num_tokens):
-            entry.append(self._take_pages(entry.layout.row_width))
+        missing = self.blocks_for(num_tokens) - entry.num_rows
+        if missing > 0:  # in one take: the same pages, in the same order, as one take per row
+            width = entry.layout.row_width
+            for row in self._take_pages(missing * width).reshape(missing, width):
+                entry.append(row)
         self._release_behind_window(entry, seq.num_computed_tokens)
         extra = max(num_tokens - seq.num_computed_tokens, 0)
         for slot in entry.layout.routed_slots:
@@ -312,7 +315,7 @@ class BlockManager:
         while len(routed.rows) > keep:
             pages = routed.rows.pop()
             self._refs[pages] -= 1
-            self._free.extend(int(p) for p in pages[::-1])
+            self._give_back(pages)
 
     def allocate_cached_prefix(self, seq: Sequence, depth_key: tuple, chunked_prefill: bool = True) -> int:
         """Attach cached rows for the sequence's leading full blocks; returns tokens covered.
@@ -382,11 +385,11 @@ class BlockManager:
             return
         if entry.state is not None:
             self._refs[entry.state] -= 1
-            self._free.extend(int(p) for p in entry.state[::-1])
+            self._give_back(entry.state)
         for routed in entry.routed.values():
             for pages in routed.rows.view()[routed.released:][::-1]:
                 self._refs[pages] -= 1
-                self._free.extend(int(p) for p in pages[::-1])
+                self._give_back(pages)
         table = entry.table()
         for i in range(len(table) - 1, -1, -1):
             row = table[i]
@@ -401,7 +404,7 @@ class BlockManager:
             if block_hash is not None and np.array_equal(self._cached.get(block_hash, ()), row):
                 self._evictable.add(block_hash, len(row))
             else:
-                self._free.extend(int(p) for p in row[::-1])
+                self._give_back(row)
 
     def reset_prefix_cache(self) -> None:
         for block_hash in self._evictable:
@@ -462,7 +465,7 @@ class BlockManager:
     def _release(self, pages: np.ndarray) -> None:
         """One reference fewer on pages of rows outside the prefix cache; those unreferenced go free."""
         self._refs[pages] -= 1
-        self._free.extend(int(p) for p in pages[::-1] if self._refs[p] == 0)
+        self._give_back(pages[self._refs[pages] == 0])
 
     def _entry(self, seq: Sequence) -> _SeqPages:
         entry = self._seqs.get(seq.seq_id)
@@ -477,12 +480,17 @@ class BlockManager:
             self._evict(self._evictable.oldest())
         if len(self._free) < count:
             raise RuntimeError("out of KV-cache pages (the scheduler should have checked)")
-        pages = np.array([self._free.pop() for _ in range(count)], dtype=np.int32)
+        pages = np.array(self._free[len(self._free) - count:][::-1], dtype=np.int32)  # as `count` pops give them
+        del self._free[len(self._free) - count:]
         self._refs[pages] = 1
         return pages
+
+    def _give_back(self, pages: np.ndarray) -> None:
+        """Pages onto the free list, the first of them to be taken first."""
+        self._free.extend(pages[::-1].tolist())
 
     def _evict(self, block_hash: int) -> None:
         self._evictable.discard(block_hash)
         row = self._cached.pop(block_hash)
         self._row_hash.pop(int(row[0]), None)
-        self._free.extend(int(p) for p in row[::-1])
+        self._give_back(row)

@@ -84,7 +84,8 @@ class RequestValidator:
             return prompt, self.tokenizer.encode(prompt, add_special_tokens=False)
         if not isinstance(prompt, (list, tuple)) or not prompt:
             raise EmptyPromptError("the prompt must be a non-empty string or a non-empty list of token ids")
-        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size for t in prompt):
+        # exactly int (no bool, no int subclass), in range; checked by builtins that loop in C
+        if set(map(type, prompt)) != {int} or min(prompt) < 0 or max(prompt) >= self.vocab_size:
             raise InvalidRequestError(f"prompt token ids must be integers in [0, {self.vocab_size})")
         return None, list(prompt)
 
