@@ -35,14 +35,15 @@ from depthserve.kernels.ops import KernelOp, Target, triton_installed, triton_ke
 
 FAMILIES: dict[str, tuple[str, ...]] = {
     "paged": ("store_kv", "paged_decode_attention", "paged_window_decode_attention", "paged_prefill_attention",
-              "paged_prefill_attention_varlen"),
+              "paged_prefill_attention_varlen", "paged_window_prefill_attention"),
     "itt": ("itt_route", "itt_update"),
     "depth": ("depth_attention",),
     "saobp": ("saobp_decode_attention", "saobp_bias_update", "saobp_prefill_attention"),
 }
 OP_NAMES = tuple(name for names in FAMILIES.values() for name in names)
 # paged_prefill_attention: the varlen kernel covers single prompts; paged_window_decode_attention: the
-# Triton kernel takes no window; saobp_prefill_attention: torch only
+# Triton kernel takes no window (paged_window_prefill_attention's CUDA form is flash for fresh chunks,
+# kernels/flash.py, else torch); saobp_prefill_attention: torch only
 TRITON_OPS = frozenset(OP_NAMES) - {"paged_prefill_attention", "paged_window_decode_attention", "saobp_prefill_attention"}
 BACKENDS = ("auto", "torch", "triton")
 # kernels/csrc/paged_attention.cpp; greedy_pick and apply_token_bitmask (csrc/sampling.cpp) have no torch

@@ -62,10 +62,11 @@ def _last_dim_dense(x: torch.Tensor) -> torch.Tensor:
 
 
 def fresh_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_starts: torch.Tensor,
-                            max_queries: int, scale: float) -> torch.Tensor:
+                            max_queries: int, scale: float, window: int | None = None) -> torch.Tensor:
     """Causal attention of packed chunks, each over its own keys: q [tokens, q_heads, d], k and v
     [tokens, kv_heads, d] packed alike, `query_starts` [chunks + 1] (the same boundaries for queries
-    and keys), `max_queries` the longest chunk. Returns [tokens, q_heads, d]."""
+    and keys), `max_queries` the longest chunk; `window`: the keys a query sees, its own included (a
+    sliding-window layer; None: every earlier key). Returns [tokens, q_heads, d]."""
     attend = varlen_attn()
     group = q.shape[1] // k.shape[1]
     k, v = k.to(q.dtype), v.to(q.dtype)
@@ -76,4 +77,4 @@ def fresh_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     starts = query_starts.to(torch.int32)
     return attend(_last_dim_dense(q), _last_dim_dense(k), _last_dim_dense(v), starts, starts, max_queries,
-                  max_queries, scale=scale, window_size=(-1, 0), **grouped)
+                  max_queries, scale=scale, window_size=(-1 if window is None else window - 1, 0), **grouped)

@@ -166,3 +166,13 @@ def paged_prefill_attention_varlen(
         if rows.start < rows.stop:
             out[rows] = paged_prefill_attention(q[rows], k_pages, v_pages, page_tables[i], context_len, scale, window)
     return out
+
+
+def paged_window_prefill_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
+                                   page_tables: torch.Tensor, query_starts: torch.Tensor, context_lens: torch.Tensor,
+                                   scale: float, window: int, *, max_queries: int | None = None,
+                                   fresh_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """paged_prefill_attention_varlen of a sliding-window layer: its own op, since the Triton varlen
+    kernel takes no window (its CUDA form hands fresh chunks to flash with the window, and the rest to
+    this implementation)."""
+    return paged_prefill_attention_varlen(q, k_pages, v_pages, page_tables, query_starts, context_lens, scale, window)

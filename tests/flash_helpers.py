@@ -12,8 +12,10 @@ def flash_varlen_on_cpu(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None
                         enable_gqa=False, seqused_k=None, block_table=None, **_):
     """torch's varlen_attn as its documentation states it, in plain torch (it runs only on CUDA): each
     batch element's queries attend to its keys (packed by cu_seq_k, or its pages through the block
-    table, the first seqused_k of them), the causal mask aligned to the keys' end."""
-    assert window_size == (-1, 0)  # causal, no window: what the callers ask for
+    table, the first seqused_k of them), the causal mask aligned to the keys' end; window_size
+    (left, 0): causal, a query seeing the `left` keys before its own too (-1: all of them)."""
+    left, right = window_size
+    assert right == 0, "the callers ask for causal attention"
     assert cu_seq_q.dtype == torch.int32 and (cu_seq_k is None or cu_seq_k.dtype == torch.int32)
     out = q.new_empty(q.shape)
     for i in range(len(cu_seq_q) - 1):
@@ -24,32 +26,34 @@ def flash_varlen_on_cpu(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None
             keys, values = (t[block_table[i].long()].flatten(0, 1)[: int(seqused_k[i])] for t in (k, v))
         n, m = rows.stop - rows.start, keys.shape[0]
         assert n <= max_q and m <= max_k
-        mask = torch.arange(m, device=q.device)[None, :] <= torch.arange(m - n, m, device=q.device)[:, None]
+        key_pos, query_pos = torch.arange(m, device=q.device)[None, :], torch.arange(m - n, m, device=q.device)[:, None]
+        mask = (key_pos <= query_pos) & ((key_pos >= query_pos - left) if left >= 0 else True)
         out[rows] = F.scaled_dot_product_attention(q[rows].transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
                                                    attn_mask=mask, scale=scale, enable_gqa=enable_gqa).transpose(0, 1)
     return out
 
 
-def stand_in_flash(monkeypatch: pytest.MonkeyPatch, takes_gqa: bool = True) -> list[int]:
+def stand_in_flash(monkeypatch: pytest.MonkeyPatch, takes_gqa: bool = True) -> list[tuple[int, int]]:
     """Flash varlen attention stood in by `flash_varlen_on_cpu` and taken for every query tensor
-    (kernels/flash.py's `runs`); returns the list to which each call appends its chunk count.
+    (kernels/flash.py's `runs`); returns the list to which each call appends its chunk count and the
+    left end of its window (-1: none).
     takes_gqa=False: the form of a torch whose varlen_attn has no `enable_gqa` (as many KV heads as
     query heads)."""
     import torch.nn.attention.varlen
 
     from depthserve.kernels import flash
 
-    calls: list[int] = []
+    calls: list[tuple[int, int]] = []
     if takes_gqa:
         def recorded(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1),
                      enable_gqa=False, seqused_k=None, block_table=None):
-            calls.append(len(cu_seq_q) - 1)
+            calls.append((len(cu_seq_q) - 1, window_size[0]))
             return flash_varlen_on_cpu(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale, window_size=window_size,
                                        enable_gqa=enable_gqa, seqused_k=seqused_k, block_table=block_table)
     else:
         def recorded(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):
             assert k.shape[1] == v.shape[1] == q.shape[1]
-            calls.append(len(cu_seq_q) - 1)
+            calls.append((len(cu_seq_q) - 1, window_size[0]))
             return flash_varlen_on_cpu(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale, window_size=window_size)
 
     monkeypatch.setattr(torch.nn.attention.varlen, "varlen_attn", recorded)

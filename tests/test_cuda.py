@@ -88,11 +88,12 @@ def test_varlen_prefill_and_saobp_kernels_in_half_precision_match_fp32(dtype):
         assert relative_error(out, expected) < 1e-2 and relative_error(got_lse, lse) < 1e-2
 
 
+@pytest.mark.parametrize("window", [None, 24])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_flash_attends_chunks_that_start_their_sequences_in_half_precision(dtype):
+def test_flash_attends_chunks_that_start_their_sequences_in_half_precision(dtype, window):
     """The prefill op's CUDA form given the chunks' own keys (views of one fused QKV output, as a
     layer hands them over) runs torch's flash varlen kernel on this GPU and matches the fp32 torch
-    reference over the pool that holds those keys."""
+    reference over the pool that holds those keys; so does a sliding-window layer's (window 24)."""
     counts, q_heads, kv_heads, head_dim = [40, 130, 7], 9, 3, 64
     fused = torch.randn(sum(counts), q_heads + 2 * kv_heads, head_dim, device="cuda").to(dtype)
     q, k, v = fused.split([q_heads, kv_heads, kv_heads], dim=1)
@@ -108,10 +109,12 @@ def test_flash_attends_chunks_that_start_their_sequences_in_half_precision(dtype
     torch_ops.store_kv(k, v, k_pages, v_pages, table[owner, :, positions // 16] * 16 + (positions % 16)[:, None])
     starts = torch.tensor([0, 40, 170, 177], dtype=torch.int32, device="cuda")
     lens = torch.tensor(counts, dtype=torch.int32, device="cuda")
-    reference = torch_ops.paged_prefill_attention_varlen(q.float(), k_pages.float(), v_pages.float(), table, starts,
-                                                         lens, 0.125)
-    got = triton_ops.paged_prefill_attention_varlen(q, k_pages, v_pages, table, starts, lens, 0.125, max_queries=130,
-                                                    fresh_kv=(k, v))
+    windowed = () if window is None else (window,)
+    reference = (torch_ops.paged_prefill_attention_varlen if window is None else
+                 torch_ops.paged_window_prefill_attention)(q.float(), k_pages.float(), v_pages.float(), table, starts,
+                                                           lens, 0.125, *windowed)
+    got = (triton_ops.paged_prefill_attention_varlen if window is None else triton_ops.paged_window_prefill_attention)(
+        q, k_pages, v_pages, table, starts, lens, 0.125, *windowed, max_queries=130, fresh_kv=(k, v))
     assert got.dtype == dtype and relative_error(got, reference) < 1e-2
 
 

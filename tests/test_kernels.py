@@ -180,14 +180,15 @@ def test_varlen_prefill_attention_matches_torch(chunks, q_heads, kv_heads, block
                                atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("takes_gqa", [True, False])
-def test_chunks_that_start_their_sequences_take_flash_over_their_own_keys(takes_gqa, monkeypatch):
+@pytest.mark.parametrize("takes_gqa, window", [(True, None), (False, None), (True, 7)])
+def test_chunks_that_start_their_sequences_take_flash_over_their_own_keys(takes_gqa, window, monkeypatch):
     """The prefill op's CUDA form (here the Triton backend, flash varlen attention stood in by its
     documented semantics): given the chunks' own keys and values (`fresh_kv`, as a layer hands them
     over: views of one fused QKV output), it calls flash once with the chunks' boundaries for
     queries and keys alike, and equals attention over the pool that holds those keys; without them
     (chunks over cached keys) it reads the pool and never calls flash. A torch whose flash takes no
-    grouped heads gets the KV heads repeated."""
+    grouped heads gets the KV heads repeated; a sliding-window layer's op (window 7, shorter than the
+    40-token chunk) passes its window on."""
     calls = stand_in_flash(monkeypatch, takes_gqa)
     counts, q_heads, kv_heads, head_dim, block_size = [5, 40, 2], 6, 2, 16, 4
     max_blocks = -(-max(counts) // block_size)
@@ -203,13 +204,19 @@ def test_chunks_that_start_their_sequences_take_flash_over_their_own_keys(takes_
     starts = torch.tensor([0, 5, 45, 47], dtype=torch.int32, device=DEVICE)
     lens = torch.tensor(counts, dtype=torch.int32, device=DEVICE)
     args = (q, k_pages, v_pages, tables, starts, lens, 0.25)
-    expected = torch_ops.paged_prefill_attention_varlen(*args)
-    got = triton_ops.paged_prefill_attention_varlen(*args, max_queries=max(counts), fresh_kv=(k, v))
-    assert calls == [len(counts)]
+    if window is None:
+        expected = torch_ops.paged_prefill_attention_varlen(*args)
+        ours = triton_ops.paged_prefill_attention_varlen
+    else:
+        expected = torch_ops.paged_window_prefill_attention(*args, window)
+        assert not torch.allclose(expected, torch_ops.paged_prefill_attention_varlen(*args))  # the window matters
+        args += (window,)
+        ours = triton_ops.paged_window_prefill_attention
+    got = ours(*args, max_queries=max(counts), fresh_kv=(k, v))
+    assert calls == [(len(counts), -1 if window is None else window - 1)]
     torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
-    torch.testing.assert_close(triton_ops.paged_prefill_attention_varlen(*args, max_queries=max(counts)), expected,
-                               atol=ATOL, rtol=0)
-    assert calls == [len(counts)]
+    torch.testing.assert_close(ours(*args, max_queries=max(counts)), expected, atol=ATOL, rtol=0)
+    assert len(calls) == 1
 
 
 @pytest.mark.parametrize("case", ["mixed", "none_selected", "all_selected", "step_off_for_some"])

@@ -13,7 +13,8 @@ from transformers import AutoConfig  # noqa: E402
 
 from depthserve import LLM, SamplingParams  # noqa: E402
 from depthserve.lab.make_tiny import make_tiny  # noqa: E402
-from tests.depth_helpers import assert_same_generations, kernel_test_device  # noqa: E402
+from depthserve.lab.make_tiny import synthetic_streams  # noqa: E402
+from tests.depth_helpers import assert_same_generations, generate_on_both_backends, kernel_test_device  # noqa: E402
 from tests.flash_helpers import stand_in_flash  # noqa: E402
 
 pytestmark = pytest.mark.slow  # part of make test, left out of make test-fast
@@ -60,4 +61,20 @@ def test_steps_of_fresh_chunks_take_flash_and_others_the_triton_kernel(tiny_llam
     calls = stand_in_flash(monkeypatch)
     assert_same_generations(torch_outputs, _generate(tiny_llama, "triton"))
     layers = AutoConfig.from_pretrained(tiny_llama).num_hidden_layers
-    assert calls and len(calls) % layers == 0 and set(calls) <= {1, 2}
+    assert calls and len(calls) % layers == 0 and {chunks for chunks, _ in calls} <= {1, 2}
+    assert {left for _, left in calls} == {-1}
+
+
+def test_sliding_window_layers_take_flash_with_their_window(tmp_path, smollm_tokenizer, monkeypatch):
+    """Dory with sliding windows of 8 keys, prompts longer than that, flash stood in as above: a
+    sliding layer's fresh chunks go to flash with its window (7 keys before a query's own), the
+    full layers' without one, and the tokens and logprobs are the torch backend's."""
+    calls = stand_in_flash(monkeypatch)
+    path = make_tiny("dory", tmp_path / "dory", seed=2, tokenizer=smollm_tokenizer, loops=1, sliding_window=8)
+    stream = synthetic_streams(49152, 1, 64, seed=4)[0].tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=3, logprobs=0, ignore_eos=True)
+    expected, got, llm = generate_on_both_backends(str(path), [stream[:13], stream[20:23], stream[30:50]], params,
+                                                   max_model_len=64, block_size=8, max_num_batched_tokens=12)
+    assert_same_generations(expected, got)
+    assert {left for _, left in calls} == {-1, 7}
+    assert llm.engine.block_manager.num_used_pages == 0

@@ -8,7 +8,6 @@ from typing import Any
 
 import torch
 
-from depthserve.kernels import paged as paged_ops
 from depthserve.kernels.dispatch import Kernels
 
 
@@ -138,53 +137,35 @@ def paged_attention(
 
     `window`: a query sees only the last `window` keys, its own included (a sliding-window layer).
     Its decoding rows take `paged_window_decode_attention` (torch, or the native CPU kernel), its
-    prompt chunks the torch implementation on every backend (the native prefill and Triton kernels
-    attend over the whole context)."""
+    prompt chunks `paged_window_prefill_attention` (torch; on CUDA flash for chunks that start their
+    sequences: the native prefill and Triton kernels attend over the whole context)."""
     meta.kernels.store_kv(k, v, pool.k_pages, pool.v_pages, meta.slot_index[:, slot_columns])
-    if window is not None:
-        return _windowed_attention(q, pool, meta, slot_columns, scale, window)
     if not meta.prefills and meta.num_decodes:  # decode only: the kernel's output as it is (no copy kernel per layer)
-        return _decode_attention(q, pool, meta, slot_columns, scale)
+        return _decode_attention(q, pool, meta, slot_columns, scale, window)
     if meta.prefills and not meta.num_decodes:  # prefill only: likewise
-        return _prefill_attention(q, k, v, pool, meta, slot_columns, scale)
+        return _prefill_attention(q, k, v, pool, meta, slot_columns, scale, window)
     out = torch.empty_like(q)
     if meta.prefills:
         rows = slice(0, meta.num_prefill_tokens)
-        out[rows] = _prefill_attention(q[rows], k[rows], v[rows], pool, meta, slot_columns, scale)
+        out[rows] = _prefill_attention(q[rows], k[rows], v[rows], pool, meta, slot_columns, scale, window)
     if meta.num_decodes:
         rows = slice(meta.num_prefill_tokens, None)  # the rest: no bound for a compiled graph to specialise on
-        out[rows] = _decode_attention(q[rows], pool, meta, slot_columns, scale)
+        out[rows] = _decode_attention(q[rows], pool, meta, slot_columns, scale, window)
     return out
 
 
 def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: KVPool, meta: AttentionMetadata,
-                       slot_columns: slice, scale: float) -> torch.Tensor:
-    """The prefill rows' queries `q` against their sequences' keys in the slot; `k`, `v`: the rows'
-    own keys and values, which a form may read instead of the pool when every chunk starts its
-    sequence (kernels/paged.py, `paged_prefill_attention_varlen`)."""
+                       slot_columns: slice, scale: float, window: int | None = None) -> torch.Tensor:
+    """The prefill rows' queries `q` against their sequences' keys in the slot (the last `window`
+    where given); `k`, `v`: the rows' own keys and values, which a form may read instead of the pool
+    when every chunk starts its sequence (kernels/paged.py, `paged_prefill_attention_varlen`)."""
     packed = meta.packed_prefills()
     tables = packed.page_tables[:, :, slot_columns].transpose(1, 2)  # [seqs, kv_heads, blocks]
-    return meta.kernels.paged_prefill_attention_varlen(
-        q, pool.k_pages, pool.v_pages, tables, packed.query_starts, packed.context_lens, scale,
-        max_queries=packed.max_queries, fresh_kv=(k, v) if packed.fresh else None)
-
-
-def _windowed_attention(q: torch.Tensor, pool: KVPool, meta: AttentionMetadata, slot_columns: slice, scale: float,
-                        window: int) -> torch.Tensor:
-    """paged_attention's attention step for a sliding-window layer (paged_attention's docstring)."""
-    if not meta.prefills and meta.num_decodes:  # decode only: the kernel's output as it is
-        return _decode_attention(q, pool, meta, slot_columns, scale, window)
-    out = torch.empty_like(q)
-    if meta.prefills:
-        rows = slice(0, meta.num_prefill_tokens)
-        packed = meta.packed_prefills()
-        tables = packed.page_tables[:, :, slot_columns].transpose(1, 2)
-        out[rows] = paged_ops.paged_prefill_attention_varlen(
-            q[rows], pool.k_pages, pool.v_pages, tables, packed.query_starts, packed.context_lens, scale, window)
-    if meta.num_decodes:
-        rows = slice(meta.num_prefill_tokens, None)
-        out[rows] = _decode_attention(q[rows], pool, meta, slot_columns, scale, window)
-    return out
+    args = (q, pool.k_pages, pool.v_pages, tables, packed.query_starts, packed.context_lens, scale)
+    fresh = dict(max_queries=packed.max_queries, fresh_kv=(k, v) if packed.fresh else None)
+    if window is None:
+        return meta.kernels.paged_prefill_attention_varlen(*args, **fresh)
+    return meta.kernels.paged_window_prefill_attention(*args, window, **fresh)
 
 
 def _decode_attention(q: torch.Tensor, pool: KVPool, meta: AttentionMetadata, slot_columns: slice,

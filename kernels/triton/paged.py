@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from depthserve.kernels import flash
+from depthserve.kernels import paged as torch_paged
 from depthserve.kernels.paged import longest_chunk
 from depthserve.kernels.triton.common import (DECODE_TILE, MIN_DOT, group_rows, group_scores, online_softmax,
                                               paged_kv_offsets, pow2)
@@ -291,3 +292,16 @@ def paged_prefill_attention_varlen(q, k_pages, v_pages, page_tables, query_start
         BLOCK_SIZE=k_pages.shape[1], BLOCK_M=block_m, BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
     )
     return out
+
+
+def paged_window_prefill_attention(q, k_pages, v_pages, page_tables, query_starts, context_lens, scale, window: int,
+                                   *, max_queries: int | None = None,
+                                   fresh_kv: tuple[torch.Tensor, torch.Tensor] | None = None):
+    """The windowed prefill op's CUDA form: chunks that start their sequences through flash with the
+    window, others through the torch implementation (the varlen kernel above takes no window)."""
+    if fresh_kv is not None and q.shape[0] and flash.runs(q):
+        if max_queries is None:
+            max_queries = longest_chunk(query_starts)
+        return flash.fresh_prefill_attention(q, *fresh_kv, query_starts, max_queries, scale, window)
+    return torch_paged.paged_window_prefill_attention(q, k_pages, v_pages, page_tables, query_starts, context_lens,
+                                                      scale, window)
