@@ -10,8 +10,8 @@ them per page in its FlashAttention-2 form; a page here holds one head of 16 tok
 
 Flash runs on CUDA devices of compute capability 8.0 or later, in fp16 and bf16, for head dims
 that are multiples of 8 up to 256, with a torch whose `varlen_attn` takes a scale and a window
-(`runs`); the engine's fp32 runs, older GPUs and older torches take the Triton kernel. Docs:
-docs/design.md, "Kernels".
+(`supported`), once a probe on two short chunks has matched SDPA there (`probe`); the engine's fp32
+runs, older GPUs and older torches take the Triton kernel. Docs: docs/design.md, "Kernels".
 """
 
 from __future__ import annotations
@@ -19,9 +19,12 @@ from __future__ import annotations
 import functools
 import importlib.util
 import inspect
+import logging
 from collections.abc import Callable
 
 import torch
+
+log = logging.getLogger(__name__)
 
 DTYPES = (torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256
@@ -48,11 +51,63 @@ def _device_runs_flash(index: int) -> bool:
             and NEEDED_KEYWORDS <= keywords(varlen_attn()))
 
 
-def runs(q: torch.Tensor) -> bool:
-    """Whether flash varlen attention takes these queries [tokens, heads, head_dim]."""
+def supported(q: torch.Tensor) -> bool:
+    """Whether the device, dtype and head size of these queries [tokens, heads, head_dim], and the
+    installed torch's form of varlen_attn, are ones flash takes."""
     head_dim = q.shape[-1]
     return (q.is_cuda and q.dtype in DTYPES and head_dim % 8 == 0 and head_dim <= MAX_HEAD_DIM
             and _device_runs_flash(q.device.index if q.device.index is not None else torch.cuda.current_device()))
+
+
+def runs(q: torch.Tensor, kv_heads: int) -> bool:
+    """Whether prefill attention of these queries over `kv_heads` KV heads goes to flash: where it is
+    supported and its probe on this device, dtype and head layout gave the reference's results."""
+    return supported(q) and probe(str(q.device), q.dtype, q.shape[-1], q.shape[1], kv_heads)
+
+
+@functools.cache
+def probe(device: str, dtype: torch.dtype, head_dim: int, q_heads: int, kv_heads: int) -> bool:
+    """Flash on two short chunks, causal and with a window of 2, against SDPA in fp32, once per
+    device, dtype and head layout: a torch whose kernel raises or disagrees there (a form this module
+    was not written against) leaves prefill attention to the Triton kernel, with a warning saying why,
+    instead of failing or corrupting every prefill."""
+    gen = torch.Generator().manual_seed(0)
+    lengths = (3, 6)
+    q = torch.randn(sum(lengths), q_heads, head_dim, generator=gen).to(device, dtype)
+    k, v = (torch.randn(sum(lengths), kv_heads, head_dim, generator=gen).to(device, dtype) for _ in range(2))
+    starts = torch.tensor([0, lengths[0], sum(lengths)], dtype=torch.int32, device=device)
+    for window in (None, 2):
+        try:
+            got = fresh_prefill_attention(q, k, v, starts, max(lengths), head_dim ** -0.5, window)
+        except Exception as exc:  # noqa: BLE001 (any failure means: not this kernel here)
+            log.warning("flash varlen attention failed its probe on %s (%s: %s): prefill attention runs the Triton "
+                        "kernel", device, type(exc).__name__, exc)
+            return False
+        expected = _reference(q.float(), k.float(), v.float(), lengths, head_dim ** -0.5, window)
+        error = float((got.float() - expected).norm() / expected.norm())
+        if not error < 1e-2:
+            log.warning("flash varlen attention disagrees with SDPA on %s (relative error %.3g with window %s): "
+                        "prefill attention runs the Triton kernel", device, error, window)
+            return False
+    return True
+
+
+def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: tuple[int, ...], scale: float,
+               window: int | None) -> torch.Tensor:
+    """Causal attention of each chunk over its own keys (the last `window` of them), by SDPA."""
+    group = q.shape[1] // k.shape[1]
+    out, start = [], 0
+    for n in lengths:
+        rows = slice(start, start + n)
+        position = torch.arange(n, device=q.device)
+        mask = position[None, :] <= position[:, None]
+        if window is not None:
+            mask &= position[None, :] > position[:, None] - window
+        keys, values = (t[rows].repeat_interleave(group, dim=1).transpose(0, 1) for t in (k, v))
+        out.append(torch.nn.functional.scaled_dot_product_attention(q[rows].transpose(0, 1), keys, values,
+                                                                    attn_mask=mask, scale=scale).transpose(0, 1))
+        start += n
+    return torch.cat(out)
 
 
 def _last_dim_dense(x: torch.Tensor) -> torch.Tensor:

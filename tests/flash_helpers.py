@@ -3,6 +3,8 @@ code that lays out its inputs (the engine's prefill, bench/kernels.py)."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -34,8 +36,8 @@ def flash_varlen_on_cpu(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None
 
 
 def stand_in_flash(monkeypatch: pytest.MonkeyPatch, takes_gqa: bool = True) -> list[tuple[int, int]]:
-    """Flash varlen attention stood in by `flash_varlen_on_cpu` and taken for every query tensor
-    (kernels/flash.py's `runs`); returns the list to which each call appends its chunk count and the
+    """Flash varlen attention stood in by `flash_varlen_on_cpu`, and taken for every query tensor its
+    probe passes (kernels/flash.py's `supported`; the probe runs on the stand-in); returns the list to which each call appends its chunk count and the
     left end of its window (-1: none).
     takes_gqa=False: the form of a torch whose varlen_attn has no `enable_gqa` (as many KV heads as
     query heads)."""
@@ -44,18 +46,29 @@ def stand_in_flash(monkeypatch: pytest.MonkeyPatch, takes_gqa: bool = True) -> l
     from depthserve.kernels import flash
 
     calls: list[tuple[int, int]] = []
+    probing = [False]  # kernels/flash.py's probe calls are not the caller's: left out of `calls`
     if takes_gqa:
         def recorded(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1),
                      enable_gqa=False, seqused_k=None, block_table=None):
-            calls.append((len(cu_seq_q) - 1, window_size[0]))
+            calls.extend([] if probing[0] else [(len(cu_seq_q) - 1, window_size[0])])
             return flash_varlen_on_cpu(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale, window_size=window_size,
                                        enable_gqa=enable_gqa, seqused_k=seqused_k, block_table=block_table)
     else:
         def recorded(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):
             assert k.shape[1] == v.shape[1] == q.shape[1]
-            calls.append((len(cu_seq_q) - 1, window_size[0]))
+            calls.extend([] if probing[0] else [(len(cu_seq_q) - 1, window_size[0])])
             return flash_varlen_on_cpu(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale, window_size=window_size)
 
     monkeypatch.setattr(torch.nn.attention.varlen, "varlen_attn", recorded)
-    monkeypatch.setattr(flash, "runs", lambda q: True)
+    monkeypatch.setattr(flash, "supported", lambda q: True)
+    unprobed = flash.probe.__wrapped__
+
+    def probe(*args):
+        probing[0] = True
+        try:
+            return unprobed(*args)
+        finally:
+            probing[0] = False
+
+    monkeypatch.setattr(flash, "probe", functools.cache(probe))  # this stand-in's own probes
     return calls

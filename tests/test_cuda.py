@@ -101,7 +101,7 @@ def test_flash_attends_chunks_that_start_their_sequences_in_half_precision(dtype
             flash.NEEDED_KEYWORDS <= flash.keywords(flash.varlen_attn())):
         pytest.skip(f"torch {torch.__version__} has no varlen_attn taking {sorted(flash.NEEDED_KEYWORDS)}: "
                     "every prefill chunk takes the Triton kernel")
-    assert flash.runs(q), f"flash varlen attention does not run on {torch.cuda.get_device_name()}"
+    assert flash.runs(q, kv_heads), f"flash varlen attention does not run on {torch.cuda.get_device_name()}"
     table = random_tables(len(counts), kv_heads, -(-max(counts) // 16), 400, seed=2)
     k_pages, v_pages = (torch.zeros(400, 16, head_dim, device="cuda", dtype=dtype) for _ in range(2))
     positions = torch.cat([torch.arange(n, device="cuda") for n in counts])

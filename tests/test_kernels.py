@@ -219,6 +219,36 @@ def test_chunks_that_start_their_sequences_take_flash_over_their_own_keys(takes_
     assert len(calls) == 1
 
 
+@pytest.mark.parametrize("fault", ["raises", "disagrees"])
+def test_a_flash_that_fails_its_probe_leaves_prefill_to_the_triton_kernel(fault, monkeypatch, caplog):
+    """A torch whose flash kernel raises on this device, or computes something else than SDPA,
+    fails the probe (once per device, dtype and head layout): the op reads the pool through the
+    Triton kernel instead, and the log says why."""
+    import torch.nn.attention.varlen
+
+    from depthserve.kernels import flash
+
+    stand_in_flash(monkeypatch)  # flash supported here, its probes fresh
+
+    def broken(q, k, v, *args, **kwargs):
+        if fault == "raises":
+            raise RuntimeError("no kernel image is available for execution on the device")
+        return torch.zeros_like(q)
+
+    monkeypatch.setattr(torch.nn.attention.varlen, "varlen_attn", broken)
+    k_pages, v_pages = make_pool(40, 4, 16, seed=2)
+    tables = random_tables(2, 2, 3, 40, seed=5)
+    q = torch.randn(14, 6, 16, device=DEVICE)
+    args = (q, k_pages, v_pages, tables, torch.tensor([0, 5, 14], dtype=torch.int32, device=DEVICE),
+            torch.tensor([5, 9], dtype=torch.int32, device=DEVICE), 0.25)
+    ignored = torch.randn(14, 2, 16, device=DEVICE)  # not the pool's keys: read only by a flash that ran
+    with caplog.at_level("WARNING", logger="depthserve.kernels.flash"):
+        got = triton_ops.paged_prefill_attention_varlen(*args, max_queries=9, fresh_kv=(ignored, ignored))
+    assert not flash.runs(q, 2)
+    assert "prefill attention runs the Triton kernel" in caplog.text
+    torch.testing.assert_close(got, torch_ops.paged_prefill_attention_varlen(*args), atol=ATOL, rtol=0)
+
+
 @pytest.mark.parametrize("case", ["mixed", "none_selected", "all_selected", "step_off_for_some"])
 def test_itt_route_and_update_match_torch(case):
     rows, dim = 150, 24  # more rows than one routing tile
