@@ -57,7 +57,7 @@ XDIST := -n $(TEST_WORKERS) --dist loadfile
 
 # The whole suite, fast and slow tests, with a cold torch.compile cache: 11 to 12 minutes on a
 # 2-core AMD EPYC (13 to 14.5 with the install), 17 to 25 on a 2-core Xeon without AVX-512 BF16; each
-# worker at most 5.6 GB resident (a test engine commits its KV pool at start-up; tests/conftest.py bounds it).
+# worker at most 5.7 GB resident (a test engine commits its KV pool at start-up; tests/conftest.py bounds it).
 # Exit status 5 (no test selected, e.g. by a PYTEST_ARGS filter) is not a failure.
 test: $(STAMP) browser
 	$(BIN)/python -m pytest -q $(XDIST) --durations=15 $(PYTEST_ARGS) || [ $$? -eq 5 ]
