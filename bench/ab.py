@@ -84,6 +84,12 @@ def checkout_env(sha: str, root: Path, workdir: Path) -> dict[str, str]:
                 TORCH_EXTENSIONS_DIR=str(workdir / f"extensions-{sha}"))
 
 
+def revision_env(revision: str, workdir: Path) -> tuple[str, dict[str, str]]:
+    """The commit's short hash and the environment of a process that runs it from its worktree."""
+    sha, root = checkout(revision, workdir)
+    return sha, checkout_env(sha, root, workdir)
+
+
 class Side:
     """One commit's worker process."""
 

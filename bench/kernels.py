@@ -185,7 +185,6 @@ def bench_shape(shape: str, ns: argparse.Namespace, device: torch.device, copy_r
                 report: dict[str, Any] | None = None, save: Callable[[], None] = lambda: None) -> dict[str, Any]:
     """Every kernel on `shape`, filled into `report` (its rows and the winner) row by row, calling
     `save` after each row; returns the report."""
-    from depthserve.kernels import flash
     from depthserve.kernels import paged as torch_paged
     from depthserve.kernels.triton import paged as triton_paged
 

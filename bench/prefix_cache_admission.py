@@ -65,7 +65,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from ab import checkout, checkout_env
+    from ab import revision_env
 
     from depthserve.lab.make_tiny import make_tiny
 
@@ -76,9 +76,9 @@ def main(argv: list[str] | None = None) -> dict:
              "repeats": ns.repeats, "kv_cache_gib": ns.kv_cache_gib}
     children = {}
     for revision in ns.revisions:
-        sha, root = checkout(revision, ns.workdir)
+        sha, env = revision_env(revision, ns.workdir)
         children[sha] = subprocess.Popen([sys.executable, "-c", CHILD, json.dumps(setup)], stdin=subprocess.PIPE,
-                                         stdout=subprocess.PIPE, text=True, env=checkout_env(sha, root, ns.workdir))
+                                         stdout=subprocess.PIPE, text=True, env=env)
     rows: dict[str, list[dict]] = {sha: [] for sha in children}
     for _ in targets:
         for sha, child in children.items():  # one at a time: the other waits on its stdin

@@ -65,14 +65,6 @@ def start_once(model: str, threads: int, kv_cache_gib: float, env: dict[str, str
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def revision_env(revision: str, workdir: Path) -> tuple[str, dict[str, str]]:
-    """The commit's short hash and the environment that runs the child from its worktree."""
-    from ab import checkout, checkout_env
-
-    sha, root = checkout(revision, workdir)
-    return sha, checkout_env(sha, root, workdir)
-
-
 def main(argv: list[str] | None = None) -> dict:
     ns = parse_args(argv)
     source = resolve_model(ns.model)
@@ -80,6 +72,8 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"{ns.model} is not a GGUF file: nothing to index")
     index_dir = derived_dir(source.path, "gguf-index")
     if ns.revisions:
+        from ab import revision_env
+
         cases = dict(revision_env(revision, ns.workdir) for revision in ns.revisions)
     else:
         cases = {"parse": None, "index": None}

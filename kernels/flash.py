@@ -24,6 +24,8 @@ from collections.abc import Callable
 
 import torch
 
+from depthserve.kernels.paged import longest_chunk
+
 log = logging.getLogger(__name__)
 
 DTYPES = (torch.float16, torch.bfloat16)
@@ -44,11 +46,15 @@ def keywords(attend: Callable) -> frozenset[str]:
     return frozenset(inspect.signature(attend).parameters)
 
 
+def torch_has_flash() -> bool:
+    """Whether the installed torch has a varlen_attn of the form called here."""
+    return (importlib.util.find_spec("torch.nn.attention.varlen") is not None
+            and NEEDED_KEYWORDS <= keywords(varlen_attn()))
+
+
 @functools.cache
 def _device_runs_flash(index: int) -> bool:
-    return (torch.cuda.get_device_capability(index) >= (8, 0)
-            and importlib.util.find_spec("torch.nn.attention.varlen") is not None
-            and NEEDED_KEYWORDS <= keywords(varlen_attn()))
+    return torch.cuda.get_device_capability(index) >= (8, 0) and torch_has_flash()
 
 
 def supported(q: torch.Tensor) -> bool:
@@ -108,6 +114,18 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: tuple
                                                                     attn_mask=mask, scale=scale).transpose(0, 1))
         start += n
     return torch.cat(out)
+
+
+def attend_fresh(q: torch.Tensor, fresh_kv: tuple[torch.Tensor, torch.Tensor] | None, query_starts: torch.Tensor,
+                 max_queries: int | None, scale: float, window: int | None = None) -> torch.Tensor | None:
+    """The prefill ops' CUDA forms' first choice: fresh_prefill_attention over the chunks' own keys
+    and values `fresh_kv` (given only when every chunk starts its sequence) where flash runs; None
+    where it does not (no fresh keys, no queries, or flash not taken here), for the caller's kernel."""
+    if fresh_kv is None or q.shape[0] == 0 or not runs(q, fresh_kv[0].shape[1]):
+        return None
+    if max_queries is None:
+        max_queries = longest_chunk(query_starts)
+    return fresh_prefill_attention(q, *fresh_kv, query_starts, max_queries, scale, window)
 
 
 def _last_dim_dense(x: torch.Tensor) -> torch.Tensor:

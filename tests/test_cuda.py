@@ -14,8 +14,6 @@ the graphs test the compiled one against that eager engine. Engines take at most
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 
@@ -97,8 +95,7 @@ def test_flash_attends_chunks_that_start_their_sequences_in_half_precision(dtype
     counts, q_heads, kv_heads, head_dim = [40, 130, 7], 9, 3, 64
     fused = torch.randn(sum(counts), q_heads + 2 * kv_heads, head_dim, device="cuda").to(dtype)
     q, k, v = fused.split([q_heads, kv_heads, kv_heads], dim=1)
-    if importlib.util.find_spec("torch.nn.attention.varlen") is None or not (
-            flash.NEEDED_KEYWORDS <= flash.keywords(flash.varlen_attn())):
+    if not flash.torch_has_flash():
         pytest.skip(f"torch {torch.__version__} has no varlen_attn taking {sorted(flash.NEEDED_KEYWORDS)}: "
                     "every prefill chunk takes the Triton kernel")
     assert flash.runs(q, kv_heads), f"flash varlen attention does not run on {torch.cuda.get_device_name()}"

@@ -278,8 +278,8 @@ def paged_prefill_attention_varlen(q, k_pages, v_pages, page_tables, query_start
         return torch.empty_like(q)
     if max_queries is None:
         max_queries = longest_chunk(query_starts)
-    if fresh_kv is not None and flash.runs(q, fresh_kv[0].shape[1]):
-        return flash.fresh_prefill_attention(q, *fresh_kv, query_starts, max_queries, scale)
+    if (attended := flash.attend_fresh(q, fresh_kv, query_starts, max_queries, scale)) is not None:
+        return attended
     out = torch.empty_like(q)
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     kv_heads, max_blocks = page_tables.shape[1], page_tables.shape[2]
@@ -299,9 +299,7 @@ def paged_window_prefill_attention(q, k_pages, v_pages, page_tables, query_start
                                    fresh_kv: tuple[torch.Tensor, torch.Tensor] | None = None):
     """The windowed prefill op's CUDA form: chunks that start their sequences through flash with the
     window, others through the torch implementation (the varlen kernel above takes no window)."""
-    if fresh_kv is not None and q.shape[0] and flash.runs(q, fresh_kv[0].shape[1]):
-        if max_queries is None:
-            max_queries = longest_chunk(query_starts)
-        return flash.fresh_prefill_attention(q, *fresh_kv, query_starts, max_queries, scale, window)
+    if (attended := flash.attend_fresh(q, fresh_kv, query_starts, max_queries, scale, window)) is not None:
+        return attended
     return torch_paged.paged_window_prefill_attention(q, k_pages, v_pages, page_tables, query_starts, context_lens,
                                                       scale, window)
